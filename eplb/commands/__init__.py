@@ -1,0 +1,1 @@
+"""Subcommands of the ``eplb`` command (see eplb.cli for the registry)."""

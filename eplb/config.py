@@ -1,0 +1,253 @@
+"""EPLB configuration: one frozen dataclass and the SGLang-compatible command-line flags.
+
+Flag names and meanings follow SGLang's server arguments (design.md §4), so an operator who
+knows ``--enable-eplb --expert-distribution-recorder-mode stat`` needs nothing new. Every invalid
+combination fails when the flags are parsed, with a message that names the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+RECORDER_MODES = ("stat", "per_pass", "per_token")
+DISPATCH_ALGORITHMS = ("static", "dynamic", "fake", "weighted")
+EPLB_ALGORITHMS = ("auto", "deepseek", "deepseek_hierarchical", "scipy")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EplbConfig:
+    """Everything a serving engine needs to run EPLB. Build with keywords or :func:`parse_config`."""
+
+    enable_eplb: bool = False
+    """Record expert load and rebalance the placement periodically."""
+    expert_distribution_recorder_mode: str | None = None
+    """stat | per_pass | per_token; None records nothing unless EPLB is on (then stat)."""
+    expert_distribution_recorder_buffer_size: int | None = None
+    """Window of the stat recorder, in passes; defaults to the rebalance interval."""
+    eplb_rebalance_num_iterations: int = 1000
+    """Rebalance every this many (counted) forward passes."""
+    eplb_rebalance_layers_per_chunk: int | None = None
+    """Hot-swap this many layers per forward pass; None moves all layers at once."""
+    eplb_min_rebalancing_utilization_threshold: float = 1.0
+    """Skip a rebalance when the windowed balancedness is above this (1.0: never skip)."""
+    eplb_record_prefill_only: bool = False
+    """Record and count only passes that carry prefill tokens on some rank."""
+    ep_num_redundant_experts: int = 0
+    """Physical slots beyond one per logical expert."""
+    ep_dispatch_algorithm: str | None = None
+    """static | dynamic | fake | weighted; None means static when EPLB is on."""
+    eplb_algorithm: str = "auto"
+    """auto | deepseek | deepseek_hierarchical | scipy."""
+    init_expert_location: str = "trivial"
+    """'trivial', or an SGLang JSON file/string with physical_to_logical_map or logical_count."""
+    ep_size: int = 1
+    """EP ranks (GPUs) the experts are spread over."""
+    nnodes: int = 1
+    """Nodes the EP ranks span."""
+    num_experts: int | None = None
+    """Logical experts per layer, when known at parse time (checks that slots divide evenly)."""
+
+    def __post_init__(self) -> None:
+        _check(self.ep_size >= 1, "--ep-size", f"must be >= 1, got {self.ep_size}")
+        _check(self.nnodes >= 1, "--nnodes", f"must be >= 1, got {self.nnodes}")
+        _check(
+            self.ep_size % self.nnodes == 0,
+            "--nnodes",
+            f"({self.nnodes}) must divide --ep-size ({self.ep_size})",
+        )
+        _check(
+            self.expert_distribution_recorder_mode in (None, *RECORDER_MODES),
+            "--expert-distribution-recorder-mode",
+            f"unknown mode {self.expert_distribution_recorder_mode!r}; choose from {RECORDER_MODES}",
+        )
+        _check(
+            self.ep_dispatch_algorithm in (None, *DISPATCH_ALGORITHMS),
+            "--ep-dispatch-algorithm",
+            f"unknown algorithm {self.ep_dispatch_algorithm!r}; choose from {DISPATCH_ALGORITHMS}",
+        )
+        _check(
+            self.eplb_algorithm in EPLB_ALGORITHMS,
+            "--eplb-algorithm",
+            f"unknown algorithm {self.eplb_algorithm!r}; choose from {EPLB_ALGORITHMS}",
+        )
+        _check(
+            self.eplb_rebalance_num_iterations >= 1,
+            "--eplb-rebalance-num-iterations",
+            f"must be >= 1, got {self.eplb_rebalance_num_iterations}",
+        )
+        _check(
+            self.ep_num_redundant_experts >= 0,
+            "--ep-num-redundant-experts",
+            f"must be >= 0, got {self.ep_num_redundant_experts}",
+        )
+        size = self.expert_distribution_recorder_buffer_size
+        _check(
+            size is None or size >= 1,
+            "--expert-distribution-recorder-buffer-size",
+            f"must be >= 1, got {size}",
+        )
+        _check(
+            not self.enable_eplb or size is None or size <= self.eplb_rebalance_num_iterations,
+            "--expert-distribution-recorder-buffer-size",
+            f"({size}) must not exceed --eplb-rebalance-num-iterations ({self.eplb_rebalance_num_iterations}): "
+            "the window would hold passes from before the last rebalance",
+        )
+        chunk = self.eplb_rebalance_layers_per_chunk
+        _check(chunk is None or chunk >= 1, "--eplb-rebalance-layers-per-chunk", f"must be >= 1, got {chunk}")
+        threshold = self.eplb_min_rebalancing_utilization_threshold
+        _check(
+            0.0 <= threshold <= 1.0,
+            "--eplb-min-rebalancing-utilization-threshold",
+            f"must lie in [0, 1], got {threshold}",
+        )
+        _check(
+            not self.enable_eplb or self.ep_size > 1,
+            "--enable-eplb",
+            "needs expert parallelism: --ep-size must be > 1 (with one rank there is nothing to balance)",
+        )
+        _check(
+            self.ep_dispatch_algorithm != "weighted" or self.enable_eplb,
+            "--ep-dispatch-algorithm",
+            "weighted dispatch needs --enable-eplb (the weights come from the rebalancer)",
+        )
+        if self.num_experts is not None:
+            _check(self.num_experts >= 1, "--num-experts", f"must be >= 1, got {self.num_experts}")
+            slots = self.num_experts + self.ep_num_redundant_experts
+            _check(
+                slots % self.ep_size == 0,
+                "--ep-num-redundant-experts",
+                f"{self.num_experts} experts + {self.ep_num_redundant_experts} redundant = {slots} slots "
+                f"do not divide evenly over --ep-size {self.ep_size}",
+            )
+
+    # ---- effective values (SGLang's defaults when EPLB is on) --------------------------------
+    @property
+    def recorder_mode(self) -> str | None:
+        if self.expert_distribution_recorder_mode is None and self.enable_eplb:
+            return "stat"
+        return self.expert_distribution_recorder_mode
+
+    @property
+    def recorder_buffer_size(self) -> int:
+        size = self.expert_distribution_recorder_buffer_size
+        return self.eplb_rebalance_num_iterations if size is None else size
+
+    @property
+    def dispatch_algorithm(self) -> str:
+        return self.ep_dispatch_algorithm or "static"
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> EplbConfig:
+        """Build from parsed flags (those :func:`add_cli_args` added)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+class ConfigError(ValueError):
+    """An invalid flag or flag combination; the message starts with the flag's name."""
+
+
+def _check(ok: bool, flag: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{flag}: {message}")
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the EPLB flags (SGLang names) to ``parser``; defaults come from :class:`EplbConfig`."""
+    d = EplbConfig()
+    g = parser.add_argument_group("expert-parallel load balancing")
+    g.add_argument("--enable-eplb", action="store_true", help="record expert load and rebalance periodically")
+    g.add_argument(
+        "--expert-distribution-recorder-mode",
+        choices=RECORDER_MODES,
+        default=None,
+        help="what the recorder keeps (default: stat when EPLB is on)",
+    )
+    g.add_argument(
+        "--expert-distribution-recorder-buffer-size",
+        type=int,
+        default=None,
+        help="recorder window in passes (default: the rebalance interval)",
+    )
+    g.add_argument(
+        "--eplb-rebalance-num-iterations",
+        type=int,
+        default=d.eplb_rebalance_num_iterations,
+        help="rebalance every N forward passes (default: %(default)s)",
+    )
+    g.add_argument(
+        "--eplb-rebalance-layers-per-chunk",
+        type=int,
+        default=None,
+        help="layers hot-swapped per forward pass (default: all at once)",
+    )
+    g.add_argument(
+        "--eplb-min-rebalancing-utilization-threshold",
+        type=float,
+        default=d.eplb_min_rebalancing_utilization_threshold,
+        help="skip a rebalance when windowed balancedness is above this (default: %(default)s)",
+    )
+    g.add_argument(
+        "--eplb-record-prefill-only",
+        action="store_true",
+        help="record and count only passes that carry prefill tokens",
+    )
+    g.add_argument(
+        "--ep-num-redundant-experts",
+        type=int,
+        default=d.ep_num_redundant_experts,
+        help="physical slots beyond one per logical expert (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ep-dispatch-algorithm",
+        choices=DISPATCH_ALGORITHMS,
+        default=None,
+        help="how tokens pick a replica (default: static when EPLB is on)",
+    )
+    g.add_argument(
+        "--eplb-algorithm",
+        choices=EPLB_ALGORITHMS,
+        default=d.eplb_algorithm,
+        help="placement solver (default: %(default)s)",
+    )
+    g.add_argument(
+        "--init-expert-location",
+        default=d.init_expert_location,
+        help="'trivial' or an SGLang expert-location JSON (default: %(default)s)",
+    )
+    g.add_argument(
+        "--ep-size",
+        "--expert-parallel-size",
+        dest="ep_size",
+        type=int,
+        default=d.ep_size,
+        help="EP ranks (default: %(default)s)",
+    )
+    g.add_argument(
+        "--nnodes", type=int, default=d.nnodes, help="nodes the EP ranks span (default: %(default)s)"
+    )
+    g.add_argument(
+        "--num-experts",
+        type=int,
+        default=None,
+        help="logical experts per layer, to check the slot layout at parse time",
+    )
+    return parser
+
+
+def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EplbConfig:
+    """Build the config from parsed flags; an invalid combination exits through ``parser.error``."""
+    try:
+        return EplbConfig.from_namespace(args)
+    except ConfigError as exc:
+        parser.error(str(exc))
+        raise  # unreachable: parser.error exits
+
+
+def parse_config(argv: Sequence[str] | None = None, **parser_kwargs: Any) -> EplbConfig:
+    """Parse EPLB flags alone (for engines and tests)."""
+    parser = add_cli_args(argparse.ArgumentParser(**parser_kwargs))
+    return config_from_args(parser, parser.parse_args(argv))

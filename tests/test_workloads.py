@@ -1,0 +1,100 @@
+"""The synthetic generator: seeded, shaped like the presets, and with the statistics real routers show."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eplb.traces import Trace
+from eplb.workloads import PRESETS, WorkloadConfig, generate, unbalanced_imbalance
+
+
+@pytest.fixture(scope="module")
+def deepseek() -> Trace:
+    return generate(WorkloadConfig(preset="deepseek-v3", num_steps=1200, seed=0))
+
+
+def test_calibration_deepseek_v3_ep32_max_over_mean_about_2_5(deepseek: Trace) -> None:
+    # docs/workloads.md: no balancing, DeepSeek-V3 at EP32 -> max/mean GPU load of about 2.5.
+    assert 2.3 <= unbalanced_imbalance(deepseek, 32) <= 2.7
+    other_seed = generate(WorkloadConfig(num_steps=400, seed=11))
+    assert 2.3 <= unbalanced_imbalance(other_seed, 32) <= 2.7
+
+
+def test_seeded_and_deterministic() -> None:
+    a = generate(WorkloadConfig(preset="tiny", num_steps=50, seed=3))
+    b = generate(WorkloadConfig(preset="tiny", num_steps=50, seed=3))
+    c = generate(WorkloadConfig(preset="tiny", num_steps=50, seed=4))
+    assert a.equals(b)
+    assert not np.array_equal(a.counts_TLE, c.counts_TLE)
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_presets_have_their_shapes_and_token_conservation(name: str) -> None:
+    m = PRESETS[name]
+    trace = generate(WorkloadConfig(preset=name, num_steps=20, seed=1))
+    assert trace.counts_TLE.shape == (20, m.num_layers, m.num_experts)
+    # Every layer routes exactly tokens * top_k choices, and no expert gets more than every token.
+    routed = trace.counts_TLE.sum(axis=2)
+    assert (routed == (trace.num_tokens_T * m.top_k)[:, None]).all()
+    assert (trace.counts_TLE <= trace.num_tokens_T[:, None, None]).all()
+    assert trace.meta["top_k"] == m.top_k
+
+
+def test_prefill_and_decode_batch_sizes(deepseek: Trace) -> None:
+    tokens, prefill = deepseek.num_tokens_T, deepseek.is_prefill_T
+    assert 0.2 < prefill.mean() < 0.4
+    assert tokens[prefill].min() >= 2048 and tokens[prefill].max() <= 16384
+    assert tokens[~prefill].min() >= 32 and tokens[~prefill].max() <= 512
+
+
+def test_heavy_tail_and_layers_differ(deepseek: Trace) -> None:
+    share_LE = deepseek.total_LE() / deepseek.total_LE().sum(axis=1, keepdims=True)
+    # Heavy tail: the hottest expert of a layer carries several times the median expert's load.
+    ratio_L = share_LE.max(axis=1) / np.median(share_LE, axis=1)
+    assert np.median(ratio_L) > 5
+    # Layers differ: popularity of one layer says little about another's.
+    corr = np.corrcoef(np.log(share_LE + 1e-9))
+    off_diag = corr[~np.eye(len(corr), dtype=bool)]
+    assert np.abs(off_diag).mean() < 0.3
+
+
+def test_decode_is_noisier_than_prefill(deepseek: Trace) -> None:
+    share_TLE = deepseek.counts_TLE / deepseek.counts_TLE.sum(axis=2, keepdims=True)
+    mean_LE = share_TLE.mean(axis=0)
+    dev_T = np.abs(share_TLE - mean_LE).sum(axis=(1, 2))
+    assert dev_T[~deepseek.is_prefill_T].mean() > 2 * dev_T[deepseek.is_prefill_T].mean()
+
+
+def test_slow_drift_and_workload_shifts() -> None:
+    cfg = WorkloadConfig(
+        preset="deepseek-v3",
+        num_steps=3000,
+        seed=2,
+        prefill_fraction=1.0,
+        prefill_tokens=(8192, 8192),
+        mean_steps_between_shifts=0.0,
+    )
+    trace = generate(cfg)
+    c = trace.counts_TLE.astype(np.float64)
+
+    def window(a: int, b: int) -> np.ndarray:
+        return np.log(c[a:b].sum(axis=0) + 1).ravel()
+
+    near = np.corrcoef(window(0, 100), window(100, 200))[0, 1]
+    far = np.corrcoef(window(0, 100), window(2900, 3000))[0, 1]
+    assert near > far + 0.02  # popularity drifts slowly: nearby windows agree more than distant ones
+    shifting = generate(
+        WorkloadConfig(preset="tiny", num_steps=3000, seed=2, mean_steps_between_shifts=300.0)
+    )
+    assert shifting.meta["domain_per_step_changes"] >= 3
+
+
+def test_invalid_config() -> None:
+    with pytest.raises(ValueError, match="preset"):
+        WorkloadConfig(preset="gpt-5")
+    with pytest.raises(ValueError, match="prefill_fraction"):
+        WorkloadConfig(prefill_fraction=1.5)
+    with pytest.raises(ValueError, match="decode_tokens"):
+        WorkloadConfig(decode_tokens=(10, 5))
+    assert generate(WorkloadConfig(preset="tiny", num_steps=0)).num_steps == 0
