@@ -1,0 +1,109 @@
+"""Peer code for side-by-side runs, fetched from PyPI at run time and never committed.
+
+``fetch_sglang()`` downloads the SGLang wheel (``pip download --no-deps``) into the git-ignored
+``.peers/`` folder and unpacks only the EPLB files; ``load_sglang_deepseek()`` and
+``load_sglang_fused_kernel()`` import them by file path, with the one SGLang import the fused
+kernel needs replaced by a stub. On the device machine (no network), fetch here first and pass
+``.peers`` in the device tool's ``carry``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import types
+import zipfile
+from pathlib import Path
+
+SGLANG_VERSION = "0.5.23"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+PEERS_DIR = REPO_ROOT / ".peers"
+_WANTED = (
+    "sglang/srt/eplb/eplb_algorithms/deepseek.py",
+    "sglang/srt/eplb/eplb_map_record_fused.py",
+)
+
+
+def sglang_dir(version: str = SGLANG_VERSION, root: Path = PEERS_DIR) -> Path:
+    return root / f"sglang-{version}"
+
+
+def fetch_sglang(version: str = SGLANG_VERSION, root: Path = PEERS_DIR) -> Path:
+    """Make sure SGLang's EPLB files are unpacked under ``root``; return that folder."""
+    dest = sglang_dir(version, root)
+    if all((dest / name).is_file() for name in _WANTED):
+        return dest
+    wheels = root / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
+    if not found:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "-q",
+                f"sglang=={version}",
+                "-d",
+                str(wheels),
+            ],
+            check=True,
+        )
+        found = sorted(wheels.glob(f"sglang-{version}-*.whl"))
+    if not found:
+        raise RuntimeError(f"pip download did not produce an sglang {version} wheel in {wheels}")
+    with zipfile.ZipFile(found[0]) as zf:
+        for name in _WANTED:
+            target = dest / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(zf.read(name))
+    return dest
+
+
+def _load_by_path(name: str, path: Path) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_sglang_deepseek(version: str = SGLANG_VERSION, root: Path = PEERS_DIR) -> types.ModuleType:
+    """SGLang's vendored DeepSeek EPLB (pure torch): ``rebalance_experts(weight, ...)``."""
+    base = (
+        sglang_dir(version, root)
+        if (sglang_dir(version, root) / _WANTED[0]).is_file()
+        else fetch_sglang(version, root)
+    )
+    return _load_by_path("_peer_sglang_deepseek", base / _WANTED[0])
+
+
+def load_sglang_fused_kernel(version: str = SGLANG_VERSION, root: Path = PEERS_DIR) -> types.ModuleType:
+    """SGLang's fused map+record Triton kernel, its one SGLang import stubbed."""
+    base = (
+        sglang_dir(version, root)
+        if (sglang_dir(version, root) / _WANTED[1]).is_file()
+        else fetch_sglang(version, root)
+    )
+    stub_name = "sglang.srt.eplb.expert_location_dispatch"
+    if stub_name not in sys.modules:
+        stub = types.ModuleType(stub_name)
+
+        class ExpertLocationDispatchInfo:  # only used as a type and for two attributes
+            ep_dispatch_algorithm: str
+            partial_logical_to_rank_dispatch_physical_map: object
+
+        stub.ExpertLocationDispatchInfo = ExpertLocationDispatchInfo  # type: ignore[attr-defined]
+        for parent in ("sglang", "sglang.srt", "sglang.srt.eplb"):
+            sys.modules.setdefault(parent, types.ModuleType(parent))
+        sys.modules[stub_name] = stub
+    return _load_by_path("_peer_sglang_fused", base / _WANTED[1])
+
+
+if __name__ == "__main__":
+    print(fetch_sglang())
