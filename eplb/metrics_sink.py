@@ -1,0 +1,75 @@
+"""The events the control loop reports, as a small protocol: the manager calls it, metrics implement it.
+
+Shape legend: L layers, E logical experts, G GPUs (EP ranks).
+
+Keeping this protocol apart from the Prometheus code lets the manager, the simulator and tests
+report events without importing prometheus_client; ``NullSink`` ignores them. Implementations
+must return quickly and never block: they are called on the serving process's control path.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol
+
+import numpy as np
+
+RebalanceOutcome = Literal["applied", "skipped", "failed"]
+PassKind = Literal["prefill", "decode"]
+
+
+class MetricsSink(Protocol):
+    """Receiver of EPLB control-loop events (all arguments keyword-only)."""
+
+    def on_forward_pass(self, *, kind: PassKind, recorded: bool) -> None:
+        """A forward pass ended; ``recorded`` says whether the recorder counted it."""
+
+    def on_window(self, *, logical_load_LE: np.ndarray, gpu_load_LG: np.ndarray) -> None:
+        """Load of the recorder's current window: per logical expert, and per GPU under the live placement."""
+
+    def on_rebalance(
+        self,
+        *,
+        outcome: RebalanceOutcome,
+        reason: str,
+        solve_seconds: float,
+        transfer_seconds: float,
+        experts_moved: int,
+        bytes_moved: int,
+        balancedness_before: float,
+        balancedness_after: float,
+    ) -> None:
+        """A rebalance was decided: applied, skipped (gain too small, threshold) or failed (rolled back)."""
+
+    def on_topology(
+        self, *, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, num_nodes: int
+    ) -> None:
+        """The model and EP topology the manager serves (reported once at start)."""
+
+
+class NullSink:
+    """A sink that ignores every event."""
+
+    def on_forward_pass(self, *, kind: PassKind, recorded: bool) -> None:
+        return None
+
+    def on_window(self, *, logical_load_LE: np.ndarray, gpu_load_LG: np.ndarray) -> None:
+        return None
+
+    def on_rebalance(
+        self,
+        *,
+        outcome: RebalanceOutcome,
+        reason: str,
+        solve_seconds: float,
+        transfer_seconds: float,
+        experts_moved: int,
+        bytes_moved: int,
+        balancedness_before: float,
+        balancedness_after: float,
+    ) -> None:
+        return None
+
+    def on_topology(
+        self, *, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, num_nodes: int
+    ) -> None:
+        return None
