@@ -1,0 +1,178 @@
+"""Logical -> physical expert remap with load recording: the public entry point and its backends.
+
+Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
+
+One call per MoE layer per forward pass::
+
+    tables = DispatchTables.from_placement(placement, rank, device)          # once; update_() after a swap
+    phys_TK = remap_and_record(topk_ids_TK, tables, layer, mode="static",
+                               counts_P=pass_counts_LP[layer],                # int32 [P], added to
+                               logical_counts_E=None,                         # int32 [E], added to
+                               num_valid_tokens=n_valid_1,                   # int32 [1] on the device
+                               record=record_flag_1)                          # int32 [1] on the device
+
+Semantics (every backend, bit for bit):
+
+- ``topk_ids_TK`` int32 [T, K] (int64 -> TypeError; no silent upcast). Output int32 [T, K].
+- An element is *valid* when ``0 <= id < E`` and its row is below ``num_valid_tokens`` (all rows
+  when None). Invalid elements (-1 padding, ids out of range, padded rows) are copied through
+  unchanged and never counted.
+- Modes: ``static`` (``tables.static_LE[layer, id]``), ``dynamic`` (uniform over the expert's
+  replicas, hashed from the element index, rank, layer and ``tables.seed_1``), ``dynamic_row``
+  (rank-invariant: replica ``row % logcnt``), ``fake`` (uniform over all P slots, ignoring the
+  id; for benchmarks), ``weighted`` (replica drawn by ``tables.cumweights_LER`` from a hash of
+  the element index and layer only, so ranks and replays agree). Hash details: eplb.dispatch_tables.
+- Counting: each valid element adds 1 to ``counts_P[physical id]`` and to
+  ``logical_counts_E[logical id]``, when those int32 buffers are given, and only when the
+  device-side int32 scalar ``record`` is nonzero (None: always). Neither flag nor
+  ``num_valid_tokens`` is read on the host, so one captured CUDA graph serves every case.
+
+Backends (``backend=``): ``triton`` (CUDA and ROCm; CPU under TRITON_INTERPRET=1), ``torch``
+(reference, any device), ``aiter`` (ROCm with amd-aiter installed), ``auto`` (triton on a GPU,
+else torch). Backends are imported only when chosen: importing this module loads no Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from eplb.dispatch_tables import DispatchTables
+
+if TYPE_CHECKING:
+    RemapBackend = Callable[..., None]
+
+MODES = ("static", "dynamic", "dynamic_row", "fake", "weighted")
+
+# name -> "module:function"; imported on first use only.
+_BACKENDS: dict[str, str] = {
+    "torch": "eplb.remap_torch:remap_record_torch",
+    "triton": "eplb.kernels.remap_record:remap_record_triton",
+    "aiter": "eplb.remap_aiter:remap_record_aiter",
+}
+
+
+def available_backends() -> list[str]:
+    """Backend names usable in this process (aiter only on ROCm with amd-aiter importable)."""
+    names = ["torch"]
+    if importlib.util.find_spec("triton") is not None:
+        names.append("triton")
+    if _aiter_usable():
+        names.append("aiter")
+    return names
+
+
+def _aiter_usable() -> bool:
+    if getattr(torch.version, "hip", None) is None:
+        return False
+    return importlib.util.find_spec("aiter") is not None
+
+
+def get_backend(name: str, device: torch.device) -> RemapBackend:
+    """Resolve a backend name (``auto`` included) for tensors on ``device``."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
+    if name not in _BACKENDS:
+        raise ValueError(f"unknown remap backend {name!r}; choose from {('auto', *_BACKENDS)}")
+    if name == "aiter" and not _aiter_usable():
+        raise RuntimeError(
+            "remap backend 'aiter' needs a ROCm build of torch and the amd-aiter package "
+            "(pip install 'eplb[rocm]'); use backend='triton' or 'torch' here"
+        )
+    module_name, func_name = _BACKENDS[name].split(":")
+    fn: RemapBackend = getattr(importlib.import_module(module_name), func_name)
+    return fn
+
+
+def remap_and_record(
+    topk_ids_TK: torch.Tensor,
+    tables: DispatchTables,
+    layer: int,
+    *,
+    mode: str = "static",
+    counts_P: torch.Tensor | None = None,
+    logical_counts_E: torch.Tensor | None = None,
+    num_valid_tokens: torch.Tensor | None = None,
+    record: torch.Tensor | None = None,
+    out_TK: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Map router ids [T, K] int32 to physical slot ids [T, K] int32 and add the layer's counts.
+
+    ``counts_P`` int32 [P] and ``logical_counts_E`` int32 [E] are added to in place (contiguous,
+    on the ids' device). ``num_valid_tokens`` and ``record`` are int32 tensors of one element on
+    that device. ``out_TK`` (int32 [T, K]) receives the result when given. See the module
+    docstring for the semantics of each mode.
+    """
+    check_remap_args(topk_ids_TK, tables, layer, mode, counts_P, logical_counts_E, num_valid_tokens, record)
+    if out_TK is None:
+        out_TK = torch.empty_like(topk_ids_TK, dtype=torch.int32)
+    else:
+        _check_tensor("out_TK", out_TK, torch.int32, tuple(topk_ids_TK.shape), topk_ids_TK.device)
+    if topk_ids_TK.numel() == 0:
+        return out_TK
+    fn = get_backend(backend, topk_ids_TK.device)
+    fn(topk_ids_TK, tables, layer, mode, out_TK, counts_P, logical_counts_E, num_valid_tokens, record)
+    return out_TK
+
+
+def check_remap_args(
+    topk_ids_TK: torch.Tensor,
+    tables: DispatchTables,
+    layer: int,
+    mode: str,
+    counts_P: torch.Tensor | None,
+    logical_counts_E: torch.Tensor | None,
+    num_valid_tokens: torch.Tensor | None,
+    record: torch.Tensor | None,
+) -> None:
+    """Validate every argument of :func:`remap_and_record`; TypeError for dtypes, ValueError otherwise."""
+    if not isinstance(topk_ids_TK, torch.Tensor):
+        raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids_TK).__name__}")
+    if topk_ids_TK.dtype != torch.int32:
+        raise TypeError(
+            f"topk_ids must be int32, got {topk_ids_TK.dtype}: convert at the router "
+            "(an int64 id would silently turn every map lookup into int64)"
+        )
+    if topk_ids_TK.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids_TK.shape)}")
+    if not topk_ids_TK.is_contiguous():
+        raise ValueError("topk_ids must be contiguous")
+    if mode not in MODES:
+        raise ValueError(f"unknown dispatch mode {mode!r}; choose from {MODES}")
+    if not 0 <= layer < tables.num_layers:
+        raise ValueError(f"layer {layer} outside [0, {tables.num_layers})")
+    device = topk_ids_TK.device
+    if tables.device != device:
+        raise ValueError(f"dispatch tables live on {tables.device} but topk_ids on {device}")
+    if counts_P is not None:
+        _check_tensor("counts_P", counts_P, torch.int32, (tables.num_physical,), device)
+    if logical_counts_E is not None:
+        _check_tensor("logical_counts_E", logical_counts_E, torch.int32, (tables.num_logical,), device)
+    for name, scalar in (("num_valid_tokens", num_valid_tokens), ("record", record)):
+        if scalar is not None:
+            _check_tensor(name, scalar, torch.int32, None, device)
+            if scalar.numel() != 1:
+                raise ValueError(f"{name} must hold one element, got shape {tuple(scalar.shape)}")
+
+
+def _check_tensor(
+    name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | None, device: torch.device
+) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but topk_ids on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+__all__ = ["MODES", "DispatchTables", "available_backends", "get_backend", "remap_and_record"]

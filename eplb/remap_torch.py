@@ -1,0 +1,101 @@
+"""The ``torch`` remap backend: a plain reference with the Triton kernel's exact semantics, any device.
+
+Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
+
+Arguments arrive validated by :func:`eplb.remap.remap_and_record`. Counting uses ``scatter_add_``
+with a 0/1 weight (valid element times the record flag), so nothing here reads a device value
+back to the host: no synchronisation, and the whole function can be captured in a CUDA graph.
+Hash arithmetic runs in int64 holding uint32 values (torch has no wrapping uint32 multiply).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eplb.dispatch_tables import MASK32, MIX_MUL1, MIX_MUL2, DispatchTables, salt_base
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32), split so no product leaves int64."""
+    lo, hi = c & 0xFFFF, c >> 16
+    return (x * lo + (((x * hi) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32 on int64 tensors holding uint32 values (same bits as the kernel's uint32 math)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, MIX_MUL1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, MIX_MUL2)
+    return x ^ (x >> 16)
+
+
+def element_hash(
+    num_elements: int, tables: DispatchTables, layer: int, rank: int, seeded: bool
+) -> torch.Tensor:
+    """int64 [T*K] uint32 hashes of flat element indices (see eplb.dispatch_tables)."""
+    device = tables.device
+    base = torch.tensor(salt_base(layer, rank), dtype=torch.int64, device=device)
+    seed = (
+        (tables.seed_1.to(torch.int64) & MASK32)
+        if seeded
+        else torch.zeros(1, dtype=torch.int64, device=device)
+    )
+    salt = mix32(base ^ seed)
+    flat = torch.arange(num_elements, dtype=torch.int64, device=device)
+    return mix32(flat ^ salt)
+
+
+def remap_record_torch(
+    topk_ids_TK: torch.Tensor,
+    tables: DispatchTables,
+    layer: int,
+    mode: str,
+    out_TK: torch.Tensor,
+    counts_P: torch.Tensor | None,
+    logical_counts_E: torch.Tensor | None,
+    num_valid_tokens: torch.Tensor | None,
+    record: torch.Tensor | None,
+) -> None:
+    """Write int32 physical ids into ``out_TK`` and add this pass's counts (see eplb.remap)."""
+    T, K = topk_ids_TK.shape
+    E, P = tables.num_logical, tables.num_physical
+    device = topk_ids_TK.device
+    ids = topk_ids_TK.to(torch.int64)
+    row_TK = torch.arange(T, dtype=torch.int64, device=device)[:, None].expand(T, K)
+    valid = (ids >= 0) & (ids < E)
+    if num_valid_tokens is not None:
+        valid &= row_TK < num_valid_tokens.to(torch.int64).reshape(())
+    safe = torch.where(valid, ids, torch.zeros_like(ids))
+    if mode == "static":
+        phys = tables.static_LE[layer].to(torch.int64)[safe]
+    elif mode == "fake":
+        phys = element_hash(T * K, tables, layer, tables.rank, seeded=True).reshape(T, K) % P
+    else:
+        cnt = tables.logcnt_LE[layer].to(torch.int64)[safe]
+        if mode == "dynamic":
+            replica = element_hash(T * K, tables, layer, tables.rank, seeded=True).reshape(T, K) % cnt
+        elif mode == "dynamic_row":
+            replica = row_TK % cnt
+        else:  # weighted
+            h = element_hash(T * K, tables, layer, -1, seeded=False).reshape(T, K)
+            u = (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+            cum = tables.cumweights_LER[layer][safe]  # [T, K, R]
+            r = torch.arange(tables.max_replicas, device=device)
+            below = (cum <= u[..., None]) & (r < (cnt - 1)[..., None])
+            replica = below.sum(dim=-1)
+        phys = tables.log2phy_LER[layer].to(torch.int64)[safe, replica]
+    out_TK.copy_(torch.where(valid, phys, ids).to(torch.int32))
+    if counts_P is None and logical_counts_E is None:
+        return
+    counted = valid & (phys >= 0) & (phys < P)
+    weight = counted.to(torch.int32)
+    if record is not None:
+        weight = weight * (record.reshape(()) != 0).to(torch.int32)
+    if counts_P is not None:
+        counts_P.scatter_add_(0, torch.where(counted, phys, 0).reshape(-1), weight.reshape(-1))
+    if logical_counts_E is not None:
+        logical_counts_E.scatter_add_(0, safe.reshape(-1), weight.reshape(-1))
+
+
+__all__ = ["element_hash", "mix32", "remap_record_torch"]
