@@ -1,0 +1,143 @@
+"""DeepSeek's published EPLB algorithm (global and hierarchical), in numpy, vectorised across rows.
+
+Shape legend: X rows (layers, or layers x nodes), E logical experts, P physical slots, M items to
+pack, B bins (packs), L layers, N nodes, G GPUs, S slots per GPU.
+
+This is this project's own implementation of the algorithm DeepSeek describes (and SGLang vendors):
+
+1. replicate: give each redundant slot, one at a time, to the expert with the largest
+   load / replicas;
+2. pack: place items heaviest first into the lightest bin that still has room (every bin takes the
+   same number of items);
+3. hierarchical: first pack expert groups onto nodes, then replicate and pack within each node.
+
+Arithmetic mirrors the reference (float32 loads, bins summed in float64, first index on ties) so the
+maps agree with it. Every loop runs over items or slots, never over layers: each step is a numpy
+operation on all rows at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+INT64 = np.int64
+
+
+def replicate(weight_XE: np.ndarray, num_physical: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Replica counts that minimise the largest load per replica, greedily.
+
+    Args:
+        weight_XE: float32 [X, E] load of each logical expert.
+        num_physical: P >= E slots to fill.
+
+    Returns:
+        phy2log_XP int64 [X, P] (slot p < E holds expert p; redundant slots in the order given),
+        rank_XP int64 [X, P] (replica index of each slot within its expert), logcnt_XE int64 [X, E].
+    """
+    X, E = weight_XE.shape
+    assert num_physical >= E
+    weight = weight_XE.astype(np.float32, copy=False)
+    phy2log = np.tile(np.arange(num_physical, dtype=INT64), (X, 1))
+    rank = np.zeros((X, num_physical), dtype=INT64)
+    logcnt = np.ones((X, E), dtype=INT64)
+    rows = np.arange(X)
+    for slot in range(E, num_physical):
+        best = np.argmax(weight / logcnt.astype(np.float32), axis=1)
+        phy2log[:, slot] = best
+        rank[:, slot] = logcnt[rows, best]
+        logcnt[rows, best] += 1
+    return phy2log, rank, logcnt
+
+
+def balanced_packing(weight_XM: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pack M items into B bins of M/B items each, heaviest item first into the lightest open bin.
+
+    Args:
+        weight_XM: float [X, M] item weights; M divisible by ``num_bins``.
+
+    Returns:
+        bin_XM int64 [X, M] (bin of each item), rank_XM int64 [X, M] (position inside its bin).
+    """
+    X, M = weight_XM.shape
+    assert M % num_bins == 0
+    per_bin = M // num_bins
+    if per_bin == 1:
+        return np.tile(np.arange(M, dtype=INT64), (X, 1)), np.zeros((X, M), dtype=INT64)
+    weight32 = weight_XM.astype(np.float32, copy=False)
+    order_XM = np.argsort(-weight32, axis=1, kind="stable")
+    rows = np.arange(X)
+    bin_load = np.zeros((X, num_bins), dtype=np.float64)
+    bin_count = np.zeros((X, num_bins), dtype=INT64)
+    bin_of = np.empty((X, M), dtype=INT64)
+    rank_of = np.empty((X, M), dtype=INT64)
+    for step in range(M):
+        item = order_XM[:, step]
+        chosen = np.argmin(np.where(bin_count < per_bin, bin_load, np.inf), axis=1)
+        bin_of[rows, item] = chosen
+        rank_of[rows, item] = bin_count[rows, chosen]
+        bin_load[rows, chosen] += weight32[rows, item].astype(np.float64)
+        bin_count[rows, chosen] += 1
+    return bin_of, rank_of
+
+
+def _inverse(perm_XM: np.ndarray) -> np.ndarray:
+    """int64 [X, M]: the inverse permutation of each row."""
+    inv = np.empty_like(perm_XM)
+    np.put_along_axis(inv, perm_XM, np.broadcast_to(np.arange(perm_XM.shape[1]), perm_XM.shape), axis=1)
+    return inv
+
+
+def deepseek_rebalance(
+    weight_LE: np.ndarray, num_physical: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """DeepSeek's hierarchical EPLB; ``num_groups = num_nodes = 1`` gives the global variant.
+
+    Args:
+        weight_LE: float [L, E] load per logical expert (converted to float32 as the reference does).
+        num_physical: P, divisible by ``num_gpus``; ``num_gpus`` divisible by ``num_nodes``;
+            E divisible by ``num_groups``; ``num_groups`` divisible by ``num_nodes`` (checked by the caller).
+
+    Returns:
+        phy2log_LP int64 [L, P], rank_LP int64 [L, P] (replica index of each slot), logcnt_LE int64 [L, E].
+    """
+    weight = np.asarray(weight_LE, dtype=np.float32)
+    L, E = weight.shape
+    group_size = E // num_groups
+    groups_per_node = num_groups // num_nodes
+    experts_per_node = E // num_nodes
+    slots_per_gpu = num_physical // num_gpus
+
+    # 1. expert groups onto nodes; "mlog" numbers experts node by node.
+    group_load = weight.reshape(L, num_groups, group_size).sum(axis=-1)
+    group_node, group_rank = balanced_packing(group_load, num_nodes)
+    log2mlog = (
+        ((group_node * groups_per_node + group_rank) * group_size)[:, :, None] + np.arange(group_size)
+    ).reshape(L, E)
+    mlog2log = _inverse(log2mlog)
+
+    # 2. replicas within each node: rows are (layer, node).
+    mlog_load = np.take_along_axis(weight, mlog2log, axis=1).reshape(L * num_nodes, experts_per_node)
+    phy2mlog, phy_rank, mlogcnt = replicate(mlog_load, num_physical // num_nodes)
+
+    # 3. replicas onto the node's GPUs, each replica carrying an even share of its expert.
+    replica_load = np.take_along_axis(mlog_load / mlogcnt.astype(np.float32), phy2mlog, axis=1)
+    gpu, rank_in_gpu = balanced_packing(replica_load, num_gpus // num_nodes)
+    pphy2phy = _inverse(gpu * slots_per_gpu + rank_in_gpu)
+
+    pphy2mlog = np.take_along_axis(phy2mlog, pphy2phy, axis=1).reshape(L, num_nodes, -1)
+    pphy2mlog = (pphy2mlog + (np.arange(num_nodes) * experts_per_node)[None, :, None]).reshape(L, -1)
+    phy2log = np.take_along_axis(mlog2log, pphy2mlog, axis=1)
+    rank = np.take_along_axis(phy_rank, pphy2phy, axis=1).reshape(L, -1)
+    logcnt = np.take_along_axis(mlogcnt.reshape(L, -1), log2mlog, axis=1)
+    return phy2log, rank, logcnt
+
+
+def log2phy_from_rank(
+    phy2log_LP: np.ndarray, rank_LP: np.ndarray, num_logical: int, max_replicas: int
+) -> np.ndarray:
+    """int32 [L, E, R]: each expert's slots ordered by replica rank, padded with -1 (DeepSeek's layout)."""
+    L, P = phy2log_LP.shape
+    log2phy = np.full((L, num_logical, max_replicas), -1, dtype=np.int32)
+    layer = np.broadcast_to(np.arange(L)[:, None], (L, P))
+    log2phy[layer, phy2log_LP, rank_LP] = np.broadcast_to(np.arange(P, dtype=np.int32), (L, P))
+    return log2phy

@@ -1,0 +1,180 @@
+"""The solver's public types: topology, options, the plan it returns, and input checks.
+
+Shape legend: W window (passes), L layers, E logical experts, P physical slots, G GPUs, N nodes,
+R max replicas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from eplb.placement import Placement
+from eplb.placement_diff import PlacementDiff
+
+ALGORITHMS = ("deepseek", "deepseek_hierarchical", "scipy", "auto")
+PREDICTIONS = ("sum", "decay", "recent", "robust")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Topology:
+    """Where the physical expert slots live."""
+
+    num_gpus: int
+    """G, EP ranks; GPU g owns slots [g*S, (g+1)*S) with S = P / G."""
+    num_nodes: int = 1
+    """N, nodes (divides G); GPUs [n*G/N, (n+1)*G/N) sit on node n."""
+    num_physical: int
+    """P = E + redundant slots, divisible by G."""
+    num_groups: int = 1
+    """Expert groups (group-limited routing); the hierarchical algorithm packs whole groups onto nodes."""
+
+    def __post_init__(self) -> None:
+        if self.num_gpus < 1:
+            raise ValueError(f"num_gpus must be >= 1, got {self.num_gpus}")
+        if self.num_nodes < 1 or self.num_gpus % self.num_nodes:
+            raise ValueError(
+                f"num_nodes ({self.num_nodes}) must be >= 1 and divide num_gpus ({self.num_gpus})"
+            )
+        if self.num_physical < 1 or self.num_physical % self.num_gpus:
+            raise ValueError(
+                f"num_physical slots ({self.num_physical}) must be >= 1 and divisible by num_gpus ({self.num_gpus})"
+            )
+        if self.num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {self.num_groups}")
+
+    @property
+    def slots_per_gpu(self) -> int:
+        return self.num_physical // self.num_gpus
+
+    def hierarchical_ok(self, num_logical: int) -> bool:
+        """Whether the hierarchical algorithm applies: groups split evenly over experts and nodes."""
+        return num_logical % self.num_groups == 0 and self.num_groups % self.num_nodes == 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolveOptions:
+    """How :func:`eplb.solver.solve` plans. The defaults are the ones docs/benchmarks.md supports."""
+
+    algorithm: str = "auto"
+    """deepseek | deepseek_hierarchical | scipy | auto (auto: scipy; see docs/solver.md)."""
+    prediction: str = "decay"
+    """How a window [W, L, E] becomes the load to plan for: sum | decay | recent | robust."""
+    decay_half_life: float = 0.25
+    """decay/robust: half-life of a pass's weight, as a fraction of the window (recent passes weigh more)."""
+    recent_fraction: float = 0.25
+    """recent: plan on the sum of this last fraction of the window."""
+    num_scenarios: int = 4
+    """robust: split the window into this many sub-windows and minimise the expected busiest GPU."""
+    weighted: bool = False
+    """Also return LP per-replica dispatch weights [L, E, R] (for weighted dispatch)."""
+    time_budget_s: float = 0.5
+    """Wall-clock budget of the MILP packing improvement for the whole model (0 disables it)."""
+    incremental: bool = True
+    """scipy with ``current``: change the current placement only where it pays, instead of repacking."""
+    copy_cost: float = 0.002
+    """Incremental search: predicted layer balancedness an expert copy across GPUs must buy."""
+    bytes_per_expert: int = 0
+    """Bytes of one expert's weights in one layer, for byte counts and ``max_bytes_moved``."""
+    max_bytes_moved: int | None = None
+    """Cap on bytes moved across GPUs per rebalance (needs bytes_per_expert > 0); None: no cap."""
+    min_gain: float = 0.002
+    """Skip (apply=False) when predicted model balancedness improves less than this over ``current``."""
+    seed: int = 0
+    """Seed of any randomised tie-breaking, so the same input always gives the same plan."""
+
+    def __post_init__(self) -> None:
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose from {ALGORITHMS}")
+        if self.prediction not in PREDICTIONS:
+            raise ValueError(f"unknown prediction {self.prediction!r}; choose from {PREDICTIONS}")
+        if not 0 < self.decay_half_life <= 100:
+            raise ValueError(f"decay_half_life must lie in (0, 100], got {self.decay_half_life}")
+        if not 0 < self.recent_fraction <= 1:
+            raise ValueError(f"recent_fraction must lie in (0, 1], got {self.recent_fraction}")
+        if self.num_scenarios < 1:
+            raise ValueError(f"num_scenarios must be >= 1, got {self.num_scenarios}")
+        if not self.time_budget_s >= 0:
+            raise ValueError(f"time_budget_s must be >= 0, got {self.time_budget_s}")
+        if not self.copy_cost >= 0:
+            raise ValueError(f"copy_cost must be >= 0, got {self.copy_cost}")
+        if self.bytes_per_expert < 0:
+            raise ValueError(f"bytes_per_expert must be >= 0, got {self.bytes_per_expert}")
+        if self.max_bytes_moved is not None and (self.max_bytes_moved < 0 or self.bytes_per_expert <= 0):
+            raise ValueError("max_bytes_moved needs bytes_per_expert > 0 and must be >= 0")
+        if not np.isfinite(self.min_gain):
+            raise ValueError(f"min_gain must be finite, got {self.min_gain}")
+
+    @property
+    def max_copies(self) -> int | None:
+        """Cap on expert copies across GPUs per rebalance, from ``max_bytes_moved``."""
+        if self.max_bytes_moved is None:
+            return None
+        return self.max_bytes_moved // self.bytes_per_expert
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What the solver proposes, and why."""
+
+    placement: Placement
+    """The new placement (validated, int32; R = P - E + 1 so buffers keep one shape across plans)."""
+    dispatch_weights_LER: np.ndarray | None
+    """float32 [L, E, R]: share of each expert's tokens per replica (sum 1, 0 on padding); None unless weighted."""
+    diff: PlacementDiff | None
+    """The transfer from ``current`` (None without one)."""
+    predicted_balancedness: float
+    """Mean over layers of mean/max GPU load on the predicted load, under ``placement``."""
+    apply: bool
+    """False when the predicted gain does not pay for the transfer (keep ``current``)."""
+    reason: str
+    """Why the plan is applied or skipped, in words."""
+    stats: dict[str, float] = field(default_factory=dict)
+    """solve_seconds, milp_improved_layers, copies_moved, current_balancedness, ..."""
+
+
+def as_load_array(load: Any) -> np.ndarray:
+    """float64 [W, L, E] from a window [W, L, E] or an aggregated [L, E] (numpy, torch or lists).
+
+    Raises ValueError for a wrong shape, an empty axis, or NaN, infinite or negative loads.
+    """
+    if hasattr(load, "detach"):  # torch tensor, without importing torch
+        load = load.detach().cpu().numpy()
+    arr = np.asarray(load)
+    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == np.bool_):
+        raise ValueError(f"load must be numeric, got dtype {arr.dtype}")
+    if arr.ndim == 2:
+        arr = arr[None]
+    if arr.ndim != 3:
+        raise ValueError(f"load must be [W, L, E] or [L, E], got shape {arr.shape}")
+    if 0 in arr.shape:
+        raise ValueError(f"load has an empty axis: shape {arr.shape} (need W, L, E >= 1)")
+    arr = arr.astype(np.float64)
+    if np.isnan(arr).any():
+        raise ValueError("load contains NaN")
+    if np.isinf(arr).any():
+        raise ValueError("load contains inf")
+    if (arr < 0).any():
+        raise ValueError("load contains negative values")
+    return arr
+
+
+def check_shapes(num_layers: int, num_logical: int, topology: Topology, current: Placement | None) -> None:
+    """Raise ValueError when the load, topology and current placement do not fit together."""
+    P = topology.num_physical
+    if num_logical > P:
+        raise ValueError(f"fewer physical slots ({P}) than logical experts ({num_logical})")
+    if current is None:
+        return
+    if (current.num_layers, current.num_logical, current.num_physical) != (num_layers, num_logical, P):
+        raise ValueError(
+            f"current placement is [L={current.num_layers}, E={current.num_logical}, P={current.num_physical}] "
+            f"but load and topology give [L={num_layers}, E={num_logical}, P={P}]"
+        )
+    if (current.num_gpus, current.num_nodes) != (topology.num_gpus, topology.num_nodes):
+        raise ValueError(
+            f"current placement spans {current.num_gpus} GPUs / {current.num_nodes} nodes, "
+            f"topology {topology.num_gpus} / {topology.num_nodes}"
+        )
