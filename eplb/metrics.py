@@ -1,0 +1,203 @@
+"""Prometheus metrics for EPLB: the ``MetricsSink`` the manager reports to, in its own registry.
+
+Shape legend: L layers, E logical experts, G GPUs (EP ranks).
+
+``PrometheusSink`` implements :class:`eplb.metrics_sink.MetricsSink`. Every call is O(1) apart
+from copying the window arrays it is handed: counters and histograms are pre-bound children, and
+the window goes to :class:`eplb.metrics_window.WindowCollector` as one reference swap. Nothing is
+registered in prometheus_client's global registry; ``sink.registry`` holds it all, and
+:meth:`PrometheusSink.render` is the fast text exposition the exporter serves
+(:mod:`eplb.metrics_exporter`). Metric names come from :mod:`eplb.metrics_names` only.
+
+With several ranks, only rank 0 builds a sink and an exporter (see
+:func:`eplb.metrics_exporter.sink_for_rank`); the manager hands it the window it aggregated
+over ranks, so Prometheus sees one process and the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from eplb import __version__
+from eplb import metrics_names as names
+from eplb.metrics_sink import PassKind, RebalanceOutcome
+from eplb.metrics_window import WindowCollector
+
+# Solve: milliseconds (greedy) to the solver's time budget; transfer: one expert (~44 MB at
+# ~300 GB/s, 0.15 ms) to a whole model over a slow link (tens of seconds).
+SOLVE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+MAX_REASON_CHARS = 80
+
+
+class PrometheusSink:
+    """Receives manager events and keeps them as Prometheus metrics in ``self.registry``."""
+
+    def __init__(self, *, hot_experts_per_layer: int = 8, per_expert: bool = False) -> None:
+        """``hot_experts_per_layer``: K experts exported per layer by ``eplb_hot_expert_tokens``;
+        ``per_expert``: also export every (layer, expert) as ``eplb_expert_tokens`` (L x E series)."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        # Event metrics also live in a registry of their own, so render() can write them with
+        # prometheus_client and append the window's cached text.
+        self._events = CollectorRegistry(auto_describe=True)
+        spec = names.BY_NAME
+        self._info = Info(names.INFO.removesuffix("_info"), spec[names.INFO].help, registry=None)
+        passes = Counter(
+            names.FORWARD_PASSES, spec[names.FORWARD_PASSES].help, ["kind", "recorded"], registry=None
+        )
+        self._passes = {
+            (kind, recorded): passes.labels(kind=kind, recorded=str(recorded).lower())
+            for kind in names.PASS_KINDS
+            for recorded in (False, True)
+        }
+        rebalances = Counter(names.REBALANCES, spec[names.REBALANCES].help, ["outcome"], registry=None)
+        self._rebalances = {o: rebalances.labels(outcome=o) for o in names.REBALANCE_OUTCOMES}
+        self._solve = Histogram(
+            names.SOLVE_SECONDS, spec[names.SOLVE_SECONDS].help, buckets=SOLVE_BUCKETS, registry=None
+        )
+        self._transfer = Histogram(
+            names.TRANSFER_SECONDS, spec[names.TRANSFER_SECONDS].help, buckets=TRANSFER_BUCKETS, registry=None
+        )
+        self._experts_moved = Counter(names.EXPERTS_MOVED, spec[names.EXPERTS_MOVED].help, registry=None)
+        self._bytes_moved = Counter(names.MOVED_BYTES, spec[names.MOVED_BYTES].help, registry=None)
+        last_balance = Gauge(
+            names.LAST_REBALANCE_BALANCEDNESS,
+            spec[names.LAST_REBALANCE_BALANCEDNESS].help,
+            ["when"],
+            registry=None,
+        )
+        self._balance_before = last_balance.labels(when="before")
+        self._balance_after = last_balance.labels(when="after")
+        self._last_rebalance = _LastRebalanceCollector()
+        self.window = WindowCollector(hot_experts_per_layer=hot_experts_per_layer, per_expert=per_expert)
+        event_metrics: list[Collector] = [
+            self._info,
+            passes,
+            rebalances,
+            self._solve,
+            self._transfer,
+            self._experts_moved,
+            self._bytes_moved,
+            last_balance,
+            self._last_rebalance,
+        ]
+        for metric in event_metrics:
+            self._events.register(metric)
+            self.registry.register(metric)
+        self.registry.register(self.window)
+        self._topology: tuple[int, int, int, int, int] | None = None
+
+    # -- MetricsSink -------------------------------------------------------------------------
+
+    def on_forward_pass(self, *, kind: PassKind, recorded: bool) -> None:
+        try:
+            child = self._passes[(kind, bool(recorded))]
+        except KeyError:
+            raise ValueError(f"pass kind must be one of {names.PASS_KINDS}, got {kind!r}") from None
+        child.inc()
+
+    def on_window(self, *, logical_load_LE: np.ndarray, gpu_load_LG: np.ndarray) -> None:
+        topology = self._topology
+        if topology is not None:
+            L, E, _, G, _ = topology
+            if np.shape(logical_load_LE) != (L, E) or np.shape(gpu_load_LG) != (L, G):
+                raise ValueError(
+                    f"window shapes {np.shape(logical_load_LE)} and {np.shape(gpu_load_LG)} do not match "
+                    f"the topology [L, E] = [{L}, {E}] and [L, G] = [{L}, {G}]"
+                )
+        self.window.update(logical_load_LE=logical_load_LE, gpu_load_LG=gpu_load_LG)
+
+    def on_rebalance(
+        self,
+        *,
+        outcome: RebalanceOutcome,
+        reason: str,
+        solve_seconds: float,
+        transfer_seconds: float,
+        experts_moved: int,
+        bytes_moved: int,
+        balancedness_before: float,
+        balancedness_after: float,
+    ) -> None:
+        if outcome not in self._rebalances:
+            raise ValueError(f"rebalance outcome must be one of {names.REBALANCE_OUTCOMES}, got {outcome!r}")
+        for what, seconds in (("solve_seconds", solve_seconds), ("transfer_seconds", transfer_seconds)):
+            if not (math.isfinite(seconds) and seconds >= 0):
+                raise ValueError(f"{what} must be a finite number >= 0, got {seconds}")
+        if experts_moved < 0 or bytes_moved < 0:
+            raise ValueError(
+                f"experts_moved and bytes_moved must be >= 0, got {experts_moved}, {bytes_moved}"
+            )
+        self._rebalances[outcome].inc()
+        self._solve.observe(solve_seconds)
+        if outcome != "skipped":
+            # A skipped rebalance moves nothing; its planned moves are not traffic.
+            self._transfer.observe(transfer_seconds)
+            self._experts_moved.inc(experts_moved)
+            self._bytes_moved.inc(bytes_moved)
+        self._balance_before.set(balancedness_before)
+        self._balance_after.set(balancedness_after)
+        self._last_rebalance.record(outcome, reason)
+
+    def on_topology(
+        self, *, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, num_nodes: int
+    ) -> None:
+        values = (num_layers, num_logical, num_physical, num_gpus, num_nodes)
+        if min(values) < 1 or num_physical < num_logical or num_physical % num_gpus or num_gpus % num_nodes:
+            raise ValueError(
+                "topology needs every count >= 1, num_physical >= num_logical, num_physical divisible "
+                f"by num_gpus and num_gpus by num_nodes; got layers={num_layers} logical={num_logical} "
+                f"physical={num_physical} gpus={num_gpus} nodes={num_nodes}"
+            )
+        self._topology = values
+        labels = dict(zip(names.TOPOLOGY_LABELS, (__version__, *(str(v) for v in values)), strict=True))
+        self._info.info(labels)
+
+    # -- exposition ----------------------------------------------------------------------------
+
+    def render(self) -> bytes:
+        """The text exposition of every metric, as ``generate_latest(self.registry)`` would write it."""
+        return generate_latest(self._events) + self.window.render().encode()
+
+
+class _LastRebalanceCollector(Collector):
+    """``eplb_last_rebalance_timestamp_seconds{outcome, reason}``: one series per outcome at a time.
+
+    The reason label carries the manager's explanation for Grafana annotations; keeping only the
+    latest reason per outcome (truncated) bounds the live series to three.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last: dict[str, tuple[str, float]] = {}
+
+    def record(self, outcome: str, reason: str) -> None:
+        short = " ".join(str(reason).split())[:MAX_REASON_CHARS]
+        with self._lock:
+            self._last[outcome] = (short, time.time())
+
+    def describe(self) -> Iterator[Metric]:
+        yield self._empty_family()
+
+    def collect(self) -> Iterator[Metric]:
+        family = self._empty_family()
+        with self._lock:
+            last = dict(self._last)
+        for outcome in names.REBALANCE_OUTCOMES:
+            if outcome in last:
+                reason, stamp = last[outcome]
+                family.add_metric([outcome, reason], stamp)
+        yield family
+
+    @staticmethod
+    def _empty_family() -> GaugeMetricFamily:
+        spec = names.BY_NAME[names.LAST_REBALANCE_TIMESTAMP]
+        return GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))

@@ -1,0 +1,196 @@
+"""Every Prometheus metric eplb exports, named in one place: the exporter, the dashboard and the docs read this.
+
+Shape legend: L layers, E logical experts, G GPUs (EP ranks), K hottest experts kept per layer.
+
+Conventions (Prometheus naming guide): the ``eplb_`` prefix, base units (seconds, bytes), ``_total``
+on counters, ``_seconds``/``_bytes`` suffixes. Label cardinality is bounded: per layer x rank
+(L x G) by default, per layer x expert (L x E) only when explicitly enabled. Label values for
+layers, ranks and experts are zero-padded to a fixed width ("07", "31") so that they sort
+numerically as strings in Grafana tables, legends and variable lists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MetricKind = Literal["counter", "gauge", "histogram", "info"]
+
+PREFIX = "eplb_"
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricSpec:
+    """One exported metric family."""
+
+    name: str
+    """Name of the sample users query (counters end in ``_total``; histograms add ``_bucket`` etc.)."""
+    kind: MetricKind
+    """Prometheus type."""
+    labels: tuple[str, ...]
+    """Label names; their product bounds the family's series count."""
+    unit: str
+    """Unit of the value, for the docs ("" for plain ratios and counts of events)."""
+    help: str
+    """HELP text: what the value means."""
+    per_expert: bool = False
+    """Exported only when per-(layer, expert) metrics are enabled (L x E series)."""
+
+    def series_names(self) -> frozenset[str]:
+        """Every sample name this family produces in the text exposition."""
+        if self.kind == "counter":
+            base = self.name.removesuffix("_total")
+            return frozenset({self.name, base + "_created"})
+        if self.kind == "histogram":
+            suffixes = ("_bucket", "_sum", "_count", "_created")
+            return frozenset(self.name + s for s in suffixes)
+        return frozenset({self.name})
+
+
+INFO = "eplb_info"
+FORWARD_PASSES = "eplb_forward_passes_total"
+WINDOW_TIMESTAMP = "eplb_window_timestamp_seconds"
+LAYER_BALANCEDNESS = "eplb_layer_balancedness"
+MODEL_BALANCEDNESS = "eplb_model_balancedness"
+RANK_TOKENS = "eplb_rank_tokens"
+HOT_EXPERT_TOKENS = "eplb_hot_expert_tokens"
+EXPERT_TOKENS = "eplb_expert_tokens"
+REBALANCES = "eplb_rebalances_total"
+SOLVE_SECONDS = "eplb_rebalance_solve_seconds"
+TRANSFER_SECONDS = "eplb_rebalance_transfer_seconds"
+EXPERTS_MOVED = "eplb_experts_moved_total"
+MOVED_BYTES = "eplb_moved_bytes_total"
+LAST_REBALANCE_BALANCEDNESS = "eplb_last_rebalance_balancedness"
+LAST_REBALANCE_TIMESTAMP = "eplb_last_rebalance_timestamp_seconds"
+
+TOPOLOGY_LABELS = ("version", "num_layers", "num_logical", "num_physical", "num_gpus", "num_nodes")
+REBALANCE_OUTCOMES = ("applied", "skipped", "failed")
+PASS_KINDS = ("prefill", "decode")
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        name=INFO,
+        kind="info",
+        labels=TOPOLOGY_LABELS,
+        unit="",
+        help="Constant 1; labels carry the eplb version and the served topology (layers, experts, slots, GPUs, nodes).",
+    ),
+    MetricSpec(
+        name=FORWARD_PASSES,
+        kind="counter",
+        labels=("kind", "recorded"),
+        unit="passes",
+        help="Forward passes seen by the manager, by kind (prefill, decode) and whether the recorder counted them.",
+    ),
+    MetricSpec(
+        name=WINDOW_TIMESTAMP,
+        kind="gauge",
+        labels=(),
+        unit="seconds",
+        help="Unix time at which the load window behind the window metrics was handed over.",
+    ),
+    MetricSpec(
+        name=LAYER_BALANCEDNESS,
+        kind="gauge",
+        labels=("layer",),
+        unit="ratio",
+        help="Mean over max GPU load of each layer over the last window (1 is perfect), under the live placement.",
+    ),
+    MetricSpec(
+        name=MODEL_BALANCEDNESS,
+        kind="gauge",
+        labels=(),
+        unit="ratio",
+        help="Layer balancedness averaged over layers, over the last window.",
+    ),
+    MetricSpec(
+        name=RANK_TOKENS,
+        kind="gauge",
+        labels=("layer", "rank"),
+        unit="tokens",
+        help="Tokens routed to each EP rank in each layer over the last window, under the live placement.",
+    ),
+    MetricSpec(
+        name=HOT_EXPERT_TOKENS,
+        kind="gauge",
+        labels=("layer", "expert"),
+        unit="tokens",
+        help="Tokens of the K most loaded logical experts of each layer over the last window (K per layer).",
+    ),
+    MetricSpec(
+        name=EXPERT_TOKENS,
+        kind="gauge",
+        labels=("layer", "expert"),
+        unit="tokens",
+        help="Tokens of every logical expert of every layer over the last window (only when enabled: L x E series).",
+        per_expert=True,
+    ),
+    MetricSpec(
+        name=REBALANCES,
+        kind="counter",
+        labels=("outcome",),
+        unit="rebalances",
+        help="Rebalances decided, by outcome: applied, skipped (threshold or too little gain), failed (rolled back).",
+    ),
+    MetricSpec(
+        name=SOLVE_SECONDS,
+        kind="histogram",
+        labels=(),
+        unit="seconds",
+        help="Wall time of each rebalance's placement solve (every outcome).",
+    ),
+    MetricSpec(
+        name=TRANSFER_SECONDS,
+        kind="histogram",
+        labels=(),
+        unit="seconds",
+        help="Wall time of each rebalance's weight transfer (applied and failed rebalances; skipped ones move nothing).",
+    ),
+    MetricSpec(
+        name=EXPERTS_MOVED,
+        kind="counter",
+        labels=(),
+        unit="experts",
+        help="Expert weights (one expert of one layer each) moved between GPUs by applied and failed rebalances.",
+    ),
+    MetricSpec(
+        name=MOVED_BYTES,
+        kind="counter",
+        labels=(),
+        unit="bytes",
+        help="Bytes of expert weights moved between GPUs by applied and failed rebalances.",
+    ),
+    MetricSpec(
+        name=LAST_REBALANCE_BALANCEDNESS,
+        kind="gauge",
+        labels=("when",),
+        unit="ratio",
+        help="Model balancedness the last rebalance started from (when=before) and expected or reached (when=after).",
+    ),
+    MetricSpec(
+        name=LAST_REBALANCE_TIMESTAMP,
+        kind="gauge",
+        labels=("outcome", "reason"),
+        unit="seconds",
+        help="Unix time of the last rebalance of each outcome; reason is the manager's short explanation (one series per outcome).",
+    ),
+)
+
+BY_NAME: dict[str, MetricSpec] = {spec.name: spec for spec in METRICS}
+
+
+def all_series_names(*, per_expert: bool = True) -> frozenset[str]:
+    """Every sample name eplb can export (with ``per_expert=False``, those exported by default)."""
+    names: set[str] = set()
+    for spec in METRICS:
+        if per_expert or not spec.per_expert:
+            names |= spec.series_names()
+    return frozenset(names)
+
+
+def index_labels(count: int) -> list[str]:
+    """Zero-padded label values "0".."count-1", all of the same width, so they sort numerically."""
+    if count < 0:
+        raise ValueError(f"count must be >= 0, got {count}")
+    width = len(str(max(count - 1, 0)))
+    return [str(i).zfill(width) for i in range(count)]

@@ -1,0 +1,179 @@
+"""The load-window metrics: one host copy of the last window, read at scrape time.
+
+Shape legend: L layers, E logical experts, G GPUs (EP ranks), K hottest experts kept per layer.
+
+``on_window`` copies the two arrays it is handed and swaps one reference under a lock; nothing
+else happens on the caller's thread. Everything derived (balancedness, top-K experts, label
+strings, the text exposition) is computed by the scraping thread, once per window, and cached on
+the snapshot: Prometheus scraping many times per window costs one cached string each time.
+
+Two read paths give the same samples: :meth:`WindowCollector.collect` yields prometheus_client
+metric families (for any registry), and :meth:`WindowCollector.render` writes the text format
+directly, about twenty times faster than prometheus_client's generic writer at DeepSeek-V3 sizes
+(L x G = 58 x 32 samples), so a 20 Hz scrape stays off the serving process's CPU budget.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from eplb import metrics_names as names
+from eplb.balance import balancedness
+
+
+@dataclass
+class _Snapshot:
+    """One window as handed over, plus what scrapes derive from it (computed once, lazily)."""
+
+    logical_load_LE: np.ndarray
+    gpu_load_LG: np.ndarray
+    timestamp: float
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    families: list[_Family] | None = None
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class _Family:
+    """A gauge family as label tuples and float values (the form both read paths need)."""
+
+    name: str
+    help: str
+    label_names: tuple[str, ...]
+    label_values: list[tuple[str, ...]]
+    values: list[float]
+
+
+class WindowCollector(Collector):
+    """Exports the last load window: balancedness, tokens per (layer, rank), hottest experts."""
+
+    def __init__(self, *, hot_experts_per_layer: int = 8, per_expert: bool = False) -> None:
+        if hot_experts_per_layer < 0:
+            raise ValueError(f"hot_experts_per_layer must be >= 0, got {hot_experts_per_layer}")
+        self._top_k = hot_experts_per_layer
+        self._per_expert = per_expert
+        self._lock = threading.Lock()
+        self._snapshot: _Snapshot | None = None
+
+    def update(self, *, logical_load_LE: np.ndarray, gpu_load_LG: np.ndarray) -> None:
+        """Keep a copy of the window; O(L x (E + G)) copy, then a reference swap under the lock."""
+        logical = np.array(logical_load_LE, dtype=np.float64, copy=True)
+        gpu = np.array(gpu_load_LG, dtype=np.float64, copy=True)
+        if logical.ndim != 2 or gpu.ndim != 2 or logical.shape[0] != gpu.shape[0]:
+            raise ValueError(
+                f"expected logical_load_LE [L, E] and gpu_load_LG [L, G] with the same L, "
+                f"got {logical.shape} and {gpu.shape}"
+            )
+        snapshot = _Snapshot(logical_load_LE=logical, gpu_load_LG=gpu, timestamp=time.time())
+        with self._lock:
+            self._snapshot = snapshot
+
+    def _current(self) -> _Snapshot | None:
+        with self._lock:
+            return self._snapshot
+
+    def _families(self, snap: _Snapshot) -> list[_Family]:
+        with snap.lock:
+            if snap.families is None:
+                snap.families = _derive(snap, self._top_k, self._per_expert)
+            return snap.families
+
+    def describe(self) -> Iterator[Metric]:
+        # Lets the registry check names without collecting a window (and without one existing).
+        for spec in names.METRICS:
+            if spec.name in _WINDOW_METRICS and (self._per_expert or not spec.per_expert):
+                yield GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._current()
+        if snap is None:
+            return
+        for fam in self._families(snap):
+            metric = GaugeMetricFamily(fam.name, fam.help, labels=list(fam.label_names))
+            for labels, value in zip(fam.label_values, fam.values, strict=True):
+                metric.add_metric(list(labels), value)
+            yield metric
+
+    def render(self) -> str:
+        """Text exposition (format 0.0.4) of the window metrics; "" before the first window."""
+        snap = self._current()
+        if snap is None:
+            return ""
+        families = self._families(snap)
+        with snap.lock:
+            if snap.text is None:
+                snap.text = "".join(_render_family(fam) for fam in families)
+            return snap.text
+
+
+_WINDOW_METRICS = frozenset(
+    {
+        names.WINDOW_TIMESTAMP,
+        names.LAYER_BALANCEDNESS,
+        names.MODEL_BALANCEDNESS,
+        names.RANK_TOKENS,
+        names.HOT_EXPERT_TOKENS,
+        names.EXPERT_TOKENS,
+    }
+)
+
+
+def _family(name: str, label_values: Sequence[tuple[str, ...]], values: list[float]) -> _Family:
+    spec = names.BY_NAME[name]
+    return _Family(name, spec.help, spec.labels, list(label_values), values)
+
+
+def _derive(snap: _Snapshot, top_k: int, per_expert: bool) -> list[_Family]:
+    logical_LE, gpu_LG = snap.logical_load_LE, snap.gpu_load_LG
+    L, E = logical_LE.shape
+    G = gpu_LG.shape[1]
+    layers, ranks, experts = names.index_labels(L), names.index_labels(G), names.index_labels(E)
+    balance_L = balancedness(gpu_LG) if G > 0 else np.ones(L)
+    model = float(balance_L.mean()) if L > 0 else 1.0
+    out = [
+        _family(names.WINDOW_TIMESTAMP, [()], [snap.timestamp]),
+        _family(names.MODEL_BALANCEDNESS, [()], [model]),
+        _family(names.LAYER_BALANCEDNESS, [(x,) for x in layers], balance_L.tolist()),
+        _family(names.RANK_TOKENS, [(x, r) for x in layers for r in ranks], gpu_LG.ravel().tolist()),
+    ]
+    k = min(top_k, E)
+    if k > 0:
+        # NaN loads sort as the largest by argsort of the negation; map them to -inf so they come last.
+        ranked_LE = np.where(np.isnan(logical_LE), -np.inf, logical_LE)
+        hot_LK = np.argsort(-ranked_LE, axis=1, kind="stable")[:, :k]
+        hot_values = np.take_along_axis(logical_LE, hot_LK, axis=1)
+        hot_labels = [(layers[i], experts[e]) for i in range(L) for e in hot_LK[i].tolist()]
+        out.append(_family(names.HOT_EXPERT_TOKENS, hot_labels, hot_values.ravel().tolist()))
+    if per_expert:
+        labels = [(x, e) for x in layers for e in experts]
+        out.append(_family(names.EXPERT_TOKENS, labels, logical_LE.ravel().tolist()))
+    return out
+
+
+def _format_value(value: float) -> str:
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(value)
+
+
+def _render_family(fam: _Family) -> str:
+    help_text = fam.help.replace("\\", r"\\").replace("\n", r"\n")
+    lines = [f"# HELP {fam.name} {help_text}\n# TYPE {fam.name} gauge\n"]
+    for labels, value in zip(fam.label_values, fam.values, strict=True):
+        if labels:
+            # Label values are zero-padded integers: nothing to escape.
+            pairs = ",".join(f'{k}="{v}"' for k, v in zip(fam.label_names, labels, strict=True))
+            lines.append(f"{fam.name}{{{pairs}}} {_format_value(value)}\n")
+        else:
+            lines.append(f"{fam.name} {_format_value(value)}\n")
+    return "".join(lines)
