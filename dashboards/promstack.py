@@ -1,0 +1,163 @@
+"""A throwaway local Prometheus that scrapes an eplb exporter, and the dashboard's queries run through it.
+
+Used by tests/test_prometheus.py (every panel query must return data) and dashboards/snapshot.py
+(the PNG in docs/observability.md). Prometheus binds 127.0.0.1 on a free port, keeps its TSDB in
+a temporary folder, scrapes with the committed dashboards/prometheus.yml (target and interval
+substituted), and is always stopped and cleaned up by ``close()`` / the context manager.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+HERE = Path(__file__).resolve().parent
+SCRAPE_CONFIG = HERE / "prometheus.yml"
+DEFAULT_TARGET = "127.0.0.1:9400"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def scrape_config(target: str, interval_s: float) -> str:
+    """The committed scrape config, pointed at ``target`` and scraping every ``interval_s`` seconds."""
+    text = SCRAPE_CONFIG.read_text()
+    if DEFAULT_TARGET not in text or ": 5s" not in text:
+        raise ValueError(
+            f"{SCRAPE_CONFIG} no longer has the target {DEFAULT_TARGET} and 5s intervals to substitute"
+        )
+    interval = f"{round(interval_s * 1000)}ms"
+    return text.replace(DEFAULT_TARGET, target).replace(": 5s", f": {interval}")
+
+
+def expand(expr: str, *, rate_interval: str, layer: str = ".*") -> str:
+    """Grafana's variables as Grafana would send them with the layer variable set to All."""
+    return (
+        expr.replace("$__rate_interval", rate_interval)
+        .replace("$__interval", rate_interval)
+        .replace("$layer", layer)
+    )
+
+
+class LocalPrometheus:
+    """``prometheus`` on 127.0.0.1 scraping ``target``; ``binary`` defaults to the one on PATH."""
+
+    def __init__(self, target: str, *, interval_s: float = 1.0, binary: str | None = None) -> None:
+        found = binary or shutil.which("prometheus")
+        if found is None:
+            raise FileNotFoundError("prometheus is not installed (Debian: apt-get install prometheus)")
+        self.binary = found
+        self.target = target
+        self.interval_s = interval_s
+        self.port = 0
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 30.0) -> LocalPrometheus:
+        self._tmp = tempfile.TemporaryDirectory(prefix="eplb-prometheus-")
+        root = Path(self._tmp.name)
+        config = root / "prometheus.yml"
+        config.write_text(scrape_config(self.target, self.interval_s))
+        self.port = free_port()
+        self._log = open(root / "prometheus.log", "wb")  # noqa: SIM115 - closed in close()
+        self._proc = subprocess.Popen(
+            [
+                self.binary,
+                f"--config.file={config}",
+                f"--storage.tsdb.path={root / 'data'}",
+                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--storage.tsdb.retention.time=1h",
+            ],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            cwd=root,
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"prometheus exited with {self._proc.returncode}:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1.0) as resp:
+                    if resp.status == 200:
+                        return self
+            except OSError:
+                pass
+            time.sleep(0.2)
+        self.close()
+        raise TimeoutError(f"prometheus not ready after {timeout_s} s")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        if self._tmp is None:
+            return ""
+        path = Path(self._tmp.name) / "prometheus.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+    def api(self, endpoint: str, **params: str | float) -> Any:
+        """GET /api/v1/<endpoint> and return its ``data``; raises on a non-success answer."""
+        query = urllib.parse.urlencode({k: str(v) for k, v in params.items()})
+        with urllib.request.urlopen(f"{self.url}/api/v1/{endpoint}?{query}", timeout=10.0) as resp:
+            body = json.loads(resp.read())
+        if body.get("status") != "success":
+            raise RuntimeError(f"prometheus {endpoint} {params}: {body}")
+        return body["data"]
+
+    def wait_for_samples(self, metric: str, count: int, timeout_s: float) -> None:
+        """Wait until ``metric`` has at least ``count`` scraped samples."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            result = self.api("query", query=f"count_over_time({metric}[1h])")["result"]
+            if result and max(float(r["value"][1]) for r in result) >= count:
+                return
+            time.sleep(self.interval_s / 2)
+        raise TimeoutError(f"{metric}: fewer than {count} samples after {timeout_s} s\n{self.log_tail()}")
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=10)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LocalPrometheus:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def finite_values(result: list[dict[str, Any]]) -> list[float]:
+    """Every finite value in an instant-vector or range-matrix API result."""
+    out: list[float] = []
+    for series in result:
+        points = series.get("values") or [series["value"]]
+        out.extend(v for v in (float(p[1]) for p in points) if math.isfinite(v))
+    return out
