@@ -1,0 +1,49 @@
+"""The ``aiter`` remap backend: for ROCm engines that run their MoE through amd-aiter.
+
+amd-aiter ships no remap+record operator, so this backend runs the project's Triton kernel
+(``eplb.kernels.remap_record``) with launch settings for CDNA GPUs (64-wide wavefronts, so
+fewer warps per program). It exists so an engine that selects its MoE ops by the name ``aiter``
+can select this one the same way. It is registered only where amd-aiter imports on a ROCm build
+of torch (:func:`eplb.remap.available_backends`); elsewhere asking for it fails with a message.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from eplb.dispatch_tables import DispatchTables
+
+
+def remap_record_aiter(
+    topk_ids_TK: torch.Tensor,
+    tables: DispatchTables,
+    layer: int,
+    mode: str,
+    out_TK: torch.Tensor,
+    counts_P: torch.Tensor | None,
+    logical_counts_E: torch.Tensor | None,
+    num_valid_tokens: torch.Tensor | None,
+    record: torch.Tensor | None,
+) -> None:
+    """Same arguments and semantics as eplb.remap_torch.remap_record_torch."""
+    if getattr(torch.version, "hip", None) is None:
+        raise RuntimeError("the aiter remap backend runs only on a ROCm build of torch")
+    import aiter  # noqa: F401  (fails with ImportError where amd-aiter is missing)
+
+    from eplb.kernels.remap_record import LaunchConfig, remap_record_triton
+
+    numel = topk_ids_TK.numel()
+    block = 2048 if numel >= 2048 else 256
+    config = LaunchConfig(block=block, num_warps=2 if block == 256 else 4, programs_per_sm=4)
+    remap_record_triton(
+        topk_ids_TK,
+        tables,
+        layer,
+        mode,
+        out_TK,
+        counts_P,
+        logical_counts_E,
+        num_valid_tokens,
+        record,
+        config=config,
+    )

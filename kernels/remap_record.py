@@ -1,0 +1,239 @@
+"""Fused logical->physical remap and load recording in one pass over ``topk_ids`` (Triton).
+
+Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
+
+Three layers, as everywhere in eplb: the private ``@triton.jit`` kernel, the typed launcher
+:func:`remap_record_triton` (block sizes, grid, argument plumbing; the public
+:func:`eplb.remap.remap_and_record` validates before calling it), and the public function.
+
+Persistent grid: at most ``programs_per_sm`` programs per SM stride over blocks of ``BLOCK`` ids,
+each keeping a private histogram of physical slots (and of logical experts when asked) in
+registers, and flushing it once at the end with relaxed atomics, skipping empty bins. The cost of
+the flush is one atomic per non-empty bin per program, independent of T; a per-block flush (as in
+SGLang's kernel) costs one per bin per block and grows with T.
+
+Semantics (bit-for-bit equal to eplb.remap_torch) are documented in eplb.remap and the hash in
+eplb.dispatch_tables.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from eplb.dispatch_tables import DispatchTables, as_int32_bits, salt_base
+
+MODE_IDS = {"static": 0, "dynamic": 1, "dynamic_row": 2, "fake": 3, "weighted": 4}
+
+
+@triton.jit
+def _mix32(x):  # type: ignore[no-untyped-def]  # Triton types kernel arguments itself
+    # lowbias32 on uint32 (wrapping multiply): the same bits as eplb.remap_torch.mix32.
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    x = x ^ (x >> 16)
+    return x
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_logical", "num_physical", "layer", "salt_base_bits"])
+def _remap_record_kernel(  # type: ignore[no-untyped-def]
+    ids_ptr,
+    out_ptr,
+    static_ptr,
+    log2phy_ptr,
+    logcnt_ptr,
+    cumw_ptr,
+    counts_ptr,
+    lcounts_ptr,
+    nvalid_ptr,
+    record_ptr,
+    seed_ptr,
+    numel,
+    num_tokens,
+    num_logical,
+    num_physical,
+    layer,
+    salt_base_bits,
+    K: tl.constexpr,
+    R: tl.constexpr,
+    MODE: tl.constexpr,
+    SEEDED: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PBINS: tl.constexpr,
+    LBINS: tl.constexpr,
+    COUNT_PHYS: tl.constexpr,
+    COUNT_LOGICAL: tl.constexpr,
+    HAS_NVALID: tl.constexpr,
+    HAS_RECORD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    limit = numel
+    if HAS_NVALID:
+        # Clamp before multiplying so a garbage scalar cannot overflow int32.
+        nvalid = tl.minimum(tl.maximum(tl.load(nvalid_ptr), 0), num_tokens)
+        limit = nvalid * K
+    do_count = COUNT_PHYS or COUNT_LOGICAL
+    if HAS_RECORD:
+        do_count = do_count & (tl.load(record_ptr) != 0)
+    salt = salt_base_bits.to(tl.uint32, bitcast=True)
+    if SEEDED:
+        salt = salt ^ tl.load(seed_ptr).to(tl.uint32, bitcast=True)
+    salt = _mix32(salt)
+    table_base = layer * num_logical
+
+    pacc = tl.zeros([PBINS], dtype=tl.int32)
+    lacc = tl.zeros([LBINS], dtype=tl.int32)
+    num_blocks = tl.cdiv(numel, BLOCK)
+    for blk in range(pid, num_blocks, nprog):
+        offs = blk * BLOCK + tl.arange(0, BLOCK)
+        in_bounds = offs < numel
+        ids = tl.load(ids_ptr + offs, mask=in_bounds, other=-1)
+        valid = (ids >= 0) & (ids < num_logical) & (offs < limit)
+        safe = tl.where(valid, ids, 0)
+        if MODE == 0:
+            phys = tl.load(static_ptr + table_base + safe, mask=valid, other=0)
+        elif MODE == 3:
+            h = _mix32(offs.to(tl.uint32) ^ salt)
+            phys = (h % num_physical.to(tl.uint32)).to(tl.int32)
+        else:
+            cnt = tl.load(logcnt_ptr + table_base + safe, mask=valid, other=1)
+            if MODE == 1:
+                h = _mix32(offs.to(tl.uint32) ^ salt)
+                replica = (h % cnt.to(tl.uint32)).to(tl.int32)
+            elif MODE == 2:
+                replica = (offs // K) % cnt
+            else:
+                h = _mix32(offs.to(tl.uint32) ^ salt)
+                u = (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+                replica = tl.zeros([BLOCK], dtype=tl.int32)
+                row_base = (table_base + safe) * R
+                for r in range(R - 1):
+                    use = valid & (r < cnt - 1)
+                    cw = tl.load(cumw_ptr + row_base + r, mask=use, other=2.0)
+                    replica += (cw <= u).to(tl.int32)
+            phys = tl.load(log2phy_ptr + (table_base + safe) * R + replica, mask=valid, other=0)
+        tl.store(out_ptr + offs, tl.where(valid, phys, ids), mask=in_bounds)
+        if do_count:
+            counted = valid & (phys >= 0) & (phys < num_physical)
+            if COUNT_PHYS:
+                pacc += tl.histogram(tl.where(counted, phys, PBINS - 1), PBINS)
+            if COUNT_LOGICAL:
+                lacc += tl.histogram(tl.where(counted, safe, LBINS - 1), LBINS)
+    if do_count:
+        if COUNT_PHYS:
+            pbins = tl.arange(0, PBINS)
+            tl.atomic_add(counts_ptr + pbins, pacc, mask=(pbins < num_physical) & (pacc > 0), sem="relaxed")
+        if COUNT_LOGICAL:
+            lbins = tl.arange(0, LBINS)
+            tl.atomic_add(lcounts_ptr + lbins, lacc, mask=(lbins < num_logical) & (lacc > 0), sem="relaxed")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """Block sizes and grid shape of one launch."""
+
+    block: int
+    """Ids per block (a power of two)."""
+    num_warps: int
+    """Warps per program."""
+    programs_per_sm: int
+    """Upper bound on programs per SM (persistent grid)."""
+
+
+@functools.lru_cache(maxsize=16)
+def _num_sms(device_index: int) -> int:
+    return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
+
+
+def num_compute_units(device: torch.device) -> int:
+    """SMs (CUDA) or CUs (ROCm) of ``device``; 4 on the CPU (the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _num_sms(index)
+
+
+def default_config(numel: int, device: torch.device) -> LaunchConfig:
+    """Blocks of up to 2048 ids, 4 warps, at most 4 programs per SM."""
+    block = min(2048, max(128, triton.next_power_of_2(max(numel, 1))))
+    return LaunchConfig(block=block, num_warps=4, programs_per_sm=4)
+
+
+def grid_size(numel: int, config: LaunchConfig, device: torch.device) -> int:
+    """Programs to launch: one per block, capped at programs_per_sm per compute unit."""
+    num_blocks = triton.cdiv(numel, config.block)
+    return max(1, min(num_blocks, config.programs_per_sm * num_compute_units(device)))
+
+
+def _num_bins(n: int) -> int:
+    # One spare bin for uncounted ids; at least a warp's width (tl.histogram's lowering needs it).
+    return max(32, triton.next_power_of_2(n + 1))
+
+
+def remap_record_triton(
+    topk_ids_TK: torch.Tensor,
+    tables: DispatchTables,
+    layer: int,
+    mode: str,
+    out_TK: torch.Tensor,
+    counts_P: torch.Tensor | None,
+    logical_counts_E: torch.Tensor | None,
+    num_valid_tokens: torch.Tensor | None,
+    record: torch.Tensor | None,
+    config: LaunchConfig | None = None,
+) -> None:
+    """Launch the fused kernel (arguments as in eplb.remap.remap_and_record, already validated)."""
+    T, K = topk_ids_TK.shape
+    numel = T * K
+    if numel == 0:
+        return
+    if numel >= 2**31 - 2**16:
+        raise ValueError(f"topk_ids has {numel} elements; the kernel indexes with int32 (< 2**31)")
+    if topk_ids_TK.dtype != torch.int32 or out_TK.dtype != torch.int32:
+        raise TypeError(f"topk_ids and out must be int32, got {topk_ids_TK.dtype} and {out_TK.dtype}")
+    device = topk_ids_TK.device
+    cfg = config or default_config(numel, device)
+    E, P = tables.num_logical, tables.num_physical
+    rank = -1 if mode == "weighted" else tables.rank
+    dummy = out_TK  # never dereferenced: the matching constexpr flag is off
+    _remap_record_kernel[(grid_size(numel, cfg, device),)](
+        topk_ids_TK,
+        out_TK,
+        tables.static_LE,
+        tables.log2phy_LER,
+        tables.logcnt_LE,
+        tables.cumweights_LER,
+        counts_P if counts_P is not None else dummy,
+        logical_counts_E if logical_counts_E is not None else dummy,
+        num_valid_tokens if num_valid_tokens is not None else dummy,
+        record if record is not None else dummy,
+        tables.seed_1,
+        numel,
+        T,
+        E,
+        P,
+        layer,
+        as_int32_bits(salt_base(layer, rank)),
+        K=K,
+        R=tables.max_replicas,
+        MODE=MODE_IDS[mode],
+        SEEDED=mode in ("dynamic", "fake"),
+        BLOCK=cfg.block,
+        PBINS=_num_bins(P),
+        LBINS=_num_bins(E),
+        COUNT_PHYS=counts_P is not None,
+        COUNT_LOGICAL=logical_counts_E is not None,
+        HAS_NVALID=num_valid_tokens is not None,
+        HAS_RECORD=record is not None,
+        num_warps=cfg.num_warps,
+    )
+
+
+__all__ = ["MODE_IDS", "LaunchConfig", "default_config", "grid_size", "remap_record_triton"]

@@ -1,0 +1,234 @@
+"""The fused Triton kernel (eplb.kernels.remap_record) against the torch reference.
+
+Interpreter tests run the kernel on the CPU (TRITON_INTERPRET=1, set by conftest when there is no
+CUDA); gpu tests run the compiled kernel and CUDA-graph replay with the record flag toggled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from remap_reference import random_ids, random_tables
+
+from eplb.dispatch_tables import DispatchTables
+from eplb.placement import Placement
+from eplb.remap import MODES, remap_and_record
+
+kernel = pytest.importorskip("eplb.kernels.remap_record")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _both(
+    ids, tables, layer, mode, *, nvalid=None, record=None, count_phys=True, count_logical=True, config=None
+):
+    """(out, counts, logical) from the torch backend and from the kernel, on identical inputs."""
+    device = ids.device
+    results = []
+    for backend in ("torch", "triton"):
+        counts = (
+            torch.full((tables.num_physical,), 3, dtype=torch.int32, device=device) if count_phys else None
+        )
+        logical = (
+            torch.full((tables.num_logical,), 3, dtype=torch.int32, device=device) if count_logical else None
+        )
+        nv = None if nvalid is None else torch.tensor([nvalid], dtype=torch.int32, device=device)
+        rec = None if record is None else torch.tensor([record], dtype=torch.int32, device=device)
+        if backend == "triton" and config is not None:
+            out = torch.empty_like(ids)
+            kernel.remap_record_triton(ids, tables, layer, mode, out, counts, logical, nv, rec, config=config)
+        else:
+            out = remap_and_record(
+                ids,
+                tables,
+                layer,
+                mode=mode,
+                counts_P=counts,
+                logical_counts_E=logical,
+                num_valid_tokens=nv,
+                record=rec,
+                backend=backend,
+            )
+        results.append((out, counts, logical))
+    return results
+
+
+def _assert_same(results) -> None:
+    (o1, c1, l1), (o2, c2, l2) = results
+    assert o2.dtype == torch.int32
+    assert torch.equal(o1, o2)
+    assert (c1 is None and c2 is None) or torch.equal(c1, c2)
+    assert (l1 is None and l2 is None) or torch.equal(l1, l2)
+
+
+@st.composite
+def _cases(draw):
+    E = draw(st.integers(1, 40))
+    G = draw(st.sampled_from([1, 2, 3, 5]))
+    P = G * draw(st.integers(max(1, -(-E // G)), -(-E // G) + 4))
+    return {
+        "seed": draw(st.integers(0, 2**31)),
+        "E": E,
+        "P": P,
+        "G": G,
+        "T": draw(st.sampled_from([0, 1, 2, 7, 64, 129, 300])),
+        "K": draw(st.integers(1, 16)),
+        "mode": draw(st.sampled_from(MODES)),
+        "style": draw(st.sampled_from(["uniform", "nasty", "one_expert", "skewed"])),
+        "nvalid": draw(st.one_of(st.none(), st.integers(-2, 310))),
+        "record": draw(st.sampled_from([None, 0, 1, 7])),
+        "count_phys": draw(st.booleans()),
+        "count_logical": draw(st.booleans()),
+    }
+
+
+@pytest.mark.interpreter
+@settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(case=_cases())
+def test_kernel_equals_torch_reference(case: dict) -> None:
+    rng = np.random.default_rng(case["seed"])
+    _, tables = random_tables(rng, case["E"], case["P"], case["G"], rank=int(rng.integers(0, case["G"])))
+    tables = _to_device(tables)
+    ids = random_ids(rng, case["T"], case["K"], case["E"], case["style"]).to(DEVICE)
+    _assert_same(
+        _both(
+            ids,
+            tables,
+            1,
+            case["mode"],
+            nvalid=case["nvalid"],
+            record=case["record"],
+            count_phys=case["count_phys"],
+            count_logical=case["count_logical"],
+        )
+    )
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("mode", MODES)
+def test_persistent_loop_over_many_blocks(mode: str) -> None:
+    """Small blocks and few programs: every program strides over several blocks and flushes once."""
+    rng = np.random.default_rng(11)
+    _, tables = random_tables(rng, 37, 45, 5, rank=4)
+    tables = _to_device(tables)
+    ids = random_ids(rng, 1000, 8, 37, "nasty").to(DEVICE)
+    config = kernel.LaunchConfig(block=128, num_warps=4, programs_per_sm=1)
+    assert kernel.grid_size(ids.numel(), config, ids.device) < ids.numel() // 128
+    _assert_same(_both(ids, tables, 0, mode, nvalid=900, config=config))
+
+
+@pytest.mark.interpreter
+def test_one_expert_takes_every_token() -> None:
+    pl = Placement.trivial(1, 250, num_gpus=10, num_redundant=30)
+    tables = DispatchTables.from_placement(pl, 7, DEVICE)
+    ids = torch.full((3000, 8), 17, dtype=torch.int32, device=DEVICE)
+    results = _both(ids, tables, 0, "static")
+    _assert_same(results)
+    _out, counts, logical = results[1]
+    assert int(counts.sum()) - 3 * 280 == 24000 and int(logical[17]) - 3 == 24000
+
+
+@pytest.mark.interpreter
+def test_weighted_shares_match_the_weights() -> None:
+    """Each replica's share of an expert's tokens is its weight, within 5 binomial sigmas."""
+    p2l = np.array([[0, 1, 0, 2, 0, 1, 3, 0]], dtype=np.int32)
+    pl = Placement.from_phy2log(p2l, num_gpus=2)
+    weights = np.zeros((1, 4, pl.max_replicas))
+    weights[0, 0, :4] = [0.1, 0.2, 0.3, 0.4]
+    weights[0, 1, :2] = [0.75, 0.25]
+    weights[0, 2, 0] = weights[0, 3, 0] = 1.0
+    tables = DispatchTables.from_placement(pl, 1, DEVICE, weights)
+    T, K = 20000, 8
+    ids = torch.from_numpy(np.random.default_rng(12).integers(0, 2, size=(T, K), dtype=np.int32)).to(DEVICE)
+    out = remap_and_record(ids, tables, 0, mode="weighted", backend="triton").cpu().numpy()
+    for expert, want in ((0, [0.1, 0.2, 0.3, 0.4]), (1, [0.75, 0.25])):
+        slots = pl.log2phy_LER[0, expert, : len(want)]
+        picked = out[ids.cpu().numpy() == expert]
+        share = np.array([(picked == s).mean() for s in slots])
+        sigma = np.sqrt(np.array(want) * (1 - np.array(want)) / picked.size)
+        assert (np.abs(share - want) < 5 * sigma).all(), (share, want)
+
+
+@pytest.mark.interpreter
+def test_kernel_refuses_int64_ids() -> None:
+    tables = DispatchTables.from_placement(Placement.trivial(1, 4, 2), 0, DEVICE)
+    with pytest.raises(TypeError, match=r"torch\.int64"):
+        remap_and_record(torch.zeros((2, 2), dtype=torch.int64, device=DEVICE), tables, 0, backend="triton")
+    out = torch.empty((2, 2), dtype=torch.int64, device=DEVICE)
+    ids = torch.zeros((2, 2), dtype=torch.int32, device=DEVICE)
+    with pytest.raises(TypeError, match="int32"):
+        kernel.remap_record_triton(ids, tables, 0, "static", out, None, None, None, None)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_compiled_kernel_equals_reference_on_gpu(mode: str) -> None:
+    rng = np.random.default_rng(13)
+    _, tables = random_tables(rng, 256, 288, 8, rank=5)
+    tables = _to_device(tables)
+    for T in (1, 64, 4097, 65536):
+        ids = random_ids(rng, T, 8, 256, "nasty").cuda()
+        _assert_same(_both(ids, tables, 1, mode, nvalid=T - 1, record=1))
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_toggles_recording_and_follows_table_updates() -> None:
+    rng = np.random.default_rng(14)
+    _, tables = random_tables(rng, 64, 80, 8, rank=2)
+    tables = _to_device(tables)
+    ids = random_ids(rng, 512, 8, 64, "uniform").cuda()
+    counts = torch.zeros(80, dtype=torch.int32, device="cuda")
+    record = torch.ones(1, dtype=torch.int32, device="cuda")
+    nvalid = torch.tensor([512], dtype=torch.int32, device="cuda")
+    out = torch.empty_like(ids)
+
+    def step() -> None:
+        remap_and_record(
+            ids,
+            tables,
+            0,
+            counts_P=counts,
+            num_valid_tokens=nvalid,
+            record=record,
+            out_TK=out,
+            backend="triton",
+        )
+
+    step()  # compile outside the capture
+    counts.zero_()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        step()
+    torch.cuda.synchronize()
+    counts.zero_()
+    expected = remap_and_record(ids, tables, 0, backend="torch")
+    for flag, want_total in ((1, 4096), (0, 4096), (1, 8192)):
+        record.fill_(flag)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected) and int(counts.sum()) == want_total
+    nvalid.fill_(100)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert int(counts.sum()) == 8192 + 800
+    tables.update_(Placement.trivial(2, 64, num_gpus=8, num_redundant=16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out[:100], remap_and_record(ids[:100], tables, 0, backend="torch"))
+
+
+def _to_device(tables: DispatchTables) -> DispatchTables:
+    if DEVICE == "cpu":
+        return tables
+    return DispatchTables(
+        tables.static_LE.to(DEVICE),
+        tables.log2phy_LER.to(DEVICE),
+        tables.logcnt_LE.to(DEVICE),
+        tables.cumweights_LER.to(DEVICE),
+        tables.seed_1.to(DEVICE),
+        tables.num_physical,
+        tables.rank,
+    )
