@@ -48,6 +48,20 @@ def gpu_load(load_xLE: np.ndarray, placement: Placement, weights_LER: np.ndarray
     return slot_load_xLP.reshape(*slot_load_xLP.shape[:-1], placement.num_gpus, S).sum(axis=-1)
 
 
+def expert_gpu_share(placement: Placement, weights_LER: np.ndarray | None = None) -> np.ndarray:
+    """float64 [L, E, G]: fraction of each logical expert's tokens that each GPU receives.
+
+    ``load_xLE @ share_LEG`` (per layer) equals :func:`gpu_load`; a matrix product is what makes
+    long traces cheap to evaluate (the simulator uses it).
+    """
+    L, E, G = placement.num_layers, placement.num_logical, placement.num_gpus
+    share_LEG = np.zeros((L, E, G), dtype=np.float64)
+    layer_LP = np.broadcast_to(np.arange(L)[:, None], placement.phy2log_LP.shape)
+    gpu_LP = np.broadcast_to(placement.gpu_of_slot()[None, :], placement.phy2log_LP.shape)
+    np.add.at(share_LEG, (layer_LP, placement.phy2log_LP, gpu_LP), slot_share_LP(placement, weights_LER))
+    return share_LEG
+
+
 def balancedness(gpu_load_xG: np.ndarray) -> np.ndarray:
     """float64 [...]: mean/max over the last axis; 1.0 where the max is 0. NaN loads give NaN."""
     g = np.asarray(gpu_load_xG, dtype=np.float64)

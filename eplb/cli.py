@@ -18,6 +18,9 @@ from eplb import __version__
 COMMANDS: dict[str, str] = {
     "workload": "eplb.commands.workload",
     "trace": "eplb.commands.trace",
+    "simulate": "eplb.commands.simulate",
+    "sweep": "eplb.commands.sweep",
+    "solve": "eplb.commands.solve",
 }
 
 

@@ -1,0 +1,97 @@
+"""``eplb solve``: plan a placement from a recorded trace and write it for eplb and for SGLang.
+
+Writes ``DIR/placement.safetensors`` (int32 phy2log / log2phy / logcnt, plus float32 dispatch
+weights with ``--ep-dispatch-algorithm weighted``) and ``DIR/init_expert_location.json``, which
+SGLang takes as ``--init-expert-location`` today.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from eplb.commands.common import add_json_out, add_seed, emit
+
+HELP = "solve a placement from a trace; write it as eplb safetensors and SGLang --init-expert-location JSON"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eplb.simulate.options import add_input_arguments, add_schedule_arguments, add_topology_arguments
+
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
+    parser.add_argument(
+        "--eplb-algorithm",
+        choices=("auto", "deepseek", "deepseek_hierarchical", "scipy"),
+        default="auto",
+        help="placement solver (default: %(default)s)",
+    )
+    add_input_arguments(parser)
+    add_topology_arguments(parser)
+    add_schedule_arguments(parser, schedule=False)
+    add_seed(parser)
+    add_json_out(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from eplb.balance import model_balancedness
+    from eplb.placement import Placement
+    from eplb.simulate.options import initial_placement, load_input, simulation_config
+    from eplb.simulate.placement_io import save_placement
+    from eplb.simulate.planners import PastView, SolverPlanner
+
+    trace = load_input(args, quiet=args.json_out is not None and str(args.json_out) == "-")
+    # The window is the whole trace unless --expert-distribution-recorder-buffer-size says less.
+    recorded_T = trace.is_prefill_T if args.eplb_record_prefill_only else np.ones(trace.num_steps, dtype=bool)
+    num_recorded = int(recorded_T.sum())
+    window = args.expert_distribution_recorder_buffer_size or num_recorded
+    config = simulation_config(args, trace, eplb_rebalance_num_iterations=max(window, 1))
+    current = initial_placement(args, trace, config)
+    past = PastView(trace, recorded_T)
+    past.now = trace.num_steps
+    window_WLE = past.window(window)
+    if window_WLE.shape[0] == 0:
+        raise ValueError("the trace has no recorded steps to plan from")
+    start = current or Placement.trivial(
+        trace.num_layers, trace.num_experts, config.num_gpus, config.num_redundant, config.num_nodes
+    )
+    planner = SolverPlanner(
+        algorithm=args.eplb_algorithm,
+        num_groups=config.num_groups,
+        bytes_per_expert=config.bytes_per_expert,
+        weighted=args.ep_dispatch_algorithm == "weighted",
+        seed=args.seed,
+    )
+    proposal = planner.plan(window_WLE, start, past)
+    placement = proposal.placement
+    out_dir: Path = args.out
+    out_dir.mkdir(parents=True, exist_ok=True)
+    trace_meta = {k: v for k, v in trace.meta.items() if k != "generator"}
+    meta = {"algorithm": args.eplb_algorithm, "window_steps": int(window_WLE.shape[0]), "trace": trace_meta}
+    own = save_placement(out_dir / "placement.safetensors", placement, proposal.weights_LER, meta)
+    sglang = placement.write_sglang_json(out_dir / "init_expert_location.json")
+    load_LE = window_WLE.sum(axis=0, dtype=np.int64)
+    result: dict[str, Any] = {
+        "algorithm": args.eplb_algorithm,
+        "window_steps": int(window_WLE.shape[0]),
+        "layers": placement.num_layers,
+        "experts": placement.num_logical,
+        "physical_slots": placement.num_physical,
+        "ep_size": placement.num_gpus,
+        "nnodes": placement.num_nodes,
+        "balancedness_on_window": float(model_balancedness(load_LE, placement, proposal.weights_LER)),
+        "balancedness_on_window_before": float(model_balancedness(load_LE, start)),
+        "solver_predicted_balancedness": proposal.predicted_balancedness,
+        "solver_says_apply": proposal.apply,
+        "solver_reason": proposal.reason,
+        "placement": str(own),
+        "sglang_init_expert_location": str(sglang),
+        "sglang_flags": (
+            f"--enable-eplb --ep-size {placement.num_gpus} --ep-num-redundant-experts {placement.num_redundant} "
+            f"--init-expert-location {sglang}"
+        ),
+    }
+    emit(result, list(result), args.json_out)
+    return 0

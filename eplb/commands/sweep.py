@@ -1,0 +1,126 @@
+"""``eplb sweep``: how few redundant experts, and how long an interval, reach a target balancedness."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict
+
+from eplb.commands.common import add_json_out, add_progress, add_seed, write_json
+
+HELP = "find the fewest redundant experts and the longest rebalance interval that reach a target balancedness"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eplb.simulate.options import (
+        add_cost_arguments,
+        add_input_arguments,
+        add_schedule_arguments,
+        add_topology_arguments,
+    )
+    from eplb.simulate.sweep import METRICS
+
+    parser.add_argument(
+        "--target", type=float, default=0.85, help="balancedness to reach (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--metric",
+        choices=sorted(METRICS),
+        default="prefill",
+        help="which balancedness: mean over prefill steps, over all steps, or the 5th percentile "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--algorithm",
+        default="auto",
+        metavar="ALGO[:DISPATCH]",
+        help="the run to sweep (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--redundant",
+        type=int,
+        nargs="+",
+        default=None,
+        help="redundant-expert counts to try (default: every count up to 2 x --ep-size that divides evenly)",
+    )
+    parser.add_argument(
+        "--intervals",
+        type=int,
+        nargs="+",
+        default=[100, 200, 500, 1000, 2000],
+        help="rebalance intervals to try, longest first (default: %(default)s)",
+    )
+    add_input_arguments(parser, default_steps=2000)
+    add_topology_arguments(parser)
+    add_schedule_arguments(parser)
+    add_cost_arguments(parser)
+    add_seed(parser)
+    add_progress(parser)
+    add_json_out(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from eplb.simulate.options import load_input, simulation_config
+    from eplb.simulate.planners import RunSpec
+    from eplb.simulate.sweep import SweepPoint, redundant_candidates, sweep
+
+    if not 0.0 < args.target <= 1.0:
+        raise ValueError(f"--target must lie in (0, 1], got {args.target}")
+    spec = RunSpec.parse(args.algorithm, args.ep_dispatch_algorithm)
+    if spec.algorithm == "none":
+        raise ValueError("--algorithm none never rebalances: sweep a planner (deepseek, scipy, auto)")
+    trace = load_input(args, quiet=args.disable_tqdm)
+    config = simulation_config(args, trace)
+    redundant = args.redundant or redundant_candidates(
+        trace.num_experts, config.num_gpus, 2 * config.num_gpus
+    )
+    for r in redundant:
+        # Each candidate is checked as a server would check it (slots must divide over the GPUs).
+        simulation_config(args, trace, ep_num_redundant_experts=r)
+    intervals = [i for i in args.intervals if i < trace.num_steps]
+    if not intervals:
+        raise ValueError(f"every --intervals value is >= the trace's {trace.num_steps} steps")
+    to_stdout = args.json_out is not None and str(args.json_out) == "-"
+
+    def report(point: SweepPoint) -> None:
+        if not args.disable_tqdm:
+            mark = "reached" if point.reached else "below"
+            print(
+                f"  redundant {point.num_redundant:>4}  interval {point.interval:>5}: "
+                f"{args.metric} balancedness {point.value:.3f} ({mark}), "
+                f"speed-up {point.summary['speedup_vs_none']:.3f}x",
+                file=sys.stderr,
+            )
+
+    result = sweep(
+        trace,
+        spec,
+        config,
+        target=args.target,
+        redundant=redundant,
+        intervals=intervals,
+        metric=args.metric,
+        on_point=report,
+    )
+    if not to_stdout:
+        r, i = result["redundant"], result["interval"]
+        print(
+            f"{spec.name}, target {args.metric} balancedness {args.target}: "
+            + (f"fewest redundant experts {r}" if r is not None else "no redundant count tried reaches it")
+            + f" (at interval {config.interval}); "
+            + (f"longest interval {i}" if i is not None else "no interval tried reaches it")
+            + f" (with {result['redundant_used_for_intervals']} redundant)"
+        )
+    write_json(
+        {
+            "run": spec.name,
+            "target": args.target,
+            "metric": args.metric,
+            "redundant": result["redundant"],
+            "interval": result["interval"],
+            "redundant_used_for_intervals": result["redundant_used_for_intervals"],
+            "points": [asdict(p) for p in result["points"]],
+        },
+        args.json_out,
+    )
+    return 0

@@ -1,0 +1,30 @@
+"""Offline rebalance simulation: replay a load trace under each planner and dispatch mode.
+
+``simulate(trace, runs, config)`` returns per-step balancedness and modeled MoE time for every
+run and for the no-balancing baseline, with every rebalance's moves and costs. See docs/simulate.md.
+"""
+
+from __future__ import annotations
+
+from eplb.simulate.cost_model import CostModel
+from eplb.simulate.dispatch import DISPATCH_MODES
+from eplb.simulate.engine import SimulationConfig, rebalance_steps, simulate
+from eplb.simulate.planners import ALGORITHMS, PastView, Planner, Proposal, RunSpec, parse_runs
+from eplb.simulate.results import RebalanceEvent, RunResult, SimulationResult
+
+__all__ = [
+    "ALGORITHMS",
+    "DISPATCH_MODES",
+    "CostModel",
+    "PastView",
+    "Planner",
+    "Proposal",
+    "RebalanceEvent",
+    "RunResult",
+    "RunSpec",
+    "SimulationConfig",
+    "SimulationResult",
+    "parse_runs",
+    "rebalance_steps",
+    "simulate",
+]

@@ -1,0 +1,97 @@
+"""How each dispatch mode spreads a logical expert's tokens over its replicas, in simulation.
+
+Shape legend: T steps, L layers, E logical experts, P physical slots, R max replicas, G GPUs,
+S slots per GPU.
+
+- dynamic: each expert's tokens split evenly over its replicas (a uniform pick per token).
+- weighted: the solver's per-replica weights [L, E, R]; an even split when it gave none.
+- static: tokens originate evenly from all ranks and each rank sends an expert's tokens to the
+  one replica its static map picks (eplb.dispatch_map), so a replica's share is the fraction of
+  ranks mapped to it.
+- fake: uniformly random routing over all slots, independent of the trace (SGLang's benchmark
+  mode); see :func:`fake_gpu_load`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from eplb.balance import expert_gpu_share, slot_share_LP
+from eplb.dispatch_map import static_dispatch_maps
+from eplb.placement import Placement
+
+DISPATCH_MODES = ("static", "dynamic", "weighted", "fake")
+
+
+@dataclass(frozen=True)
+class DispatchMatrices:
+    """Per-layer matrices that turn logical load into GPU load: ``load_TE @ share_EG``."""
+
+    share_LEG: np.ndarray
+    """float32 [L, E, G]: fraction of an expert's tokens each GPU receives."""
+    replicas_LEG: np.ndarray
+    """float32 [L, E, G]: replicas of an expert on a GPU that receive tokens (active experts when loaded)."""
+
+
+def dispatch_matrices(
+    placement: Placement, mode: str, weights_LER: np.ndarray | None = None
+) -> DispatchMatrices:
+    """The share and active-replica matrices of ``placement`` under a dispatch ``mode``."""
+    if mode not in DISPATCH_MODES:
+        raise ValueError(f"unknown dispatch mode {mode!r}; choose from {DISPATCH_MODES}")
+    if mode == "static":
+        weights_LER = static_weights(placement)
+    elif mode != "weighted":
+        weights_LER = None
+    share_LEG = expert_gpu_share(placement, weights_LER)
+    # A replica that gets no share (static maps may skip one) never becomes an active expert.
+    receives_LP = slot_share_LP(placement, weights_LER) > 0
+    L, E, G = share_LEG.shape
+    replicas_LEG = np.zeros((L, E, G), dtype=np.float32)
+    layer_LP = np.broadcast_to(np.arange(L)[:, None], receives_LP.shape)
+    gpu_LP = np.broadcast_to(placement.gpu_of_slot()[None, :], receives_LP.shape)
+    np.add.at(replicas_LEG, (layer_LP, placement.phy2log_LP, gpu_LP), receives_LP)
+    return DispatchMatrices(share_LEG.astype(np.float32), replicas_LEG)
+
+
+def static_weights(placement: Placement) -> np.ndarray:
+    """float64 [L, E, R]: fraction of the ranks whose static map sends an expert to each replica."""
+    compact = _compact(placement)
+    maps_GLE = static_dispatch_maps(compact).astype(np.int64)
+    L, P, G = placement.num_layers, placement.num_physical, placement.num_gpus
+    flat = (maps_GLE + np.arange(L, dtype=np.int64)[None, :, None] * P).ravel()
+    ranks_LP = np.bincount(flat, minlength=L * P).reshape(L, P) / G
+    l2p_LER = placement.log2phy_LER
+    layer_LER = np.broadcast_to(np.arange(L)[:, None, None], l2p_LER.shape)
+    return np.where(l2p_LER >= 0, ranks_LP[layer_LER, np.maximum(l2p_LER, 0)], 0.0)
+
+
+def fake_gpu_load(
+    routed_TL: np.ndarray, num_gpus: int, slots_per_gpu: int, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fake dispatch: (tokens float32 [T, L, G], expected active slots float32 [T, L, G]).
+
+    Every routed token lands on a uniformly random slot, so GPU counts are one multinomial draw
+    per step and layer; a GPU's active slots are the expected number of distinct slots hit.
+    """
+    T, L = routed_TL.shape
+    pvals = np.full(num_gpus, 1.0 / num_gpus)
+    tokens_TLG = rng.multinomial(routed_TL.reshape(-1).astype(np.int64), pvals).reshape(T, L, num_gpus)
+    active_TLG = slots_per_gpu * (1.0 - (1.0 - 1.0 / slots_per_gpu) ** tokens_TLG)
+    return tokens_TLG.astype(np.float32), active_TLG.astype(np.float32)
+
+
+def _compact(placement: Placement) -> Placement:
+    """The same placement with log2phy cut to the largest replica count (static maps scale with R)."""
+    R = int(placement.logcnt_LE.max())
+    if placement.max_replicas == R:
+        return placement
+    return Placement(
+        placement.phy2log_LP,
+        np.ascontiguousarray(placement.log2phy_LER[:, :, :R]),
+        placement.logcnt_LE,
+        placement.num_gpus,
+        placement.num_nodes,
+    )

@@ -1,0 +1,246 @@
+"""Command-line options shared by ``eplb simulate``, ``eplb sweep`` and ``eplb solve``.
+
+Flags that mean what SGLang's mean keep SGLang's names (``--ep-size``, ``--nnodes``,
+``--ep-num-redundant-experts``, ``--eplb-rebalance-num-iterations``,
+``--expert-distribution-recorder-buffer-size``, ``--eplb-record-prefill-only``,
+``--eplb-min-rebalancing-utilization-threshold``, ``--ep-dispatch-algorithm``,
+``--init-expert-location``), and their combinations are checked by ``eplb.config.EplbConfig``,
+so an invalid one fails with the same message a server would give. Defaults differ from SGLang's
+where an offline study needs it (EP32 over 4 nodes, 32 redundant experts, interval 500).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from eplb.placement import Placement
+from eplb.simulate.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
+from eplb.simulate.dispatch import DISPATCH_MODES
+from eplb.simulate.engine import SimulationConfig
+from eplb.traces import Trace
+
+DEFAULT_STEPS = 4000
+DEFAULT_INTERVAL = 500
+
+
+def add_input_arguments(parser: argparse.ArgumentParser, default_steps: int = DEFAULT_STEPS) -> None:
+    """``--trace`` files, or a built-in workload (``--preset``, ``--steps``, ``--prefill-fraction``)."""
+    from eplb.traces import FORMATS
+    from eplb.workloads import PRESETS
+
+    g = parser.add_argument_group("input (a trace, or a built-in synthetic workload)")
+    g.add_argument(
+        "--trace",
+        nargs="+",
+        type=Path,
+        default=None,
+        help="trace file(s): eplb safetensors/npz, SGLang stat dump, SGLang per_pass dumps (one per rank), "
+        "OpenEvolve JSON",
+    )
+    g.add_argument("--trace-format", choices=FORMATS, default="auto", help="input format (default: detect)")
+    g.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="deepseek-v3",
+        help="workload preset (default: %(default)s)",
+    )
+    g.add_argument(
+        "--steps",
+        type=int,
+        default=default_steps,
+        help="workload steps (forward passes) (default: %(default)s)",
+    )
+    g.add_argument("--prefill-fraction", type=float, default=None, help="workload share of prefill passes")
+
+
+def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("expert parallelism (SGLang flag names)")
+    g.add_argument("--ep-size", type=int, default=32, help="EP ranks (GPUs) (default: %(default)s)")
+    g.add_argument("--nnodes", type=int, default=4, help="nodes the EP ranks span (default: %(default)s)")
+    g.add_argument(
+        "--ep-num-redundant-experts",
+        type=int,
+        default=32,
+        help="physical slots beyond one per logical expert (default: %(default)s)",
+    )
+    g.add_argument(
+        "--num-groups",
+        type=int,
+        default=None,
+        help="expert groups of the model (default: from the trace or preset, else 1)",
+    )
+    g.add_argument(
+        "--bytes-per-expert",
+        type=int,
+        default=None,
+        help=f"bytes of one expert in one layer (default: from the trace or preset, else {DEEPSEEK_V3_BYTES_PER_EXPERT})",
+    )
+
+
+def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
+    """Recording, dispatch and initial placement; with ``schedule`` also the interval and threshold."""
+    g = parser.add_argument_group("rebalancing (SGLang flag names)")
+    if schedule:
+        g.add_argument(
+            "--eplb-rebalance-num-iterations",
+            type=int,
+            default=DEFAULT_INTERVAL,
+            help="rebalance every N recorded passes (default: %(default)s; SGLang's server default is 1000)",
+        )
+        g.add_argument(
+            "--eplb-min-rebalancing-utilization-threshold",
+            type=float,
+            default=1.0,
+            help="skip a rebalance when the window's balancedness is above this (default: %(default)s)",
+        )
+    g.add_argument(
+        "--expert-distribution-recorder-buffer-size",
+        type=int,
+        default=None,
+        help="window the planner sees, in recorded passes (default: "
+        + ("the rebalance interval)" if schedule else "the whole trace)"),
+    )
+    g.add_argument(
+        "--eplb-record-prefill-only", action="store_true", help="record and count only prefill passes"
+    )
+    g.add_argument(
+        "--ep-dispatch-algorithm",
+        choices=DISPATCH_MODES,
+        default="static",
+        help="dispatch of the baseline and of --algorithms entries without ':mode' (default: %(default)s)",
+    )
+    g.add_argument(
+        "--init-expert-location",
+        default="trivial",
+        help="placement before the first rebalance: 'trivial', an SGLang JSON with physical_to_logical_map, "
+        "or a placement .safetensors from 'eplb solve' (default: %(default)s)",
+    )
+
+
+def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
+    d = CostModel()
+    g = parser.add_argument_group("cost model (defaults: DeepSeek-V3 dims on an H200, design.md §6)")
+    g.add_argument(
+        "--cost-base-us", type=float, default=d.base_us, help="a: µs per GPU per layer (%(default)s)"
+    )
+    g.add_argument(
+        "--cost-per-expert-us",
+        type=float,
+        default=d.per_expert_us,
+        help="b: µs per active expert (%(default)s)",
+    )
+    g.add_argument(
+        "--cost-per-token-us", type=float, default=d.per_token_us, help="c: µs per routed token (%(default)s)"
+    )
+    g.add_argument(
+        "--nvlink-gbps", type=float, default=d.nvlink_gbps, help="intra-node GB/s per GPU (%(default)s)"
+    )
+    g.add_argument(
+        "--internode-gbps", type=float, default=d.internode_gbps, help="inter-node GB/s per GPU (%(default)s)"
+    )
+
+
+def load_input(args: argparse.Namespace, quiet: bool = False) -> Trace:
+    """The trace named by ``--trace``, or the built-in workload ``--preset`` / ``--steps`` / ``--seed``."""
+    if args.trace:
+        from eplb.traces import load_trace
+
+        return load_trace(args.trace, args.trace_format)
+    from eplb.workloads import WorkloadConfig, generate
+
+    if args.steps < 2:
+        raise ValueError(f"--steps must be >= 2, got {args.steps}")
+    cfg = WorkloadConfig(preset=args.preset, num_steps=args.steps, seed=args.seed)
+    if args.prefill_fraction is not None:
+        cfg = cfg.with_(prefill_fraction=args.prefill_fraction)
+    if not quiet:
+        print(f"generating the {args.preset} workload: {args.steps} steps, seed {args.seed}", file=sys.stderr)
+    return generate(cfg)
+
+
+def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) -> SimulationConfig:
+    """Check the flags against ``trace`` (as a server would) and build the simulation config."""
+    from eplb.config import EplbConfig
+
+    threshold = getattr(args, "eplb_min_rebalancing_utilization_threshold", 1.0)
+    values: dict[str, Any] = {
+        "ep_size": args.ep_size,
+        "nnodes": args.nnodes,
+        "ep_num_redundant_experts": args.ep_num_redundant_experts,
+        "eplb_rebalance_num_iterations": getattr(args, "eplb_rebalance_num_iterations", DEFAULT_INTERVAL),
+        "expert_distribution_recorder_buffer_size": args.expert_distribution_recorder_buffer_size,
+    }
+    unknown = set(overrides) - set(values)
+    if unknown:
+        raise TypeError(f"unknown overrides {sorted(unknown)}")
+    values.update(overrides)
+    EplbConfig(
+        enable_eplb=True,
+        eplb_record_prefill_only=args.eplb_record_prefill_only,
+        eplb_min_rebalancing_utilization_threshold=threshold,
+        ep_dispatch_algorithm=args.ep_dispatch_algorithm,
+        num_experts=trace.num_experts,
+        **values,
+    )
+    if args.eplb_record_prefill_only and not trace.is_prefill_T.any():
+        raise ValueError("--eplb-record-prefill-only: the trace has no prefill steps")
+    bytes_per_expert = args.bytes_per_expert
+    if bytes_per_expert is None:
+        bytes_per_expert = int(trace.meta.get("bytes_per_expert", DEEPSEEK_V3_BYTES_PER_EXPERT))
+    num_groups = args.num_groups if args.num_groups is not None else int(trace.meta.get("num_groups", 1))
+    return SimulationConfig(
+        num_gpus=values["ep_size"],
+        num_nodes=values["nnodes"],
+        num_redundant=values["ep_num_redundant_experts"],
+        interval=values["eplb_rebalance_num_iterations"],
+        window=values["expert_distribution_recorder_buffer_size"],
+        record_prefill_only=args.eplb_record_prefill_only,
+        utilization_threshold=threshold,
+        default_dispatch=args.ep_dispatch_algorithm,
+        bytes_per_expert=bytes_per_expert,
+        num_groups=num_groups,
+        seed=args.seed,
+        cost=cost_model(args),
+    )
+
+
+def cost_model(args: argparse.Namespace) -> CostModel:
+    """The cost model of the ``--cost-*`` / ``--*-gbps`` flags (defaults where a command has none)."""
+    if not hasattr(args, "cost_base_us"):
+        return CostModel()
+    return CostModel(
+        base_us=args.cost_base_us,
+        per_expert_us=args.cost_per_expert_us,
+        per_token_us=args.cost_per_token_us,
+        nvlink_gbps=args.nvlink_gbps,
+        internode_gbps=args.internode_gbps,
+    )
+
+
+def initial_placement(args: argparse.Namespace, trace: Trace, config: SimulationConfig) -> Placement | None:
+    """``--init-expert-location``: None for trivial, else the placement the file holds."""
+    source = args.init_expert_location
+    if source == "trivial":
+        return None
+    if str(source).endswith(".safetensors"):
+        from eplb.simulate.placement_io import load_placement
+
+        placement, _ = load_placement(source)
+    else:
+        placement = Placement.from_sglang(source, config.num_gpus, config.num_nodes)
+    if (placement.num_layers, placement.num_logical, placement.num_gpus, placement.num_nodes) != (
+        trace.num_layers,
+        trace.num_experts,
+        config.num_gpus,
+        config.num_nodes,
+    ) or placement.num_redundant != config.num_redundant:
+        raise ValueError(
+            f"--init-expert-location: the placement is [L={placement.num_layers}, E={placement.num_logical}, "
+            f"P={placement.num_physical}] on {placement.num_gpus} GPUs / {placement.num_nodes} nodes, but the trace "
+            f"and flags need [L={trace.num_layers}, E={trace.num_experts}, "
+            f"P={trace.num_experts + config.num_redundant}] on {config.num_gpus} / {config.num_nodes}"
+        )
+    return placement

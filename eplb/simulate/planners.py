@@ -1,0 +1,167 @@
+"""Planners the simulator compares, and the guard that lets them see only the past.
+
+Shape legend: T steps, W window (recorded steps), L layers, E logical experts, R max replicas.
+
+A planner turns the recorded window into a new placement. Everything it learns about the trace
+comes through :class:`PastView`, which refuses (``AssertionError``) any step at or after the
+first step that will run on the plan: planning sees only the past. The solver-backed planners
+adapt ``eplb.solver.solve`` (imported lazily, so the simulator runs without it for "none").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from eplb.placement import Placement
+from eplb.simulate.dispatch import DISPATCH_MODES
+from eplb.traces import Trace
+
+ALGORITHMS = ("none", "deepseek", "deepseek_hierarchical", "scipy", "auto")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One simulated configuration: a planning algorithm and a dispatch mode."""
+
+    algorithm: str
+    """none | deepseek | deepseek_hierarchical | scipy | auto."""
+    dispatch: str
+    """static | dynamic | weighted | fake."""
+
+    @property
+    def name(self) -> str:
+        return f"{self.algorithm}:{self.dispatch}"
+
+    @classmethod
+    def parse(cls, text: str, default_dispatch: str) -> RunSpec:
+        """``"scipy"`` or ``"scipy:weighted"``; the dispatch defaults to ``default_dispatch``."""
+        algorithm, _, dispatch = text.partition(":")
+        dispatch = dispatch or default_dispatch
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"unknown algorithm {algorithm!r} in {text!r}; choose from {ALGORITHMS}")
+        if dispatch not in DISPATCH_MODES:
+            raise ValueError(f"unknown dispatch mode {dispatch!r} in {text!r}; choose from {DISPATCH_MODES}")
+        return cls(algorithm, dispatch)
+
+
+def parse_runs(texts: Sequence[str], default_dispatch: str) -> list[RunSpec]:
+    """Parse ``--algorithms`` entries, refusing duplicates."""
+    runs = [RunSpec.parse(t, default_dispatch) for t in texts]
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"--algorithms lists a configuration twice: {names}")
+    if not runs:
+        raise ValueError("--algorithms needs at least one entry")
+    return runs
+
+
+class PastView:
+    """Read access to the recorded steps before ``now``; anything later is an AssertionError."""
+
+    def __init__(self, trace: Trace, recorded_T: np.ndarray) -> None:
+        self._counts_TLE = trace.counts_TLE
+        self._recorded_steps = np.flatnonzero(recorded_T)
+        self.now = 0
+        """The first step that will run on the plan being made."""
+
+    def recorded_steps(self) -> np.ndarray:
+        """int64 [k]: indices of the recorded steps before ``now``, oldest first."""
+        return self._recorded_steps[: np.searchsorted(self._recorded_steps, self.now)]
+
+    def counts(self, steps: np.ndarray) -> np.ndarray:
+        """int32 [k, L, E]: the counts of ``steps``, all of which must lie before ``now``."""
+        steps = np.asarray(steps, dtype=np.int64)
+        latest = int(steps.max(initial=-1))
+        assert latest < self.now, (
+            f"planning looked at step {latest}, but its plan is used from step {self.now}: "
+            "the placement used at step t must be computed from steps before t"
+        )
+        return self._counts_TLE[steps]
+
+    def window(self, size: int) -> np.ndarray:
+        """int32 [W, L, E]: the last ``size`` recorded steps before ``now`` (fewer at the start)."""
+        steps = self.recorded_steps()
+        return self.counts(steps[max(len(steps) - size, 0) :])
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """What a planner proposes at one rebalance."""
+
+    placement: Placement
+    weights_LER: np.ndarray | None = None
+    """float [L, E, R] per-replica dispatch weights (weighted dispatch), or None."""
+    apply: bool = True
+    """False: keep the current placement (the planner judged the move not worth it)."""
+    reason: str = ""
+    predicted_balancedness: float | None = None
+    """The planner's own forecast of model balancedness under ``placement``, when it makes one."""
+
+
+class Planner(Protocol):
+    """Turns the recorded window into a placement; reads nothing else of the trace than ``past``."""
+
+    def plan(self, window_WLE: np.ndarray, current: Placement, past: PastView) -> Proposal: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverPlanner:
+    """``eplb.solver.solve`` with one algorithm; ``weighted`` asks for per-replica weights."""
+
+    algorithm: str
+    num_groups: int
+    bytes_per_expert: int
+    weighted: bool = False
+    seed: int = 0
+
+    def plan(self, window_WLE: np.ndarray, current: Placement, past: PastView) -> Proposal:
+        from eplb.solver import SolveOptions, Topology, solve
+
+        topology = Topology(
+            num_gpus=current.num_gpus,
+            num_nodes=current.num_nodes,
+            num_physical=current.num_physical,
+            num_groups=self.num_groups,
+        )
+        options = SolveOptions(
+            algorithm=self.algorithm,
+            weighted=self.weighted,
+            bytes_per_expert=self.bytes_per_expert,
+            seed=self.seed,
+        )
+        plan = solve(window_WLE, topology=topology, current=current, options=options)
+        return Proposal(
+            placement=plan.placement,
+            weights_LER=plan.dispatch_weights_LER,
+            apply=bool(plan.apply),
+            reason=str(plan.reason),
+            predicted_balancedness=float(plan.predicted_balancedness),
+        )
+
+
+def solver_available() -> bool:
+    """Whether ``eplb.solver.solve`` can be imported (it is developed alongside the simulator)."""
+    try:
+        from eplb.solver import solve  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def make_planner(run: RunSpec, *, num_groups: int, bytes_per_expert: int, seed: int) -> Planner | None:
+    """The planner of ``run``; None for "none" (the initial placement is kept throughout)."""
+    if run.algorithm == "none":
+        return None
+    if not solver_available():
+        raise ValueError(f"algorithm {run.algorithm!r} needs eplb.solver, which is not installed here")
+    return SolverPlanner(
+        algorithm=run.algorithm,
+        num_groups=num_groups,
+        bytes_per_expert=bytes_per_expert,
+        weighted=run.dispatch == "weighted",
+        seed=seed,
+    )

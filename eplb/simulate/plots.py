@@ -1,0 +1,121 @@
+"""PNG plots of a simulation (matplotlib, imported only here and only when plots are asked for).
+
+Shape legend: T steps, L layers, G GPUs.
+
+- ``balancedness.png``: balancedness of prefill steps over time per run (rolling mean), with
+  the rebalance steps marked;
+- ``load_heatmap.png``: (layer x GPU) load relative to the layer's mean, no balancing vs each run;
+- ``balance_vs_migration.png``: balancedness against expert copies moved, one point per run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from eplb.simulate.results import SimulationResult
+
+MAX_HEATMAPS = 4
+"""Runs shown next to the baseline in the heatmap figure (the first ones given)."""
+
+
+def write_plots(result: SimulationResult, out_dir: str | Path) -> list[Path]:
+    """Write the three PNGs into ``out_dir`` (created if needed); returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [
+        _balancedness_over_time(plt, result, out / "balancedness.png"),
+        _load_heatmaps(plt, result, out / "load_heatmap.png"),
+        _balance_vs_migration(plt, result, out / "balance_vs_migration.png"),
+    ]
+    plt.close("all")
+    return paths
+
+
+def rolling_mean(values_T: np.ndarray, width: int) -> np.ndarray:
+    """float64 [T - width + 1]: mean of every ``width`` consecutive values (``width`` >= 1)."""
+    cumsum = np.concatenate([[0.0], np.cumsum(values_T, dtype=np.float64)])
+    return (cumsum[width:] - cumsum[:-width]) / width
+
+
+def _runs_with_baseline(result: SimulationResult) -> list[Any]:
+    return [result.baseline, *[r for r in result.runs if r is not result.baseline]]
+
+
+def _balancedness_over_time(plt: Any, result: SimulationResult, path: Path) -> Path:
+    prefill_T = result.is_prefill_T
+    steps = np.flatnonzero(prefill_T) if prefill_T.any() else np.arange(prefill_T.size)
+    width = int(np.clip(len(steps) // 60, 1, 50))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for run in _runs_with_baseline(result):
+        smooth = rolling_mean(run.balancedness_T[steps], width)
+        ax.plot(steps[width - 1 :], smooth, label=run.spec.name, linewidth=1.2)
+    for run in result.runs:
+        applied = [e.step for e in run.events if e.applied]
+        if applied:
+            for step in applied:
+                ax.axvline(step, color="grey", linewidth=0.5, linestyle=":")
+            break
+    ax.set_xlabel("step (dotted: rebalances)")
+    ax.set_ylabel("balancedness (mean/max GPU load)")
+    kind = "prefill steps" if prefill_T.any() else "all steps"
+    ax.set_title(f"Balancedness over time, {kind}, rolling mean of {width}")
+    ax.set_ylim(0, 1.02)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _load_heatmaps(plt: Any, result: SimulationResult, path: Path) -> Path:
+    from matplotlib.ticker import MaxNLocator
+
+    runs = _runs_with_baseline(result)[: MAX_HEATMAPS + 1]
+    vmax = max(float(r.relative_load_LG.max()) for r in runs)
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs) + 1, 4.5), squeeze=False)
+    image = None
+    for ax, run in zip(axes[0], runs, strict=True):
+        image = ax.imshow(
+            run.relative_load_LG, aspect="auto", cmap="magma", vmin=0.0, vmax=vmax, interpolation="nearest"
+        )
+        ax.set_title(run.spec.name, fontsize=9)
+        ax.set_xlabel("GPU")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    axes[0][0].set_ylabel("MoE layer")
+    fig.colorbar(image, ax=axes[0].tolist(), label="GPU load / layer mean (per step, averaged)")
+    fig.suptitle(f"Load per layer and GPU, steps {result.scored_from}..{result.is_prefill_T.size - 1}")
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def _balance_vs_migration(plt: Any, result: SimulationResult, path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    summaries = {s["name"]: s for s in result.summaries()}
+    baseline = result.baseline.summary(result.baseline, result.is_prefill_T, result.scored_from)
+    summaries.setdefault(baseline["name"], baseline)
+    for name, s in summaries.items():
+        x, y = s["experts_moved_per_rebalance"], s["balancedness_prefill_mean"]
+        ax.scatter([x], [y], s=40)
+        ax.annotate(
+            f"{name} ({s['speedup_vs_none']:.2f}x)",
+            (x, y),
+            fontsize=8,
+            xytext=(5, 4),
+            textcoords="offset points",
+        )
+    ax.set_xlabel("expert copies moved across GPUs per rebalance")
+    ax.set_ylabel("balancedness, prefill steps (mean)")
+    ax.set_title("Balance vs migration (label: modeled speed-up vs no balancing)")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return path
