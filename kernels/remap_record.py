@@ -10,7 +10,9 @@ Persistent grid: at most ``programs_per_sm`` programs per SM stride over blocks 
 each keeping a private histogram of physical slots (and of logical experts when asked) in
 registers, and flushing it once at the end with relaxed atomics, skipping empty bins. The cost of
 the flush is one atomic per non-empty bin per program, independent of T; a per-block flush (as in
-SGLang's kernel) costs one per bin per block and grows with T.
+SGLang's kernel) costs one per bin per block and grows with T. In static mode each expert goes to
+one slot, so only the expert histogram (E bins, not P) is kept and the flush scatters it through
+the map into the slot counts.
 
 Semantics (bit-for-bit equal to eplb.remap_torch) are documented in eplb.remap and the hash in
 eplb.dispatch_tables.
@@ -19,6 +21,7 @@ eplb.dispatch_tables.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +72,9 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
     LBINS: tl.constexpr,
     COUNT_PHYS: tl.constexpr,
     COUNT_LOGICAL: tl.constexpr,
+    PHYS_HIST: tl.constexpr,
+    LOGICAL_HIST: tl.constexpr,
+    HIST_MASK: tl.constexpr,
     HAS_NVALID: tl.constexpr,
     HAS_RECORD: tl.constexpr,
 ):
@@ -122,17 +128,35 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
         tl.store(out_ptr + offs, tl.where(valid, phys, ids), mask=in_bounds)
         if do_count:
             counted = valid & (phys >= 0) & (phys < num_physical)
-            if COUNT_PHYS:
-                pacc += tl.histogram(tl.where(counted, phys, PBINS - 1), PBINS)
-            if COUNT_LOGICAL:
-                lacc += tl.histogram(tl.where(counted, safe, LBINS - 1), LBINS)
+            if PHYS_HIST:
+                pacc += _histogram(phys, counted, PBINS, HIST_MASK)
+            if LOGICAL_HIST:
+                lacc += _histogram(safe, counted, LBINS, HIST_MASK)
     if do_count:
-        if COUNT_PHYS:
+        if PHYS_HIST:
             pbins = tl.arange(0, PBINS)
             tl.atomic_add(counts_ptr + pbins, pacc, mask=(pbins < num_physical) & (pacc > 0), sem="relaxed")
-        if COUNT_LOGICAL:
+        if LOGICAL_HIST:
             lbins = tl.arange(0, LBINS)
-            tl.atomic_add(lcounts_ptr + lbins, lacc, mask=(lbins < num_logical) & (lacc > 0), sem="relaxed")
+            nonzero = (lbins < num_logical) & (lacc > 0)
+            if COUNT_LOGICAL:
+                tl.atomic_add(lcounts_ptr + lbins, lacc, mask=nonzero, sem="relaxed")
+            if COUNT_PHYS and not PHYS_HIST:
+                # Static mode: each expert goes to one slot, so slot counts are the expert histogram
+                # scattered through the map (half the bins of a slot histogram, and one histogram for both).
+                slot = tl.load(static_ptr + table_base + lbins, mask=nonzero, other=-1)
+                ok = nonzero & (slot >= 0) & (slot < num_physical)
+                tl.atomic_add(counts_ptr + slot, lacc, mask=ok, sem="relaxed")
+
+
+@triton.jit
+def _histogram(values, mask, NBINS: tl.constexpr, HIST_MASK: tl.constexpr):  # type: ignore[no-untyped-def]
+    if HIST_MASK:
+        hist = tl.histogram(values, NBINS, mask=mask)
+    else:
+        # Older Triton: park excluded values in the spare last bin, which the flush ignores.
+        hist = tl.histogram(tl.where(mask, values, NBINS - 1), NBINS)
+    return hist
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,9 +196,13 @@ def grid_size(numel: int, config: LaunchConfig, device: torch.device) -> int:
     return max(1, min(num_blocks, config.programs_per_sm * num_compute_units(device)))
 
 
+# tl.histogram takes a mask since Triton 3.3; before, excluded ids go to a spare bin.
+HIST_MASK = "mask" in inspect.signature(tl.histogram).parameters
+
+
 def _num_bins(n: int) -> int:
-    # One spare bin for uncounted ids; at least a warp's width (tl.histogram's lowering needs it).
-    return max(32, triton.next_power_of_2(n + 1))
+    # At least a warp's width (tl.histogram's lowering needs it); a spare bin without mask support.
+    return max(32, triton.next_power_of_2(n if HIST_MASK else n + 1))
 
 
 def remap_record_triton(
@@ -202,6 +230,7 @@ def remap_record_triton(
     cfg = config or default_config(numel, device)
     E, P = tables.num_logical, tables.num_physical
     rank = -1 if mode == "weighted" else tables.rank
+    count_phys, count_logical = counts_P is not None, logical_counts_E is not None
     dummy = out_TK  # never dereferenced: the matching constexpr flag is off
     _remap_record_kernel[(grid_size(numel, cfg, device),)](
         topk_ids_TK,
@@ -228,8 +257,11 @@ def remap_record_triton(
         BLOCK=cfg.block,
         PBINS=_num_bins(P),
         LBINS=_num_bins(E),
-        COUNT_PHYS=counts_P is not None,
-        COUNT_LOGICAL=logical_counts_E is not None,
+        COUNT_PHYS=count_phys,
+        COUNT_LOGICAL=count_logical,
+        PHYS_HIST=count_phys and mode != "static",
+        LOGICAL_HIST=count_logical or (count_phys and mode == "static"),
+        HIST_MASK=HIST_MASK,
         HAS_NVALID=num_valid_tokens is not None,
         HAS_RECORD=record is not None,
         num_warps=cfg.num_warps,

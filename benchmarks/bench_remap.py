@@ -1,0 +1,367 @@
+"""Remap + record: this project's fused kernel against a same-bytes copy (the floor) and SGLang's paths.
+
+Shape legend: T tokens, K top-k, E logical experts, P physical slots.
+
+For every T: build router-like int32 ids [T, K] (K distinct experts per token from a skewed
+distribution), check that every variant's physical ids and slot counts equal the torch reference,
+then time each variant eagerly and under CUDA-graph replay. Two graph figures per variant: a graph
+holding one call (replay overhead included, as in design.md §6) and a graph holding 20 calls
+(the per-call cost inside a longer graph, as in a captured forward pass).
+
+Variants: ``copy`` (min of ``Tensor.copy_`` and a Triton copy kernel: read and write T*K int32),
+``eplb`` (static mode, slot counts; default launch config), ``eplb+logical`` (also logical
+counts), ``eplb rec=0`` (record flag off), ``eplb dynamic`` / ``eplb weighted``,
+``sglang-fused`` (SGLang 0.5.23's Triton kernel, loaded from the PyPI wheel by benchmarks/peers.py)
+and ``sglang-unfused`` (gather through the dispatch map, then ``scatter_add_`` into the counts, as
+SGLang's recorder does). ``--sweep`` also times a grid of launch configs of this kernel.
+
+    python benchmarks/bench_remap.py --json out.json            # on a CUDA machine
+    TRITON_INTERPRET=1 python benchmarks/bench_remap.py --check-only --tokens 64 512   # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eplb.kernels.remap_record import LaunchConfig, default_config, remap_record_triton
+
+from benchmarks.peers import load_sglang_fused_kernel
+from eplb.dispatch_tables import DispatchTables
+from eplb.placement import Placement
+from eplb.remap import remap_and_record
+
+GRAPH_CALLS = 20
+
+
+@triton.jit
+def _copy_kernel(src_ptr, dst_ptr, numel, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
+
+
+def triton_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
+    numel = src.numel()
+    block = 1024
+    _copy_kernel[(triton.cdiv(numel, block),)](src, dst, numel, BLOCK=block, num_warps=4)
+
+
+def router_ids(T: int, K: int, E: int, device: torch.device, seed: int) -> torch.Tensor:
+    """int32 [T, K]: K distinct experts per token, drawn from a Zipf-like skew (hot experts exist)."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    probs = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 0.8
+    probs = probs[torch.randperm(E, generator=gen)]
+    ids = torch.multinomial(probs.float().expand(T, E), K, replacement=False, generator=gen)
+    return ids.to(device=device, dtype=torch.int32).contiguous()
+
+
+class _SGLangDispatchInfo:
+    """The two attributes SGLang's fused kernel reads from its ExpertLocationDispatchInfo."""
+
+    def __init__(self, dispatch_map_E: torch.Tensor) -> None:
+        self.ep_dispatch_algorithm = "static"
+        self.partial_logical_to_rank_dispatch_physical_map = dispatch_map_E
+
+
+def sglang_unfused(
+    ids_TK: torch.Tensor, map_E: torch.Tensor, counts_P: torch.Tensor, nvalid_1: torch.Tensor
+) -> torch.Tensor:
+    """SGLang's unfused path: gather through the static map; scatter_add_ of the valid ones."""
+    valid = ids_TK >= 0
+    phys = torch.where(valid, map_E[ids_TK.clamp(min=0).long()], ids_TK)
+    rows = torch.arange(ids_TK.shape[0], device=ids_TK.device)[:, None]
+    counted = valid & (rows < nvalid_1)
+    counts_P.scatter_add_(0, phys.masked_fill(~counted, 0).long().flatten(), counted.int().flatten())
+    return phys
+
+
+def time_eager(fn: Callable[[], Any], reps: int) -> float:
+    """Median µs of single calls between device events (launch overhead included)."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def time_graph(fn: Callable[[], Any], calls: int, reps: int) -> float:
+    """Median µs per call of replaying a graph that holds ``calls`` calls."""
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        for _ in range(calls):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    for _ in range(10):
+        graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
+def build_variants(
+    T: int, K: int, E: int, P: int, device: torch.device, sglang: Any, seed: int
+) -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
+    """Closures for every variant, and the buffers to check after one call of each."""
+    placement = Placement.trivial(4, E, num_gpus=8, num_redundant=P - E)
+    rng_weights = (
+        torch.rand((4, E, placement.max_replicas), generator=torch.Generator().manual_seed(seed)) + 0.1
+    )
+    tables = DispatchTables.from_placement(placement, rank=3, device=device, weights_LER=rng_weights)
+    layer = 2
+    ids = router_ids(T, K, E, device, seed)
+    nvalid = torch.tensor([T], dtype=torch.int32, device=device)
+    rec_on = torch.ones(1, dtype=torch.int32, device=device)
+    rec_off = torch.zeros(1, dtype=torch.int32, device=device)
+    bufs: dict[str, Any] = {"ids": ids, "tables": tables, "layer": layer, "nvalid": nvalid}
+    out: dict[str, torch.Tensor] = {}
+    counts: dict[str, torch.Tensor] = {}
+
+    def new(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        out[name] = torch.full_like(ids, -7)
+        counts[name] = torch.zeros(P, dtype=torch.int32, device=device)
+        return out[name], counts[name]
+
+    variants: dict[str, Callable[[], Any]] = {}
+    o_copy, _ = new("copy torch")
+    variants["copy torch"] = lambda: o_copy.copy_(ids)
+    o_tcopy, _ = new("copy triton")
+    variants["copy triton"] = lambda: triton_copy(ids, o_tcopy)
+
+    def eplb(name: str, mode: str, logical: bool, record: torch.Tensor) -> None:
+        o, c = new(name)
+        lc = torch.zeros(E, dtype=torch.int32, device=device) if logical else None
+        bufs[f"{name} logical"] = lc
+
+        def run() -> None:
+            remap_and_record(
+                ids,
+                tables,
+                layer,
+                mode=mode,
+                counts_P=c,
+                logical_counts_E=lc,
+                num_valid_tokens=nvalid,
+                record=record,
+                out_TK=o,
+                backend="triton",
+            )
+
+        variants[name] = run
+
+    eplb("eplb", "static", False, rec_on)
+    eplb("eplb+logical", "static", True, rec_on)
+    eplb("eplb rec=0", "static", False, rec_off)
+    eplb("eplb dynamic", "dynamic", False, rec_on)
+    eplb("eplb weighted", "weighted", False, rec_on)
+    map_E = tables.static_LE[layer].contiguous()
+    if sglang is not None:
+        info = _SGLangDispatchInfo(map_E)
+        _, c_sf = new("sglang-fused")
+
+        def sglang_fused() -> None:
+            out["sglang-fused"] = sglang.eplb_map_and_record_fused(ids, info, c_sf, nvalid)
+
+        variants["sglang-fused"] = sglang_fused
+    _, c_su = new("sglang-unfused")
+
+    def unfused() -> None:
+        out["sglang-unfused"] = sglang_unfused(ids, map_E, c_su, nvalid)
+
+    variants["sglang-unfused"] = unfused
+    bufs["out"], bufs["counts"] = out, counts
+    return variants, bufs
+
+
+def check(variants: dict[str, Callable[[], Any]], bufs: dict[str, Any]) -> list[str]:
+    """Run each variant once on zeroed counts; return a list of mismatches against the torch reference."""
+    ids, tables, layer, nvalid = bufs["ids"], bufs["tables"], bufs["layer"], bufs["nvalid"]
+    P, E = tables.num_physical, tables.num_logical
+    problems = []
+    for name, fn in variants.items():
+        bufs["counts"][name].zero_()
+        fn()
+    for mode, names in (
+        ("static", ["eplb", "eplb+logical", "eplb rec=0", "sglang-fused", "sglang-unfused"]),
+        ("dynamic", ["eplb dynamic"]),
+        ("weighted", ["eplb weighted"]),
+    ):
+        ref_c = torch.zeros(P, dtype=torch.int32, device=ids.device)
+        ref_l = torch.zeros(E, dtype=torch.int32, device=ids.device)
+        ref_o = remap_and_record(
+            ids,
+            tables,
+            layer,
+            mode=mode,
+            counts_P=ref_c,
+            logical_counts_E=ref_l,
+            num_valid_tokens=nvalid,
+            backend="torch",
+        )
+        for name in names:
+            if name not in variants:
+                continue
+            if not torch.equal(bufs["out"][name].to(torch.int32), ref_o):
+                problems.append(f"{name}: physical ids differ from the reference")
+            want = torch.zeros_like(ref_c) if name == "eplb rec=0" else ref_c
+            if not torch.equal(bufs["counts"][name], want):
+                problems.append(f"{name}: slot counts differ from the reference")
+            lc = bufs.get(f"{name} logical")
+            if lc is not None and not torch.equal(lc, ref_l):
+                problems.append(f"{name}: logical counts differ from the reference")
+    for name in ("copy torch", "copy triton"):
+        if not torch.equal(bufs["out"][name], ids):
+            problems.append(f"{name}: copy is wrong")
+    return problems
+
+
+SWEEP = [
+    LaunchConfig(block=b, num_warps=w, programs_per_sm=p)
+    for b in (512, 1024, 2048, 4096, 8192)
+    for w in (4, 8)
+    for p in (1, 2, 4, 8)
+    if b // (32 * w) >= 2
+]
+
+
+def sweep(bufs: dict[str, Any], reps: int) -> list[dict[str, Any]]:
+    ids, tables, layer, nvalid = bufs["ids"], bufs["tables"], bufs["layer"], bufs["nvalid"]
+    out = torch.empty_like(ids)
+    counts = torch.zeros(tables.num_physical, dtype=torch.int32, device=ids.device)
+    rows = []
+    for cfg in SWEEP:
+        if cfg.block > 4 * triton.next_power_of_2(ids.numel()):
+            continue
+
+        def run(cfg: LaunchConfig = cfg) -> None:
+            remap_record_triton(ids, tables, layer, "static", out, counts, None, nvalid, None, config=cfg)
+
+        rows.append(
+            {
+                "block": cfg.block,
+                "warps": cfg.num_warps,
+                "per_sm": cfg.programs_per_sm,
+                "graph20_us": time_graph(run, GRAPH_CALLS, reps),
+            }
+        )
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 512, 4096, 16384, 65536])
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--physical", type=int, default=288)
+    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    ap.add_argument(
+        "--check-only", action="store_true", help="correctness only (works under TRITON_INTERPRET=1)"
+    )
+    ap.add_argument("--no-sglang", action="store_true", help="skip SGLang's fused kernel")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sglang = None if args.no_sglang else load_sglang_fused_kernel()
+    if device.type == "cpu" and sglang is not None:
+        sglang = None  # SGLang's wrapper returns None off CUDA
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": sys.version.split()[0],
+        "K": args.top_k,
+        "E": args.experts,
+        "P": args.physical,
+        "graph_calls": GRAPH_CALLS,
+        "interpret": os.environ.get("TRITON_INTERPRET", "0"),
+    }
+    print(json.dumps(meta))
+    results: list[dict[str, Any]] = []
+    failed = False
+    for T in args.tokens:
+        variants, bufs = build_variants(
+            T, args.top_k, args.experts, args.physical, device, sglang, args.seed + T
+        )
+        problems = check(variants, bufs)
+        cfg = default_config(T * args.top_k, device)
+        print(
+            f"T={T}: outputs {'checked equal' if not problems else 'DIFFER: ' + '; '.join(problems)} (default config {cfg})"
+        )
+        failed |= bool(problems)
+        if args.check_only or device.type != "cuda":
+            continue
+        row: dict[str, Any] = {"T": T, "timings": {}}
+        for name, fn in variants.items():
+            row["timings"][name] = {
+                "eager_us": time_eager(fn, args.reps),
+                "graph1_us": time_graph(fn, 1, args.reps),
+                f"graph{GRAPH_CALLS}_us": time_graph(fn, GRAPH_CALLS, args.reps),
+            }
+        if args.sweep:
+            row["sweep"] = sweep(bufs, max(50, args.reps // 3))
+        results.append(row)
+    if results:
+        print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    return 1 if failed else 0
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    g = f"graph{GRAPH_CALLS}_us"
+    for key in ("graph1_us", g, "eager_us"):
+        print(f"\n{key} (median µs per call)")
+        names = list(results[0]["timings"])
+        print("T".rjust(6) + "".join(n.rjust(16) for n in names) + "  eplb/floor  sglang/eplb")
+        for row in results:
+            t = row["timings"]
+            floor = min(t["copy torch"][key], t["copy triton"][key])
+            ratio_sg = t["sglang-fused"][key] / t["eplb"][key] if "sglang-fused" in t else float("nan")
+            print(
+                str(row["T"]).rjust(6)
+                + "".join(f"{t[n][key]:16.2f}" for n in names)
+                + f"{t['eplb'][key] / floor:12.2f}{ratio_sg:13.2f}"
+            )
+    for row in results:
+        if "sweep" in row:
+            best = sorted(row["sweep"], key=lambda r: r["graph20_us"])[:3]
+            print(f"sweep T={row['T']}: best {best}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
