@@ -11,7 +11,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from eplb.commands.common import add_json_out, add_seed, emit
+from eplb.commands.common import add_json_out, add_progress, add_seed, emit
 
 HELP = "solve a placement from a trace; write it as eplb safetensors and SGLang --init-expert-location JSON"
 
@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_topology_arguments(parser)
     add_schedule_arguments(parser, schedule=False)
     add_seed(parser)
+    add_progress(parser)
     add_json_out(parser)
 
 
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
     from eplb.simulate.placement_io import save_placement
     from eplb.simulate.planners import PastView, SolverPlanner
 
-    trace = load_input(args, quiet=args.json_out is not None and str(args.json_out) == "-")
+    trace = load_input(args, quiet=args.disable_tqdm)
     # The window is the whole trace unless --expert-distribution-recorder-buffer-size says less.
     recorded_T = trace.is_prefill_T if args.eplb_record_prefill_only else np.ones(trace.num_steps, dtype=bool)
     num_recorded = int(recorded_T.sum())

@@ -176,6 +176,11 @@ def simulate(
         state.evaluate(chunk.start, chunk.stop)
     results = [s.result() for s in states]
     notes = []
+    if not apply_steps.size:
+        notes.append(
+            f"no rebalance happens: the trace records fewer than {config.interval} steps "
+            "(--eplb-rebalance-num-iterations) before its end"
+        )
     if trace.meta.get("chronological") is False:
         notes.append("the trace's steps may not be in time order (an SGLang stat dump's ring buffer)")
     return SimulationResult(

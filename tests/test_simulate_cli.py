@@ -1,0 +1,198 @@
+"""``eplb simulate``, ``eplb sweep`` and ``eplb solve`` on the tiny preset; placement files round-trip."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from eplb.cli import main
+from eplb.placement import Placement
+from eplb.simulate.placement_io import load_placement, save_placement
+from eplb.simulate.sweep import redundant_candidates
+from eplb.traces import load_trace
+
+TINY = ["--preset", "tiny", "--ep-size", "4", "--nnodes", "2", "--disable-tqdm"]
+
+
+def test_simulate_writes_table_json_and_plots(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "simulate",
+        *TINY,
+        "--steps",
+        "240",
+        "--ep-num-redundant-experts",
+        "4",
+        "--eplb-rebalance-num-iterations",
+        "40",
+        "--algorithms",
+        "none",
+        "deepseek",
+        "deepseek_hierarchical:dynamic",
+        "--json",
+        str(tmp_path / "r.json"),
+        "--plots",
+        str(tmp_path / "plots"),
+    ]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "deepseek:static" in out and "speed-up" in out
+    result = json.loads((tmp_path / "r.json").read_text())
+    names = [r["name"] for r in result["runs"]]
+    assert names == ["none:static", "deepseek:static", "deepseek_hierarchical:dynamic"]
+    by_name = {r["name"]: r for r in result["runs"]}
+    assert by_name["none:static"]["speedup_vs_none"] == 1.0
+    # Rebalancing the tiny preset's skewed load must help, and the modeled speed-up follows.
+    assert (
+        by_name["deepseek:static"]["balancedness_prefill_mean"]
+        > by_name["none:static"]["balancedness_prefill_mean"]
+    )
+    assert by_name["deepseek:static"]["speedup_vs_none"] > 1.0
+    assert len(result["rebalances"]["deepseek:static"]) == 240 // 40 - 1
+    assert len(result["timeline"]["none:static"]["balancedness"]) == 240
+    for png in ("balancedness.png", "load_heatmap.png", "balance_vs_migration.png"):
+        data = (tmp_path / "plots" / png).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 5000
+
+
+def test_simulate_reads_a_trace_and_prefill_only_recording(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert (
+        main(
+            [
+                "workload",
+                "--preset",
+                "tiny",
+                "--steps",
+                "200",
+                "--ep-size",
+                "4",
+                "--out",
+                str(tmp_path / "t.npz"),
+            ]
+        )
+        == 0
+    )
+    capsys.readouterr()
+    args = [
+        "simulate",
+        "--trace",
+        str(tmp_path / "t.npz"),
+        "--ep-size",
+        "4",
+        "--nnodes",
+        "1",
+        "--disable-tqdm",
+    ]
+    args += [
+        "--algorithms",
+        "none",
+        "deepseek",
+        "--eplb-rebalance-num-iterations",
+        "20",
+        "--eplb-record-prefill-only",
+    ]
+    assert main([*args, "--json", "-"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["config"]["record_prefill_only"] is True
+    # Only prefill steps count: a rebalance follows every 20th prefill step.
+    recorded = np.flatnonzero(load_trace(tmp_path / "t.npz").is_prefill_T)
+    expected = [int(recorded[i]) + 1 for i in range(19, len(recorded), 20) if recorded[i] + 1 < 200]
+    assert len(expected) >= 2
+    assert [e["step"] for e in result["rebalances"]["deepseek:static"]] == expected
+    assert all(e["window_steps"] == 20 for e in result["rebalances"]["deepseek:static"])
+
+
+def test_sweep_finds_fewest_redundant_and_longest_interval(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "sweep",
+        *TINY,
+        "--steps",
+        "200",
+        "--algorithm",
+        "deepseek:dynamic",
+        "--redundant",
+        "0",
+        "4",
+        "--intervals",
+        "25",
+        "100",
+        "--eplb-rebalance-num-iterations",
+        "25",
+    ]
+    assert main([*args, "--target", "0.5", "--json", str(tmp_path / "easy.json")]) == 0
+    easy = json.loads((tmp_path / "easy.json").read_text())
+    assert easy["redundant"] == 0 and easy["interval"] == 100
+    assert main([*args, "--target", "1.0", "--json", str(tmp_path / "hard.json")]) == 0
+    hard = json.loads((tmp_path / "hard.json").read_text())
+    assert hard["redundant"] is None and hard["interval"] is None
+    assert {(p["num_redundant"], p["interval"]) for p in hard["points"]} == {(0, 25), (4, 25), (4, 100)}
+    assert redundant_candidates(256, 32, 64) == [0, 32, 64] and redundant_candidates(10, 4, 10) == [2, 6, 10]
+
+
+def test_solve_writes_own_and_sglang_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "plan"
+    args = ["solve", *TINY, "--steps", "120", "--ep-num-redundant-experts", "4", "--out", str(out)]
+    assert main([*args, "--ep-dispatch-algorithm", "weighted", "--json", "-"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    placement, weights = load_placement(out / "placement.safetensors")
+    assert placement.num_physical == 20 and placement.num_gpus == 4 and placement.num_nodes == 2
+    assert weights is not None and np.allclose(weights.sum(axis=2), 1.0, atol=1e-5)
+    from_sglang = Placement.from_sglang(out / "init_expert_location.json", num_gpus=4, num_nodes=2)
+    assert from_sglang.same_slots(placement)
+    assert result["balancedness_on_window"] > result["balancedness_on_window_before"]
+    # The solved placement can start a simulation (both file kinds), and beats the trivial one there.
+    first_balancedness = {}
+    for init in ("trivial", out / "placement.safetensors", out / "init_expert_location.json"):
+        assert main(["simulate", *TINY, "--steps", "60", "--ep-num-redundant-experts", "4", "--algorithms",
+                     "none:dynamic", "--init-expert-location", str(init), "--json", str(tmp_path / "s.json")]) == 0  # fmt: skip
+        timeline = json.loads((tmp_path / "s.json").read_text())["timeline"]["none:dynamic"]["balancedness"]
+        first_balancedness[str(init)] = np.mean(timeline[:20])
+    solved = [v for k, v in first_balancedness.items() if k != "trivial"]
+    assert solved[0] == solved[1] > first_balancedness["trivial"] + 0.1
+
+
+def test_placement_file_round_trips_and_refuses_corrupt_files(tmp_path: Path) -> None:
+    pl = Placement.trivial(2, 6, num_gpus=2, num_redundant=2, num_nodes=1)
+    path = save_placement(tmp_path / "p.safetensors", pl, meta={"why": "test"})
+    got, weights = load_placement(path)
+    assert got == pl and weights is None
+    (tmp_path / "bad.safetensors").write_bytes(b"\x08\x00\x00\x00\x00\x00\x00\x00{}junk")
+    with pytest.raises(ValueError, match="placement"):
+        load_placement(tmp_path / "bad.safetensors")
+    from safetensors.numpy import save_file
+
+    bad = {"phy2log": pl.phy2log_LP, "log2phy": pl.log2phy_LER, "logcnt": pl.logcnt_LE + 1}
+    save_file(bad, str(tmp_path / "inconsistent.safetensors"), metadata={"format": "eplb-placement", "version": "1",
+                                                                          "num_gpus": "2", "num_nodes": "1"})  # fmt: skip
+    with pytest.raises(ValueError, match="inconsistent placement"):
+        load_placement(tmp_path / "inconsistent.safetensors")
+    with pytest.raises(FileNotFoundError):
+        load_placement(tmp_path / "missing.safetensors")
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--ep-num-redundant-experts", "1"], "--ep-num-redundant-experts"),
+        (
+            ["--eplb-rebalance-num-iterations", "10", "--expert-distribution-recorder-buffer-size", "20"],
+            "buffer-size",
+        ),
+        (["--algorithms", "magic"], "unknown algorithm"),
+        (["--nnodes", "3"], "--nnodes"),
+        (["--trace", "/nonexistent/trace.safetensors"], "not found"),
+    ],
+)
+def test_bad_simulate_flags_are_one_line_errors(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["simulate", "--preset", "tiny", "--steps", "20", "--ep-size", "4", "--nnodes", "1",
+                 "--disable-tqdm", *extra]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert err.startswith("eplb simulate: error:") and message in err and "Traceback" not in err
