@@ -412,7 +412,7 @@ def queries(dashboard: dict) -> list[Query]:
 
 _METRIC = re.compile(r"\b(eplb_[A-Za-z0-9_:]*)")
 _SELECTOR = re.compile(r"\b(eplb_[A-Za-z0-9_:]*)\s*\{([^}]*)\}")
-_MATCHER = re.compile(r"([A-Za-z_]\w*)\s*(=~|!~|!=|=)")
+_MATCHER = re.compile(r'([A-Za-z_]\w*)\s*(=~|!~|!=|=)\s*"([^"]*)"')
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
 
 
@@ -435,10 +435,10 @@ def problems(dashboard: dict) -> list[str]:
             if name not in known:
                 found.append(f"{q.where}: metric {name!r} is not defined in eplb.metrics_names")
         for name, matchers in _SELECTOR.findall(q.expr):
-            for label, op in _MATCHER.findall(matchers):
+            for label, op, value in _MATCHER.findall(matchers):
                 if name in known and label not in _labels_of(name):
                     found.append(f"{q.where}: {name} has no label {label!r}")
-                if "$" in matchers and op != "=~":
+                if "$" in value and op != "=~":
                     found.append(f"{q.where}: multi-value variable needs =~ in {name}{{{matchers}}}")
         usable = set().union(*(_labels_of(n) for n in metrics)) if metrics else set()
         for group in _GROUPING.findall(q.expr):

@@ -77,7 +77,10 @@ class MetricsExporter:
             raise ValueError(f"cannot serve metrics on {self.host}:{self._requested_port}: {exc}") from exc
         server.sink = self.sink
         self._server = server
-        self._thread = threading.Thread(target=server.serve_forever, name="eplb-metrics", daemon=True)
+        # poll_interval only bounds how long stop() waits for the loop to notice; requests wake it at once.
+        self._thread = threading.Thread(
+            target=server.serve_forever, kwargs={"poll_interval": 0.2}, name="eplb-metrics", daemon=True
+        )
         self._thread.start()
         return self
 

@@ -7,43 +7,24 @@ Skipped (with the reason) only when the ``prometheus`` binary is missing; .ci/ru
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import numpy as np
 import pytest
+from dashboards_import import generate, promstack
 
 from eplb.balance import gpu_load
 from eplb.metrics import PrometheusSink
 from eplb.metrics_exporter import MetricsExporter
 from eplb.placement import Placement
 
-REPO = Path(__file__).resolve().parents[1]
-
 pytestmark = pytest.mark.skipif(
     shutil.which("prometheus") is None, reason="prometheus binary not installed (apt-get install prometheus)"
 )
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        f"eplb_dashboards_{name}", REPO / "dashboards" / f"{name}.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-generate = _load("generate")
-promstack = _load("promstack")
 
 
 def _drive(sink: PrometheusSink, stop: threading.Event) -> None:
@@ -94,15 +75,13 @@ def prometheus() -> Iterator[object]:
         driver.join(timeout=5)
 
 
-def test_target_is_up(prometheus: promstack.LocalPrometheus) -> None:
+def test_target_is_up(prometheus: Any) -> None:
     targets = prometheus.api("targets")["activeTargets"]
     assert [t["health"] for t in targets] == ["up"], targets
 
 
 @pytest.mark.parametrize("query", generate.queries(generate.build_dashboard()), ids=lambda q: q.where)
-def test_every_dashboard_query_returns_data(
-    prometheus: promstack.LocalPrometheus, query: generate.Query
-) -> None:
+def test_every_dashboard_query_returns_data(prometheus: Any, query: Any) -> None:
     expr = promstack.expand(query.expr, rate_interval="5s")
     now = time.time()
     if query.instant:
@@ -113,7 +92,7 @@ def test_every_dashboard_query_returns_data(
     assert values, f"{query.where}: no finite value for {expr}: {data}"
 
 
-def test_window_values_match_the_last_handed_window(prometheus: promstack.LocalPrometheus) -> None:
+def test_window_values_match_the_last_handed_window(prometheus: Any) -> None:
     # What Prometheus stored for the (layer, rank) grid is a window the sink was given: every layer's
     # rank tokens sum to that layer's tokens, and balancedness is mean/max of the same row.
     rows = prometheus.api("query", query="eplb_rank_tokens")["result"]
