@@ -1,0 +1,163 @@
+"""Run one function on several local ranks joined by torch.distributed, never hanging the caller.
+
+Gloo on CPU (several processes on one machine) or NCCL with one GPU per rank. Every rank gets a
+:class:`RankContext`; results come back through a queue and must pickle. A rank that raises makes
+:func:`run_ranks` end every other rank and raise with that rank's traceback; a run past
+``timeout_s`` ends all ranks and raises ``TimeoutError``. Collectives inherit the same timeout
+(``init_process_group(timeout=...)``), so a rank stuck in one also fails instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankContext:
+    """Where one rank runs."""
+
+    rank: int
+    """This process's rank in [0, world_size)."""
+    world_size: int
+    """Number of ranks (EP size)."""
+    device: torch.device
+    """cpu for Gloo, cuda:<rank> for NCCL."""
+    backend: str
+    """gloo | nccl."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1 (for the rendezvous)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def init_rank(rank: int, world_size: int, port: int, backend: str, timeout_s: float) -> RankContext:
+    """Join the process group (one thread per rank on CPU: the ranks share the machine's cores)."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
+    if backend == "nccl":
+        device = torch.device("cuda", rank % max(torch.cuda.device_count(), 1))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(1)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if backend == "nccl" else None,
+    )
+    return RankContext(rank=rank, world_size=world_size, device=device, backend=backend)
+
+
+def _child(
+    fn: Callable[..., Any],
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    args: Sequence[Any],
+    results: Any,
+) -> None:
+    try:
+        ctx = init_rank(rank, world_size, port, backend, timeout_s)
+        try:
+            results.put(("ok", rank, fn(ctx, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # report everything, including KeyboardInterrupt, then exit
+        results.put(("error", rank, traceback.format_exc()))
+
+
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int,
+    *,
+    args: Sequence[Any] = (),
+    backend: str = "gloo",
+    timeout_s: float = 120.0,
+    rank0_in_process: bool = False,
+) -> list[Any]:
+    """Call ``fn(ctx, *args)`` on ``world_size`` ranks; return the results ordered by rank.
+
+    ``fn`` must be importable by name (spawned processes re-import it). With ``rank0_in_process``
+    rank 0 runs in this process (so it can use objects that do not pickle, such as a metrics
+    sink); the other ranks are spawned.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx_mp = mp.get_context("spawn")
+    results: Any = ctx_mp.Queue()
+    port = free_port()
+    first_child = 1 if rank0_in_process else 0
+    procs = [
+        ctx_mp.Process(
+            target=_child,
+            args=(fn, rank, world_size, port, backend, timeout_s, tuple(args), results),
+            daemon=True,
+        )
+        for rank in range(first_child, world_size)
+    ]
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    try:
+        if rank0_in_process:
+            ctx = init_rank(0, world_size, port, backend, timeout_s)
+            try:
+                out[0] = fn(ctx, *args)
+            finally:
+                dist.destroy_process_group()
+        while len(out) < world_size:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s} s"
+                )
+            try:
+                status, rank, value = results.get(timeout=min(remaining, 1.0))
+            except queue.Empty:
+                dead = [p for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a rank process died with exit code {dead[0].exitcode}") from None
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5.0)
+    return [out[r] for r in range(world_size)]
+
+
+def is_distributed() -> bool:
+    """Whether a default process group exists (false: a single local rank)."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def world() -> tuple[int, int]:
+    """(rank, world_size) of the default group, or (0, 1) without one."""
+    if not is_distributed():
+        return 0, 1
+    return dist.get_rank(), dist.get_world_size()
