@@ -15,6 +15,8 @@ directly, about twenty times faster than prometheus_client's generic writer at D
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import threading
 import time
@@ -43,12 +45,14 @@ class _Snapshot:
 
 @dataclass(frozen=True)
 class _Family:
-    """A gauge family as label tuples and float values (the form both read paths need)."""
+    """A gauge family as label tuples, their rendered text prefixes, and float values."""
 
     name: str
     help: str
     label_names: tuple[str, ...]
-    label_values: list[tuple[str, ...]]
+    label_values: Sequence[tuple[str, ...]]
+    prefixes: Sequence[str]
+    """``name{label="value",...} `` for each sample, as the text format writes it."""
     values: list[float]
 
 
@@ -126,35 +130,62 @@ _WINDOW_METRICS = frozenset(
 )
 
 
-def _family(name: str, label_values: Sequence[tuple[str, ...]], values: list[float]) -> _Family:
+def _prefix(name: str, label_names: tuple[str, ...], label_values: tuple[str, ...]) -> str:
+    # Label values are zero-padded integers: nothing to escape.
+    if not label_names:
+        return name + " "
+    pairs = ",".join(f'{k}="{v}"' for k, v in zip(label_names, label_values, strict=True))
+    return f"{name}{{{pairs}}} "
+
+
+@functools.lru_cache(maxsize=32)
+def _grid(name: str, sizes: tuple[int, ...]) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+    """Label tuples over the product of index ranges of ``sizes``, and their text prefixes.
+
+    Cached: the (layer, rank) grid is the same for every window of a topology, and building its
+    L x G strings is most of the cost of rendering one.
+    """
+    label_names = names.BY_NAME[name].labels
+    labels = tuple(itertools.product(*(names.index_labels(n) for n in sizes)))
+    return labels, tuple(_prefix(name, label_names, lv) for lv in labels)
+
+
+def _family(
+    name: str, values: list[float], sizes: tuple[int, ...] = (), labels: Sequence[tuple[str, ...]] = ()
+) -> _Family:
+    """A family over the full grid of ``sizes``, or over the explicit ``labels`` when given."""
     spec = names.BY_NAME[name]
-    return _Family(name, spec.help, spec.labels, list(label_values), values)
+    if labels:
+        prefixes: Sequence[str] = [_prefix(name, spec.labels, lv) for lv in labels]
+    else:
+        labels, prefixes = _grid(name, sizes)
+    assert len(labels) == len(values), (name, len(labels), len(values))
+    return _Family(name, spec.help, spec.labels, labels, prefixes, values)
 
 
 def _derive(snap: _Snapshot, top_k: int, per_expert: bool) -> list[_Family]:
     logical_LE, gpu_LG = snap.logical_load_LE, snap.gpu_load_LG
     L, E = logical_LE.shape
     G = gpu_LG.shape[1]
-    layers, ranks, experts = names.index_labels(L), names.index_labels(G), names.index_labels(E)
     balance_L = balancedness(gpu_LG) if G > 0 else np.ones(L)
     model = float(balance_L.mean()) if L > 0 else 1.0
     out = [
-        _family(names.WINDOW_TIMESTAMP, [()], [snap.timestamp]),
-        _family(names.MODEL_BALANCEDNESS, [()], [model]),
-        _family(names.LAYER_BALANCEDNESS, [(x,) for x in layers], balance_L.tolist()),
-        _family(names.RANK_TOKENS, [(x, r) for x in layers for r in ranks], gpu_LG.ravel().tolist()),
+        _family(names.WINDOW_TIMESTAMP, [snap.timestamp]),
+        _family(names.MODEL_BALANCEDNESS, [model]),
+        _family(names.LAYER_BALANCEDNESS, balance_L.tolist(), (L,)),
+        _family(names.RANK_TOKENS, gpu_LG.ravel().tolist(), (L, G)),
     ]
     k = min(top_k, E)
-    if k > 0:
+    if k > 0 and L > 0:
         # NaN loads sort as the largest by argsort of the negation; map them to -inf so they come last.
         ranked_LE = np.where(np.isnan(logical_LE), -np.inf, logical_LE)
         hot_LK = np.argsort(-ranked_LE, axis=1, kind="stable")[:, :k]
         hot_values = np.take_along_axis(logical_LE, hot_LK, axis=1)
+        layers, experts = names.index_labels(L), names.index_labels(E)
         hot_labels = [(layers[i], experts[e]) for i in range(L) for e in hot_LK[i].tolist()]
-        out.append(_family(names.HOT_EXPERT_TOKENS, hot_labels, hot_values.ravel().tolist()))
+        out.append(_family(names.HOT_EXPERT_TOKENS, hot_values.ravel().tolist(), labels=hot_labels))
     if per_expert:
-        labels = [(x, e) for x in layers for e in experts]
-        out.append(_family(names.EXPERT_TOKENS, labels, logical_LE.ravel().tolist()))
+        out.append(_family(names.EXPERT_TOKENS, logical_LE.ravel().tolist(), (L, E)))
     return out
 
 
@@ -168,12 +199,6 @@ def _format_value(value: float) -> str:
 
 def _render_family(fam: _Family) -> str:
     help_text = fam.help.replace("\\", r"\\").replace("\n", r"\n")
-    lines = [f"# HELP {fam.name} {help_text}\n# TYPE {fam.name} gauge\n"]
-    for labels, value in zip(fam.label_values, fam.values, strict=True):
-        if labels:
-            # Label values are zero-padded integers: nothing to escape.
-            pairs = ",".join(f'{k}="{v}"' for k, v in zip(fam.label_names, labels, strict=True))
-            lines.append(f"{fam.name}{{{pairs}}} {_format_value(value)}\n")
-        else:
-            lines.append(f"{fam.name} {_format_value(value)}\n")
-    return "".join(lines)
+    head = f"# HELP {fam.name} {help_text}\n# TYPE {fam.name} gauge\n"
+    fmt = repr if all(map(math.isfinite, fam.values)) else _format_value
+    return head + "".join([p + fmt(v) + "\n" for p, v in zip(fam.prefixes, fam.values, strict=True)])
