@@ -96,6 +96,11 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
 
     pacc = tl.zeros([PBINS], dtype=tl.int32)
     lacc = tl.zeros([LBINS], dtype=tl.int32)
+    lbins = tl.arange(0, LBINS)
+    if LOGICAL_HIST and COUNT_PHYS and not PHYS_HIST:
+        # The map row the static-mode flush scatters through, loaded now so its latency hides
+        # behind the main loop instead of adding to the end of the kernel.
+        slot_of_expert = tl.load(static_ptr + table_base + lbins, mask=lbins < num_logical, other=-1)
     num_blocks = tl.cdiv(numel, BLOCK)
     for blk in range(pid, num_blocks, nprog):
         offs = blk * BLOCK + tl.arange(0, BLOCK)
@@ -137,16 +142,14 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
             pbins = tl.arange(0, PBINS)
             tl.atomic_add(counts_ptr + pbins, pacc, mask=(pbins < num_physical) & (pacc > 0), sem="relaxed")
         if LOGICAL_HIST:
-            lbins = tl.arange(0, LBINS)
             nonzero = (lbins < num_logical) & (lacc > 0)
             if COUNT_LOGICAL:
                 tl.atomic_add(lcounts_ptr + lbins, lacc, mask=nonzero, sem="relaxed")
             if COUNT_PHYS and not PHYS_HIST:
                 # Static mode: each expert goes to one slot, so slot counts are the expert histogram
                 # scattered through the map (half the bins of a slot histogram, and one histogram for both).
-                slot = tl.load(static_ptr + table_base + lbins, mask=nonzero, other=-1)
-                ok = nonzero & (slot >= 0) & (slot < num_physical)
-                tl.atomic_add(counts_ptr + slot, lacc, mask=ok, sem="relaxed")
+                ok = nonzero & (slot_of_expert >= 0) & (slot_of_expert < num_physical)
+                tl.atomic_add(counts_ptr + slot_of_expert, lacc, mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -185,9 +188,16 @@ def num_compute_units(device: torch.device) -> int:
 
 
 def default_config(numel: int, device: torch.device) -> LaunchConfig:
-    """Blocks of up to 2048 ids, 4 warps, at most 4 programs per SM."""
-    block = min(2048, max(128, triton.next_power_of_2(max(numel, 1))))
-    return LaunchConfig(block=block, num_warps=4, programs_per_sm=4)
+    """About one block per compute unit: blocks of 512..4096 ids, a second wave only past that.
+
+    Measured on an H200 (docs/benchmarks.md, "Remap + record"): more, smaller blocks lose to
+    the flush (every program adds its histogram to the same bins, and atomics on one address
+    serialise), fewer, larger ones to idle SMs.
+    """
+    units = num_compute_units(device)
+    block = min(4096, max(512, triton.next_power_of_2(triton.cdiv(max(numel, 1), units))))
+    block = min(block, max(128, triton.next_power_of_2(max(numel, 1))))
+    return LaunchConfig(block=block, num_warps=4 if block <= 512 else 8, programs_per_sm=2)
 
 
 def grid_size(numel: int, config: LaunchConfig, device: torch.device) -> int:

@@ -113,10 +113,10 @@ def test_persistent_loop_over_many_blocks(mode: str) -> None:
     rng = np.random.default_rng(11)
     _, tables = random_tables(rng, 37, 45, 5, rank=4)
     tables = _to_device(tables)
-    ids = random_ids(rng, 1000, 8, 37, "nasty").to(DEVICE)
+    ids = random_ids(rng, 3000, 8, 37, "nasty").to(DEVICE)
     config = kernel.LaunchConfig(block=128, num_warps=4, programs_per_sm=1)
     assert kernel.grid_size(ids.numel(), config, ids.device) < ids.numel() // 128
-    _assert_same(_both(ids, tables, 0, mode, nvalid=900, config=config))
+    _assert_same(_both(ids, tables, 0, mode, nvalid=2900, config=config))
 
 
 @pytest.mark.interpreter
