@@ -187,8 +187,10 @@ def _execute(
         failed, prev_commit_failed = runtime.agree(run.failed, run.mismatch_1, commit_failed is not None)
         if failed or prev_commit_failed:
             posted = tuple(sorted(i for i in runs if i >= k))
-            for i in posted[1:]:
+            for i in posted:
                 runtime.drain(runs[i])
+            if run.mismatch_1 is not None and bool(run.mismatch_1):
+                run.errors.append(f"chunk {k} verify: checksum mismatch")
             errors = "; ".join(e for i in posted for e in runs[i].errors) or "another rank failed"
             # Every rank derives the same failure point from the agreed flags alone.
             broken_commit = k - 1 if prev_commit_failed else None

@@ -10,7 +10,8 @@ so every rank keeps taking part in every collective and no rank waits forever.
 
 from __future__ import annotations
 
-import datetime
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +41,9 @@ class ChunkRun:
     failed: bool = False
     finished: bool = False
     errors: list[str] = field(default_factory=list)
+    completed: bool = False
+    waiter: threading.Thread | None = None
+    wait_error: Exception | None = None
 
     def fail(self, where: str, exc: BaseException) -> None:
         self.failed = True
@@ -57,7 +61,7 @@ class SwapRuntime:
     world_size: int
     slots_per_gpu: int
     device: torch.device
-    timeout: datetime.timedelta
+    timeout_s: float
     verify: bool
     bytes_per_expert: int
 
@@ -92,7 +96,7 @@ class SwapRuntime:
             world,
             S,
             views[0].device,
-            datetime.timedelta(seconds=timeout_s),
+            timeout_s,
             verify,
             sum(v.numel() * v.element_size() for v in views),
         )
@@ -105,9 +109,8 @@ class SwapRuntime:
     # ---- collectives -----------------------------------------------------------------------
     def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-            assert work is not None
-            work.wait(timeout=self.timeout)
+            # The group's own (long) timeout: a slow rank is waited for, a dead one ends the swap.
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
         return t
 
     def check_same_plan_input(self, fingerprint: int) -> None:
@@ -199,8 +202,10 @@ class SwapRuntime:
             return
         run.finished = True
         try:
-            for work in run.works:
-                work.wait(timeout=self.timeout)
+            if not self._wait(run):
+                run.fail("wait", TimeoutError(f"transfers not done after {self.timeout_s} s"))
+                return
+            run.completed = True
         except Exception as exc:
             run.fail("wait", exc)
             return
@@ -252,13 +257,51 @@ class SwapRuntime:
             return False
         return True
 
+    def _wait(self, run: ChunkRun) -> bool:
+        """Wait for the chunk's transfers up to the deadline; False on timeout (the ops stay posted).
+
+        A timed-out wait inside Gloo or NCCL tears the connection down, so the deadline is kept
+        here instead: CUDA works are polled, CPU works are waited for on a helper thread. A late
+        peer then still completes its transfers, and the rollback can use the same group.
+        """
+        if not run.works:
+            return True
+        deadline = time.monotonic() + self.timeout_s
+        if self.device.type == "cuda":
+            while not all(w.is_completed() for w in run.works):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(20e-6)
+            for w in run.works:
+                w.wait()  # orders the current stream after the transfers
+            return True
+        run.waiter = threading.Thread(target=_wait_works, args=(run,), daemon=True)
+        run.waiter.start()
+        run.waiter.join(max(0.0, deadline - time.monotonic()))
+        if run.waiter.is_alive():
+            return False
+        if run.wait_error is not None:
+            raise run.wait_error
+        return True
+
     def drain(self, run: ChunkRun) -> None:
-        """Wait for a chunk that will be discarded (its peers posted it too); ignore its errors."""
-        if run.finished:
+        """Let a discarded or timed-out chunk finish (its peers posted it too); ignore its errors."""
+        if run.completed:
+            return
+        if run.waiter is not None:
+            run.waiter.join()
             return
         run.finished = True
         for work in run.works:
             try:
-                work.wait(timeout=self.timeout)
+                work.wait()
             except Exception as exc:
                 run.errors.append(f"chunk {run.index} drain: {type(exc).__name__}: {exc}")
+
+
+def _wait_works(run: ChunkRun) -> None:
+    try:
+        for work in run.works:
+            work.wait()
+    except Exception as exc:
+        run.wait_error = exc
