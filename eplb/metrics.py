@@ -41,9 +41,13 @@ MAX_REASON_CHARS = 80
 class PrometheusSink:
     """Receives manager events and keeps them as Prometheus metrics in ``self.registry``."""
 
-    def __init__(self, *, hot_experts_per_layer: int = 8, per_expert: bool = False) -> None:
+    def __init__(
+        self, *, hot_experts_per_layer: int = 8, per_expert: bool = False, min_render_interval_s: float = 1.0
+    ) -> None:
         """``hot_experts_per_layer``: K experts exported per layer by ``eplb_hot_expert_tokens``;
-        ``per_expert``: also export every (layer, expert) as ``eplb_expert_tokens`` (L x E series)."""
+        ``per_expert``: also export every (layer, expert) as ``eplb_expert_tokens`` (L x E series);
+        ``min_render_interval_s``: scrapes re-render the window at most this often (see
+        :class:`~eplb.metrics_window.WindowCollector`)."""
         self.registry = CollectorRegistry(auto_describe=True)
         # Event metrics also live in a registry of their own, so render() can write them with
         # prometheus_client and append the window's cached text.
@@ -77,7 +81,11 @@ class PrometheusSink:
         self._balance_before = last_balance.labels(when="before")
         self._balance_after = last_balance.labels(when="after")
         self._last_rebalance = _LastRebalanceCollector()
-        self.window = WindowCollector(hot_experts_per_layer=hot_experts_per_layer, per_expert=per_expert)
+        self.window = WindowCollector(
+            hot_experts_per_layer=hot_experts_per_layer,
+            per_expert=per_expert,
+            min_render_interval_s=min_render_interval_s,
+        )
         event_metrics: list[Collector] = [
             self._info,
             passes,
@@ -164,7 +172,8 @@ class PrometheusSink:
     # -- exposition ----------------------------------------------------------------------------
 
     def render(self) -> bytes:
-        """The text exposition of every metric, as ``generate_latest(self.registry)`` would write it."""
+        """The text exposition of every metric: ``generate_latest(self.registry)``'s samples, with the
+        window metrics re-rendered at most every ``min_render_interval_s``."""
         return generate_latest(self._events) + self.window.render().encode()
 
 

@@ -35,6 +35,8 @@ class _Server6(_Server):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    # Keep-alive: Prometheus reuses its connection, so a scrape costs no new connection or thread.
+    protocol_version = "HTTP/1.1"
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]

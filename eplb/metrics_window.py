@@ -4,8 +4,12 @@ Shape legend: L layers, E logical experts, G GPUs (EP ranks), K hottest experts 
 
 ``on_window`` copies the two arrays it is handed and swaps one reference under a lock; nothing
 else happens on the caller's thread. Everything derived (balancedness, top-K experts, label
-strings, the text exposition) is computed by the scraping thread, once per window, and cached on
-the snapshot: Prometheus scraping many times per window costs one cached string each time.
+strings, the text exposition) is computed by the scraping thread, once per window, and cached:
+Prometheus scraping many times per window costs one cached string each time. When windows
+arrive faster than ``min_render_interval_s``, :meth:`WindowCollector.render` keeps serving the
+text it rendered last until that interval has passed (the window metrics are then at most that
+much older than the newest window), so the scrape's CPU cost per second is bounded however often
+the manager hands windows over.
 
 Two read paths give the same samples: :meth:`WindowCollector.collect` yields prometheus_client
 metric families (for any registry), and :meth:`WindowCollector.render` writes the text format
@@ -40,7 +44,6 @@ class _Snapshot:
     timestamp: float
     lock: threading.Lock = field(default_factory=threading.Lock)
     families: list[_Family] | None = None
-    text: str | None = None
 
 
 @dataclass(frozen=True)
@@ -59,13 +62,20 @@ class _Family:
 class WindowCollector(Collector):
     """Exports the last load window: balancedness, tokens per (layer, rank), hottest experts."""
 
-    def __init__(self, *, hot_experts_per_layer: int = 8, per_expert: bool = False) -> None:
+    def __init__(
+        self, *, hot_experts_per_layer: int = 8, per_expert: bool = False, min_render_interval_s: float = 1.0
+    ) -> None:
         if hot_experts_per_layer < 0:
             raise ValueError(f"hot_experts_per_layer must be >= 0, got {hot_experts_per_layer}")
+        if not min_render_interval_s >= 0:
+            raise ValueError(f"min_render_interval_s must be >= 0, got {min_render_interval_s}")
         self._top_k = hot_experts_per_layer
         self._per_expert = per_expert
+        self._min_render_interval_s = min_render_interval_s
         self._lock = threading.Lock()
         self._snapshot: _Snapshot | None = None
+        self._render_lock = threading.Lock()
+        self._rendered: tuple[_Snapshot, str, float] | None = None
 
     def update(self, *, logical_load_LE: np.ndarray, gpu_load_LG: np.ndarray) -> None:
         """Keep a copy of the window; O(L x (E + G)) copy, then a reference swap under the lock."""
@@ -111,11 +121,14 @@ class WindowCollector(Collector):
         snap = self._current()
         if snap is None:
             return ""
-        families = self._families(snap)
-        with snap.lock:
-            if snap.text is None:
-                snap.text = "".join(_render_family(fam) for fam in families)
-            return snap.text
+        with self._render_lock:
+            now = time.monotonic()
+            last = self._rendered
+            if last is not None and (last[0] is snap or now - last[2] < self._min_render_interval_s):
+                return last[1]
+            text = "".join(_render_family(fam) for fam in self._families(snap))
+            self._rendered = (snap, text, now)
+            return text
 
 
 _WINDOW_METRICS = frozenset(

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -212,7 +213,7 @@ def test_window_is_copied_not_referenced() -> None:
 
 
 def test_nasty_windows() -> None:
-    sink = PrometheusSink(hot_experts_per_layer=5)
+    sink = PrometheusSink(hot_experts_per_layer=5, min_render_interval_s=0.0)
     # NaN loads, an all-zero layer, one expert taking everything, K larger than E, int32 input.
     logical_LE = np.array([[np.nan, 1, 2, 3], [0, 0, 0, 0], [0, 0, 9, 0]], dtype=np.float64)
     gpu_LG = np.array([[np.nan, 1.0], [0.0, 0.0], [9.0, 0.0]])
@@ -231,6 +232,24 @@ def test_nasty_windows() -> None:
         logical_load_LE=np.zeros((2, 3), dtype=np.int32), gpu_load_LG=np.zeros((2, 1), dtype=np.int32)
     )
     assert by_name(sink.render(), names.MODEL_BALANCEDNESS)[()] == 1.0
+
+
+def test_windows_faster_than_the_render_interval_are_served_from_the_last_render() -> None:
+    sink = PrometheusSink(min_render_interval_s=0.3)
+
+    def scraped_tokens() -> float:
+        return by_name(sink.render(), names.RANK_TOKENS)[(("layer", "0"), ("rank", "0"))]
+
+    sink.on_window(logical_load_LE=np.ones((1, 2)), gpu_load_LG=np.full((1, 1), 1.0))
+    assert scraped_tokens() == 1.0
+    sink.on_window(logical_load_LE=np.ones((1, 2)), gpu_load_LG=np.full((1, 1), 2.0))
+    assert scraped_tokens() == 1.0  # within the interval: the last render
+    # The registry path is never throttled.
+    assert sink.registry.get_sample_value(names.RANK_TOKENS, {"layer": "0", "rank": "0"}) == 2.0
+    time.sleep(0.35)
+    assert scraped_tokens() == 2.0
+    with pytest.raises(ValueError):
+        PrometheusSink(min_render_interval_s=-1.0)
 
 
 def test_before_any_window_there_are_no_window_samples() -> None:
