@@ -5,8 +5,9 @@ Shape legend: T steps, n steps of one chunk, W window, L layers, E logical exper
 Schedule (SGLang's): a step is *recorded* (all steps, or only prefill steps with
 ``record_prefill_only``); after every ``interval``-th recorded step the planner gets the last
 ``window`` recorded steps and its placement serves from the next step on. The schedule does not
-depend on the algorithm, so every run is cut into the same chunks. Within a chunk the placement
-is fixed and the whole chunk is evaluated at once: one matrix product per layer turns logical
+depend on the algorithm, so every run is cut into the same chunks and all runs advance chunk by
+chunk, sharing the chunk's load arrays. Within a chunk each run's placement is fixed and the
+whole chunk is evaluated at once: one matrix product per layer turns logical
 load [n, E] into GPU load [n, G] (``eplb.balance.expert_gpu_share``).
 """
 
@@ -92,9 +93,8 @@ class SimulationConfig:
 
 @dataclass(frozen=True)
 class Chunk:
-    """Steps [start, stop) of one run, all on one placement; ``rebalance``: plan before the first."""
+    """Steps [start, stop), on one placement per run; ``rebalance``: every run plans before the first."""
 
-    run_index: int
     start: int
     stop: int
     rebalance: bool
@@ -113,12 +113,11 @@ def recorded_steps_mask(trace: Trace, config: SimulationConfig) -> np.ndarray:
     return trace.is_prefill_T.copy() if config.record_prefill_only else np.ones(trace.num_steps, dtype=bool)
 
 
-def plan_chunks(num_steps: int, num_runs: int, apply_steps: np.ndarray) -> list[Chunk]:
-    """Every run's chunks, run after run: cut at each rebalance and every CHUNK_STEPS steps."""
+def plan_chunks(num_steps: int, apply_steps: np.ndarray) -> list[Chunk]:
+    """The trace cut at each rebalance and every CHUNK_STEPS steps."""
     applies = set(apply_steps.tolist())
     cuts = sorted({0, num_steps, *applies, *range(0, num_steps, CHUNK_STEPS)})
-    spans = list(itertools.pairwise(cuts))
-    return [Chunk(i, a, b, a in applies) for i in range(num_runs) for a, b in spans]
+    return [Chunk(a, b, a in applies) for a, b in itertools.pairwise(cuts)]
 
 
 def simulate(
@@ -162,18 +161,26 @@ def simulate(
     baseline_spec = RunSpec("none", config.default_dispatch)
     specs = list(runs) if baseline_spec in runs else [*runs, baseline_spec]
     apply_steps = rebalance_steps(trace, config)
-    chunks = plan_chunks(trace.num_steps, len(specs), apply_steps)
+    chunks = plan_chunks(trace.num_steps, apply_steps)
     # Steps before the first rebalance run on the initial placement in every run: not scored.
     scored_from = int(apply_steps[0]) if apply_steps.size else 0
     states = [
         _RunState(spec, initial, _planner_for(spec, config, planners), trace, config, scored_from)
         for spec in specs
     ]
-    for chunk in progress(chunks) if progress else chunks:
-        state = states[chunk.run_index]
-        if chunk.rebalance:
-            state.rebalance(chunk.start)
-        state.evaluate(chunk.start, chunk.stop)
+    from threadpoolctl import threadpool_limits
+
+    # The products are many small GEMMs: BLAS threads only add contention (65x slower measured on
+    # a busy 2-core machine), so one thread it is.
+    with threadpool_limits(limits=1, user_api="blas"):
+        for chunk in progress(chunks) if progress else chunks:
+            counts_nLE = trace.counts_TLE[chunk.start : chunk.stop]
+            load_LnE = counts_nLE.astype(np.float32).transpose(1, 0, 2)
+            loaded_LnE = (load_LnE > 0).astype(np.float32)
+            for state in states:
+                if chunk.rebalance:
+                    state.rebalance(chunk.start)
+                state.evaluate(chunk.start, counts_nLE, load_LnE, loaded_LnE)
     results = [s.result() for s in states]
     notes = []
     if not apply_steps.size:
@@ -228,6 +235,7 @@ class _RunState:
         self.relative_load_LG = np.zeros((L, G))
         self.events: list[RebalanceEvent] = []
         self.eval_seconds = 0.0
+        self.apply_seconds = 0.0
 
     def rebalance(self, step: int) -> None:
         if self.planner is None:
@@ -273,6 +281,7 @@ class _RunState:
         if not proposal.apply:
             self.events.append(skipped)
             return
+        started = time.perf_counter()
         diff = diff_placements(self.placement, proposal.placement, self.config.bytes_per_expert)
         self.events.append(
             replace(
@@ -287,10 +296,14 @@ class _RunState:
         )
         self.placement, self.weights_LER = proposal.placement, proposal.weights_LER
         self.matrices = dispatch_matrices(self.placement, self.spec.dispatch, self.weights_LER)
+        self.apply_seconds += time.perf_counter() - started
 
-    def evaluate(self, start: int, stop: int) -> None:
+    def evaluate(
+        self, start: int, counts_nLE: np.ndarray, load_LnE: np.ndarray, loaded_LnE: np.ndarray
+    ) -> None:
+        """Steps [start, start + n): counts int32 [n, L, E], as float32 [L, n, E] and as 0/1 float32."""
         started = time.perf_counter()
-        counts_nLE = self.trace.counts_TLE[start:stop]
+        stop = start + counts_nLE.shape[0]
         if self.spec.dispatch == "fake":
             # Seeded by the chunk, so every run sees the same random routing.
             rng = np.random.default_rng([self.config.seed, start])
@@ -300,14 +313,13 @@ class _RunState:
             )
             tokens_LnG, active_LnG = tokens_nLG.transpose(1, 0, 2), active_nLG.transpose(1, 0, 2)
         else:
-            load_LnE = counts_nLE.astype(np.float32).transpose(1, 0, 2)
             tokens_LnG = np.matmul(load_LnE, self.matrices.share_LEG)
-            active_LnG = np.matmul((load_LnE > 0).astype(np.float32), self.matrices.replicas_LEG)
+            active_LnG = np.matmul(loaded_LnE, self.matrices.replicas_LEG)
         self.moe_us_T[start:stop] = self.config.cost.layer_times_us(tokens_LnG, active_LnG).sum(axis=0)
         self.balancedness_T[start:stop] = balancedness(tokens_LnG).mean(axis=0)
         first = max(start, self.scored_from)
         if first < stop:
-            part_LnG = tokens_LnG[:, first - start :].astype(np.float64)
+            part_LnG = tokens_LnG[:, first - start :]
             mean_Ln1 = part_LnG.mean(axis=2, keepdims=True)
             relative_LnG = np.divide(part_LnG, mean_Ln1, out=np.ones_like(part_LnG), where=mean_Ln1 > 0)
             self.relative_load_LG += relative_LnG.sum(axis=1)
@@ -323,6 +335,7 @@ class _RunState:
             events=self.events,
             final_placement=self.placement,
             eval_seconds=self.eval_seconds,
+            apply_seconds=self.apply_seconds,
         )
 
 

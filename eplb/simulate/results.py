@@ -51,6 +51,8 @@ class RunResult:
     final_placement: Placement | None = None
     eval_seconds: float = 0.0
     """Wall time spent evaluating load under placements (not planning)."""
+    apply_seconds: float = 0.0
+    """Wall time spent diffing applied plans and building their dispatch matrices (static maps)."""
 
     @property
     def transfer_seconds(self) -> float:
@@ -90,6 +92,7 @@ class RunResult:
             "solve_seconds_mean": _mean(solve) if solve.size else 0.0,
             "solve_seconds_max": float(solve.max(initial=0.0)),
             "eval_seconds": self.eval_seconds,
+            "apply_seconds": self.apply_seconds,
         }
 
 
