@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "simulate": "eplb.commands.simulate",
     "sweep": "eplb.commands.sweep",
     "solve": "eplb.commands.solve",
+    "demo": "eplb.commands.demo",
 }
 
 

@@ -15,7 +15,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,12 +93,13 @@ def run_ranks(
     backend: str = "gloo",
     timeout_s: float = 120.0,
     rank0_in_process: bool = False,
+    rank0_kwargs: Mapping[str, Any] | None = None,
 ) -> list[Any]:
     """Call ``fn(ctx, *args)`` on ``world_size`` ranks; return the results ordered by rank.
 
     ``fn`` must be importable by name (spawned processes re-import it). With ``rank0_in_process``
     rank 0 runs in this process (so it can use objects that do not pickle, such as a metrics
-    sink); the other ranks are spawned.
+    sink, passed in ``rank0_kwargs``); the other ranks are spawned.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -122,7 +123,7 @@ def run_ranks(
         if rank0_in_process:
             ctx = init_rank(0, world_size, port, backend, timeout_s)
             try:
-                out[0] = fn(ctx, *args)
+                out[0] = fn(ctx, *args, **(rank0_kwargs or {}))
             finally:
                 dist.destroy_process_group()
         while len(out) < world_size:

@@ -1,0 +1,275 @@
+"""``eplb demo``: a small MoE model serving a skewed synthetic workload with EPLB on, on CPU or GPUs.
+
+Each rank runs its own batch per pass (prefill and decode passes as the workload draws them) through
+L expert-parallel MoE layers; the router is biased by the workload's per-step expert popularity
+(eplb.workloads), so load is skewed and drifts. The manager (eplb.manager) records, solves in the
+background and hot-swaps; rank 0 prints the balancedness before and after each rebalance.
+
+``run_demo(config, sink=...)`` is the entry point for callers with their own metrics sink.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from eplb.commands.common import add_json_out, add_seed, emit
+from eplb.config import EplbConfig, add_cli_args, config_from_args
+from eplb.metrics_sink import MetricsSink
+
+HELP = "run a small MoE model with EPLB on (CPU ranks over Gloo or GPUs over NCCL), printing balancedness"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Everything one demo run needs (it pickles: spawned ranks receive it)."""
+
+    nproc: int = 4
+    """EP ranks (local processes)."""
+    device: str = "cpu"
+    """cpu (Gloo) or cuda (NCCL, one GPU per rank)."""
+    steps: int = 300
+    """Forward passes per rank (the run also stops at ``duration_s`` when given)."""
+    duration_s: float | None = None
+    """Stop after this many seconds (rank 0 decides; every rank stops on the same pass)."""
+    preset: str = "tiny"
+    """Workload preset: the model has its layers, experts and top-k."""
+    hidden: int = 64
+    """Model width H."""
+    intermediate: int = 32
+    """Expert FFN width I."""
+    token_divisor: int = 32
+    """Tokens per pass = the workload's tokens // this (prefill 2048-16384 become 64-512)."""
+    seed: int = 0
+    """Seed of the workload, the weights and the tokens."""
+    eplb: EplbConfig
+    """EPLB flags (SGLang names); ep_size equals nproc."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eplb.workloads import PRESETS
+
+    d = DemoConfig(eplb=EplbConfig())
+    parser.add_argument("--nproc", type=int, default=d.nproc, help="EP ranks (default: %(default)s)")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default=d.device, help="cpu (Gloo) or cuda (NCCL)"
+    )
+    parser.add_argument("--steps", type=int, default=d.steps, help="forward passes (default: %(default)s)")
+    parser.add_argument("--duration-s", type=float, default=None, help="stop after this many seconds")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=d.preset, help="workload/model shape")
+    parser.add_argument("--hidden", type=int, default=d.hidden, help="model width (default: %(default)s)")
+    parser.add_argument(
+        "--intermediate", type=int, default=d.intermediate, help="expert width (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--token-divisor", type=int, default=d.token_divisor, help="scale workload tokens down"
+    )
+    add_cli_args(parser)
+    # Demo-sized defaults: rebalance every 100 passes, one redundant slot per rank.
+    parser.set_defaults(eplb_rebalance_num_iterations=100, ep_num_redundant_experts=None, enable_eplb=True)
+    add_seed(parser)
+    add_json_out(parser)
+
+
+def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
+    """The demo's config; --ep-size follows --nproc and redundant slots default to one per rank."""
+    if args.nproc < 1 or args.steps < 0 or args.token_divisor < 1:
+        raise ValueError("--nproc and --token-divisor must be >= 1 and --steps >= 0")
+    args = argparse.Namespace(**vars(args))
+    args.ep_size = args.nproc
+    if args.ep_num_redundant_experts is None:
+        args.ep_num_redundant_experts = args.nproc
+    args.enable_eplb = args.enable_eplb and args.nproc > 1
+    parser = add_cli_args(argparse.ArgumentParser(prog="eplb demo"))
+    eplb = config_from_args(parser, args)
+    return DemoConfig(
+        nproc=args.nproc,
+        device=args.device,
+        steps=args.steps,
+        duration_s=args.duration_s,
+        preset=args.preset,
+        hidden=args.hidden,
+        intermediate=args.intermediate,
+        token_divisor=args.token_divisor,
+        seed=args.seed,
+        eplb=eplb,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    result = run_demo(config_from_namespace(args))
+    keys = [
+        "ranks",
+        "device",
+        "passes",
+        "seconds",
+        "rebalances_applied",
+        "balancedness_first",
+        "balancedness_last",
+    ]
+    emit(result, keys, args.json_out)
+    return 0
+
+
+def run_demo(
+    config: DemoConfig,
+    *,
+    sink: MetricsSink | None = None,
+    out: Callable[[str], None] | None = None,
+    timeout_s: float = 600.0,
+) -> dict[str, Any]:
+    """Run the demo; rank 0 runs in this process and reports to ``sink``. Returns rank 0's summary."""
+    from eplb.moe.spawn import run_ranks
+    from eplb.workloads import PRESETS
+
+    preset = PRESETS[config.preset]
+    slots = preset.num_experts + config.eplb.ep_num_redundant_experts
+    if slots % config.nproc:
+        raise ValueError(
+            f"{preset.num_experts} experts + {config.eplb.ep_num_redundant_experts} redundant = "
+            f"{slots} slots do not divide over --nproc {config.nproc}"
+        )
+    if config.device == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < config.nproc:
+            raise ValueError(
+                f"--nproc {config.nproc} needs as many GPUs; {torch.cuda.device_count()} visible"
+            )
+    printer = out or (lambda line: print(line, file=sys.stdout, flush=True))
+    start = time.perf_counter()
+    results = run_ranks(
+        demo_rank,
+        config.nproc,
+        args=(replace(config),),
+        backend="nccl" if config.device == "cuda" else "gloo",
+        timeout_s=timeout_s,
+        rank0_in_process=True,
+        rank0_kwargs={"sink": sink, "out": printer},
+    )
+    summary: dict[str, Any] = dict(results[0])
+    summary["seconds"] = round(time.perf_counter() - start, 2)
+    summary["config"] = {k: v for k, v in asdict(config).items() if k != "eplb"}
+    return summary
+
+
+def demo_rank(
+    ctx: Any,
+    config: DemoConfig,
+    *,
+    sink: MetricsSink | None = None,
+    out: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """One rank's serving loop (``ctx``: eplb.moe.spawn.RankContext). Returns a summary."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from eplb.manager import EplbManager
+    from eplb.moe.model import MoEModel, MoEModelConfig
+    from eplb.placement import Placement
+    from eplb.workloads import WorkloadConfig, generate
+
+    G, rank = ctx.world_size, ctx.rank
+    # One workload step per (pass, rank): its popularity biases the router of pass t on every rank
+    # (taken from the step of rank 0), its kind and tokens are this rank's batch.
+    trace = generate(
+        WorkloadConfig(preset=config.preset, num_steps=max(config.steps, 1) * G, seed=config.seed)
+    )
+    preset = trace.meta["model"]
+    model_cfg = MoEModelConfig(
+        num_layers=trace.num_layers,
+        num_experts=trace.num_experts,
+        top_k=int(trace.meta["top_k"]),
+        hidden=config.hidden,
+        intermediate=config.intermediate,
+        seed=config.seed,
+        dtype="bfloat16" if ctx.device.type == "cuda" else "float32",
+    )
+    placement = Placement.trivial(
+        model_cfg.num_layers, model_cfg.num_experts, G, num_redundant=config.eplb.ep_num_redundant_experts
+    )
+    model = MoEModel(model_cfg, placement, rank=rank, device=ctx.device, mode=config.eplb.dispatch_algorithm)
+    manager = EplbManager(
+        config.eplb,
+        model,
+        placement,
+        device=ctx.device,
+        sink=sink,
+        num_groups=int(trace.meta["num_groups"]),
+    )
+    model.logical_counts_LE = manager.pass_counts_LE
+    say = out if (rank == 0 and out is not None) else (lambda line: None)
+    say(
+        f"eplb demo: {G} ranks on {ctx.device.type}, model {preset} (L={model_cfg.num_layers}, "
+        f"E={model_cfg.num_experts}, top-{model_cfg.top_k}, P={placement.num_physical}), "
+        f"rebalance every {config.eplb.eplb_rebalance_num_iterations} passes"
+    )
+    gen = torch.Generator().manual_seed(config.seed * 1000 + rank)
+    start = time.perf_counter()
+    seen = seen_windows = 0
+    passes = 0
+    for step in range(config.steps):
+        if config.duration_s is not None and _agreed_stop(start, config.duration_s, ctx.device, G):
+            break
+        shared = step * G
+        counts_LE = trace.counts_TLE[shared].astype(np.float64)
+        bias_LE = torch.from_numpy(np.log((counts_LE + 0.5) / (counts_LE.sum(axis=1, keepdims=True) + 0.5)))
+        mine = shared + rank
+        tokens = max(1, int(trace.num_tokens_T[mine]) // config.token_divisor)
+        x = torch.randn(tokens, model_cfg.hidden, generator=gen).to(ctx.device, model_cfg.torch_dtype)
+        model(x, bias_LE.to(ctx.device))
+        manager.on_forward_pass_end(is_prefill=bool(trace.is_prefill_T[mine]))
+        passes += 1
+        state = manager.state()
+        for at, value in state.windows[seen_windows:]:
+            say(f"pass {at:>6}: window balancedness {value:.3f} over the last {state.window_passes} passes")
+        for record in state.history[seen:]:
+            say(_describe(record))
+        seen, seen_windows = len(state.history), len(state.windows)
+    state = manager.state()
+    manager.close()
+    if G > 1:
+        dist.barrier()
+    windows = [value for _, value in state.windows]
+    return {
+        "ranks": G,
+        "device": ctx.device.type,
+        "passes": passes,
+        "rebalances_applied": sum(r.outcome == "applied" for r in state.history),
+        "rebalances": [asdict(r) for r in state.history],
+        "balancedness_first": round(windows[0], 4) if windows else None,
+        "balancedness_last": round(windows[-1], 4) if windows else None,
+        "phy2log": state.placement.phy2log_LP.tolist(),
+    }
+
+
+def _agreed_stop(start: float, duration_s: float, device: Any, world_size: int) -> bool:
+    """Rank 0's clock decides; every rank stops on the same pass."""
+    import torch
+    import torch.distributed as dist
+
+    flag = torch.tensor([int(time.perf_counter() - start >= duration_s)], dtype=torch.int32, device=device)
+    if world_size > 1:
+        dist.broadcast(flag, src=0)
+    return bool(flag.item())
+
+
+def _describe(record: Any) -> str:
+    line = (
+        f"pass {record.at_pass:>6}: rebalance {record.outcome}: balancedness {record.balancedness_before:.3f}"
+    )
+    if record.outcome == "applied":
+        line += (
+            f" -> {record.balancedness_after:.3f} on the same window (predicted "
+            f"{record.predicted_balancedness:.3f}), {record.experts_moved} experts moved across ranks "
+            f"({record.bytes_moved / 1e6:.2f} MB) in {record.transfer_seconds * 1e3:.1f} ms, "
+            f"solve {record.solve_seconds * 1e3:.1f} ms"
+        )
+    else:
+        line += f" ({record.reason})"
+    return line

@@ -1,0 +1,486 @@
+"""The rebalance manager: count passes, solve off the serving path, hot-swap a chunk of layers per pass.
+
+Shape legend: W window (passes), L layers, E logical experts, P physical slots, G GPUs (ranks),
+R max replicas.
+
+The engine calls :meth:`EplbManager.on_forward_pass_end` on every rank after every forward pass.
+All ranks run the same control logic on agreed inputs, so they take the same steps on the same pass:
+
+1. The pass's counts go to the window (eplb.manager_window) when it counts: every pass, or with
+   ``--eplb-record-prefill-only`` only passes where some rank had prefill (one all_reduce of a flag).
+2. Every ``--eplb-rebalance-num-iterations`` counted passes the window is summed over ranks
+   (all_reduce), its balancedness logged and reported; above
+   ``--eplb-min-rebalancing-utilization-threshold`` the rebalance is skipped. Otherwise rank 0
+   hands the window to a background thread that runs the planner (eplb.solver.solve by default):
+   serving never waits for the solve.
+3. While it runs, each pass carries one all_reduce of "rank 0's plan is ready"; on the pass where
+   it is, rank 0 broadcasts the decision and the new phy2log (and dispatch weights), so every rank
+   adopts the same plan. A plan with ``apply=False`` (gain below the transfer's worth) is skipped.
+4. The swap runs ``--eplb-rebalance-layers-per-chunk`` changed layers per pass (eplb.hotswap);
+   maps follow weights layer by layer. A failed chunk rolls back, and so do the chunks already
+   applied in this rebalance: the model returns to the old placement.
+
+Every event goes to the :class:`eplb.metrics_sink.MetricsSink`; :meth:`EplbManager.state` exposes
+the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from eplb.balance import gpu_load, model_balancedness
+from eplb.config import EplbConfig
+from eplb.hotswap import FaultHook, HotSwapOptions, hot_swap
+from eplb.manager_window import PassWindow
+from eplb.metrics_sink import MetricsSink, NullSink, RebalanceOutcome
+from eplb.placement import Placement
+
+log = logging.getLogger("eplb.manager")
+
+
+class PlanLike(Protocol):
+    """What a planner returns (eplb.solver.Plan satisfies it)."""
+
+    @property
+    def placement(self) -> Placement: ...
+    @property
+    def dispatch_weights_LER(self) -> np.ndarray | None: ...
+    @property
+    def predicted_balancedness(self) -> float: ...
+    @property
+    def apply(self) -> bool: ...
+    @property
+    def reason(self) -> str: ...
+
+
+Planner = Callable[[np.ndarray, Placement], PlanLike]
+"""``planner(window_WLE float64 [W, L, E], current) -> plan``; runs on rank 0's worker thread."""
+
+
+class ExpertEngine(Protocol):
+    """The serving engine's side: slot buffers to swap and maps to update (eplb.moe.model.MoEModel)."""
+
+    def slot_tensors(self, layer: int) -> Mapping[str, torch.Tensor]: ...
+
+    def set_placement(self, placement: Placement, dispatch_weights_LER: np.ndarray | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class RebalanceRecord:
+    """One rebalance decision and its outcome (all ranks hold the same numbers; reason on rank 0)."""
+
+    at_pass: int
+    outcome: RebalanceOutcome
+    reason: str
+    balancedness_before: float
+    balancedness_after: float
+    predicted_balancedness: float | None
+    solve_seconds: float
+    transfer_seconds: float
+    experts_moved: int
+    bytes_moved: int
+
+
+@dataclass(frozen=True)
+class ManagerState:
+    """A snapshot for metrics, logs and tests."""
+
+    phase: str
+    """idle | solving | applying."""
+    passes: int
+    counted_passes: int
+    next_rebalance_at: int
+    """Counted-pass number of the next rebalance."""
+    window_passes: int
+    layers_pending: tuple[int, ...]
+    placement: Placement
+    history: tuple[RebalanceRecord, ...] = field(default_factory=tuple)
+    windows: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    """(pass, balancedness of the window summed over ranks under the live placement) at each check."""
+
+
+def solver_planner(
+    config: EplbConfig, placement: Placement, *, bytes_per_expert: int, num_groups: int = 1
+) -> Planner:
+    """The default planner: eplb.solver.solve with the config's algorithm (weights for weighted dispatch)."""
+    from eplb.solver import SolveOptions, Topology, solve
+
+    topology = Topology(
+        num_gpus=placement.num_gpus,
+        num_nodes=placement.num_nodes,
+        num_physical=placement.num_physical,
+        num_groups=num_groups,
+    )
+    options = SolveOptions(
+        algorithm=config.eplb_algorithm,
+        weighted=config.dispatch_algorithm == "weighted",
+        bytes_per_expert=bytes_per_expert,
+    )
+    return lambda load_WLE, current: solve(load_WLE, topology, current, options)
+
+
+class EplbManager:
+    """Drives record -> solve -> hot-swap for one rank. Build one per rank with the same arguments."""
+
+    def __init__(
+        self,
+        config: EplbConfig,
+        engine: ExpertEngine,
+        placement: Placement,
+        *,
+        device: torch.device,
+        group: dist.ProcessGroup | None = None,
+        sink: MetricsSink | None = None,
+        planner: Planner | None = None,
+        swap_options: HotSwapOptions | None = None,
+        num_groups: int = 1,
+        swap_fault: FaultHook | None = None,
+    ) -> None:
+        distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank(group) if distributed else 0
+        self.world_size = dist.get_world_size(group) if distributed else 1
+        if self.world_size != placement.num_gpus:
+            raise ValueError(
+                f"placement spans {placement.num_gpus} GPUs but there are {self.world_size} ranks"
+            )
+        self.config = config
+        self.engine = engine
+        self.device = device
+        self.group = group
+        self.sink: MetricsSink = sink or NullSink()
+        self.swap_options = swap_options or HotSwapOptions()
+        self._swap_fault = swap_fault
+        self._placement = placement
+        self._weights_LER: np.ndarray | None = None
+        L, E = placement.num_layers, placement.num_logical
+        self.window = PassWindow(L, E, config.recorder_buffer_size, device)
+        views = engine.slot_tensors(0)
+        bytes_per_expert = sum(t[0].numel() * t.element_size() for t in views.values())
+        self._planner = planner or solver_planner(
+            config, placement, bytes_per_expert=bytes_per_expert, num_groups=num_groups
+        )
+        self._executor: ThreadPoolExecutor | None = None
+        self._future: Future[tuple[PlanLike, float]] | None = None
+        self._phase = "idle"
+        self._passes = 0
+        self._counted = 0
+        self._next_at = config.eplb_rebalance_num_iterations
+        self._history: list[RebalanceRecord] = []
+        self._windows: list[tuple[int, float]] = []
+        self._job: _SwapJob | None = None
+        self._load_LE = np.zeros((L, E))
+        self._before = 1.0
+        self.sink.on_topology(
+            num_layers=L,
+            num_logical=E,
+            num_physical=placement.num_physical,
+            num_gpus=placement.num_gpus,
+            num_nodes=placement.num_nodes,
+        )
+
+    # ---- the hook ----------------------------------------------------------------------------
+    @property
+    def pass_counts_LE(self) -> torch.Tensor:
+        """int32 [L, E] on the device: the MoE layers add this pass's logical counts here."""
+        return self.window.pass_counts_LE
+
+    def on_forward_pass_end(self, *, is_prefill: bool = False) -> None:
+        """Call on every rank after every forward pass (``is_prefill``: this rank's pass had prefill)."""
+        self._passes += 1
+        any_prefill, plan_ready = is_prefill, False
+        if self.config.eplb_record_prefill_only or self._phase == "solving":
+            ready = self.rank == 0 and self._future is not None and self._future.done()
+            flags = self._all_reduce(
+                torch.tensor([int(is_prefill), int(ready)], dtype=torch.int32), dist.ReduceOp.MAX
+            )
+            any_prefill, plan_ready = bool(flags[0]), bool(flags[1])
+        recorded = any_prefill if self.config.eplb_record_prefill_only else True
+        self.window.end_pass(commit=recorded)
+        self.sink.on_forward_pass(kind="prefill" if is_prefill else "decode", recorded=recorded)
+        if recorded:
+            self._counted += 1
+        if self._phase == "applying":
+            self._apply_next_chunk()
+        elif self._phase == "solving" and plan_ready:
+            self._adopt_plan()
+        elif self._phase == "idle" and self._counted >= self._next_at:
+            self._next_at = self._counted + self.config.eplb_rebalance_num_iterations
+            self._trigger()
+
+    def state(self) -> ManagerState:
+        return ManagerState(
+            phase=self._phase,
+            passes=self._passes,
+            counted_passes=self._counted,
+            next_rebalance_at=self._next_at,
+            window_passes=self.window.num_passes,
+            layers_pending=() if self._job is None else tuple(self._job.pending),
+            placement=self._placement,
+            history=tuple(self._history),
+            windows=tuple(self._windows),
+        )
+
+    @property
+    def placement(self) -> Placement:
+        return self._placement
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    # ---- steps -------------------------------------------------------------------------------
+    def _all_reduce(self, t: torch.Tensor, op: Any) -> list[Any]:
+        t = t.to(self.device)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=op, group=self.group)
+        return list(t.cpu().tolist())
+
+    def _trigger(self) -> None:
+        window_WLE = self.window.window_WLE().to(torch.int64)
+        if self.world_size > 1:
+            dist.all_reduce(window_WLE, op=dist.ReduceOp.SUM, group=self.group)
+        load_WLE = window_WLE.cpu().numpy().astype(np.float64)
+        load_LE = load_WLE.sum(axis=0)
+        before = float(model_balancedness(load_LE, self._placement))
+        self._windows.append((self._passes, before))
+        self.sink.on_window(logical_load_LE=load_LE, gpu_load_LG=gpu_load(load_LE, self._placement))
+        threshold = self.config.eplb_min_rebalancing_utilization_threshold
+        if self.rank == 0:
+            log.info(
+                "pass %d: window of %d passes, balancedness %.4f", self._passes, load_WLE.shape[0], before
+            )
+        if load_WLE.shape[0] == 0 or load_LE.sum() == 0:
+            self._finish("skipped", "the window holds no load", before, before, None, 0.0)
+            return
+        if before > threshold:
+            self._finish(
+                "skipped", f"balancedness {before:.4f} above threshold {threshold}", before, before, None, 0.0
+            )
+            return
+        self._load_LE, self._before = load_LE, before
+        if self.rank == 0:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb-solve")
+            self._future = self._executor.submit(_timed_plan, self._planner, load_WLE, self._placement)
+        self._phase = "solving"
+
+    def _adopt_plan(self) -> None:
+        """Rank 0 broadcasts its plan; every rank takes the same decision on the same pass."""
+        L, P, E, R = (
+            self._placement.num_layers,
+            self._placement.num_physical,
+            self._placement.num_logical,
+            self._placement.num_physical - self._placement.num_logical + 1,
+        )
+        header = torch.zeros(4, dtype=torch.float64)
+        phy2log = torch.zeros(L, P, dtype=torch.int32)
+        weights = torch.zeros(L, E, R, dtype=torch.float32)
+        reason = ""
+        if self.rank == 0:
+            assert self._future is not None
+            header, phy2log, weights, reason = _encode_plan(self._future, header, phy2log, weights)
+            self._future = None
+        header = self._broadcast(header)
+        status, has_weights, predicted, solve_s = header.tolist()
+        if status != _APPLY:
+            outcome: RebalanceOutcome = "failed" if status == _FAILED else "skipped"
+            self._finish(outcome, reason, self._before, self._before, predicted, solve_s)
+            return
+        phy2log = self._broadcast(phy2log)
+        weights_LER = self._broadcast(weights).numpy() if has_weights else None
+        target = Placement.from_phy2log(
+            phy2log.numpy(), self._placement.num_gpus, self._placement.num_nodes, max_replicas=R
+        )
+        changed = [
+            int(x) for x in np.flatnonzero((target.phy2log_LP != self._placement.phy2log_LP).any(axis=1))
+        ]
+        self._job = _SwapJob(
+            self._placement, self._weights_LER, target, weights_LER, changed, reason, predicted, solve_s
+        )
+        self._phase = "applying"
+        self._apply_next_chunk()
+
+    def _apply_next_chunk(self) -> None:
+        job = self._job
+        assert job is not None
+        per_chunk = self.config.eplb_rebalance_layers_per_chunk or max(len(job.pending), 1)
+        chunk, job.pending = job.pending[:per_chunk], job.pending[per_chunk:]
+        mixed, mixed_w = _with_layers(
+            self._placement, self._weights_LER, job.target, job.target_weights_LER, chunk
+        )
+        slots_L = [self.engine.slot_tensors(layer) for layer in range(self._placement.num_layers)]
+        result = hot_swap(
+            slots_L,
+            self._placement,
+            mixed,
+            layers=chunk,
+            group=self.group,
+            options=self.swap_options,
+            update_maps=lambda: self.engine.set_placement(mixed, mixed_w),
+            fault=self._swap_fault,
+        )
+        job.transfer_seconds += result.seconds
+        if result.ok:
+            self._placement, self._weights_LER = mixed, mixed_w
+            job.done.extend(chunk)
+            job.experts_moved += result.experts_moved
+            job.bytes_moved += result.bytes_moved
+            if not job.pending:
+                after = float(model_balancedness(self._load_LE, self._placement, self._weights_LER))
+                self._finish(
+                    "applied", job.reason, self._before, after, job.predicted, job.solve_seconds, job
+                )
+            return
+        reason = f"hot-swap of layers {list(chunk)} failed and was rolled back: {result.error}"
+        if job.done:  # undo this rebalance's earlier chunks too: back to one consistent old placement
+            back = hot_swap(
+                slots_L,
+                self._placement,
+                job.original,
+                layers=job.done,
+                group=self.group,
+                options=self.swap_options,
+                update_maps=lambda: self.engine.set_placement(job.original, job.original_weights_LER),
+            )
+            if back.ok:
+                self._placement, self._weights_LER = job.original, job.original_weights_LER
+            reason += f"; layers {job.done} {'restored' if back.ok else 'NOT restored: ' + str(back.error)}"
+        self._finish("failed", reason, self._before, self._before, job.predicted, job.solve_seconds, job)
+
+    def _finish(
+        self,
+        outcome: RebalanceOutcome,
+        reason: str,
+        before: float,
+        after: float,
+        predicted: float | None,
+        solve_seconds: float,
+        job: _SwapJob | None = None,
+    ) -> None:
+        record = RebalanceRecord(
+            at_pass=self._passes,
+            outcome=outcome,
+            reason=reason,
+            balancedness_before=before,
+            balancedness_after=after,
+            predicted_balancedness=predicted,
+            solve_seconds=solve_seconds,
+            transfer_seconds=0.0 if job is None else job.transfer_seconds,
+            experts_moved=0 if job is None else job.experts_moved,
+            bytes_moved=0 if job is None else job.bytes_moved,
+        )
+        self._history.append(record)
+        self._job = None
+        self._phase = "idle"
+        if self.rank == 0:
+            log.info(
+                "pass %d: rebalance %s (%s); balancedness %.4f -> %.4f",
+                self._passes,
+                outcome,
+                reason,
+                before,
+                after,
+            )
+        self.sink.on_rebalance(
+            outcome=outcome,
+            reason=reason,
+            solve_seconds=solve_seconds,
+            transfer_seconds=record.transfer_seconds,
+            experts_moved=record.experts_moved,
+            bytes_moved=record.bytes_moved,
+            balancedness_before=before,
+            balancedness_after=after,
+        )
+
+    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world_size == 1:
+            return t
+        on_device = t.to(self.device)
+        dist.broadcast(
+            on_device, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
+        )
+        return on_device.cpu()
+
+
+_FAILED, _SKIP, _APPLY = 0.0, 1.0, 2.0
+
+
+@dataclass
+class _SwapJob:
+    original: Placement
+    original_weights_LER: np.ndarray | None
+    target: Placement
+    target_weights_LER: np.ndarray | None
+    pending: list[int]
+    reason: str
+    predicted: float
+    solve_seconds: float
+    done: list[int] = field(default_factory=list)
+    transfer_seconds: float = 0.0
+    experts_moved: int = 0
+    bytes_moved: int = 0
+
+
+def _timed_plan(planner: Planner, load_WLE: np.ndarray, current: Placement) -> tuple[PlanLike, float]:
+    start = time.perf_counter()
+    plan = planner(load_WLE, current)
+    return plan, time.perf_counter() - start
+
+
+def _encode_plan(
+    future: Future[tuple[PlanLike, float]], header: torch.Tensor, phy2log: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """Rank 0: the plan (or its failure) as the tensors it broadcasts, plus the reason."""
+    try:
+        plan, seconds = future.result()
+    except Exception as exc:
+        header[:] = torch.tensor([_FAILED, 0.0, float("nan"), 0.0], dtype=torch.float64)
+        return header, phy2log, weights, f"planner failed: {type(exc).__name__}: {exc}"
+    status = _APPLY if plan.apply else _SKIP
+    w = plan.dispatch_weights_LER
+    header[:] = torch.tensor(
+        [status, float(w is not None), plan.predicted_balancedness, seconds], dtype=torch.float64
+    )
+    phy2log.copy_(torch.from_numpy(np.ascontiguousarray(plan.placement.phy2log_LP, dtype=np.int32)))
+    if w is not None:
+        weights.zero_()
+        weights[:, :, : w.shape[2]] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+    return header, phy2log, weights, plan.reason
+
+
+def _with_layers(
+    live: Placement,
+    live_weights_LER: np.ndarray | None,
+    target: Placement,
+    target_weights_LER: np.ndarray | None,
+    layers: list[int],
+) -> tuple[Placement, np.ndarray | None]:
+    """``live`` with ``layers`` taken from ``target`` (maps and dispatch weights)."""
+    phy2log = live.phy2log_LP.copy()
+    phy2log[layers] = target.phy2log_LP[layers]
+    mixed = Placement.from_phy2log(phy2log, live.num_gpus, live.num_nodes, max_replicas=target.max_replicas)
+    if live_weights_LER is None and target_weights_LER is None:
+        return mixed, None
+    weights = _uniform_weights(mixed) if live_weights_LER is None else live_weights_LER.copy()
+    if target_weights_LER is not None:
+        weights[layers] = target_weights_LER[layers]
+    else:
+        weights[layers] = _uniform_weights(mixed)[layers]
+    return mixed, weights
+
+
+def _uniform_weights(placement: Placement) -> np.ndarray:
+    """float32 [L, E, R]: 1/count on each used replica (what uniform dispatch means)."""
+    R = placement.max_replicas
+    used = np.arange(R)[None, None, :] < placement.logcnt_LE[:, :, None]
+    return np.where(used, 1.0 / placement.logcnt_LE[:, :, None], 0.0).astype(np.float32)
