@@ -1,0 +1,321 @@
+"""The expert distribution recorder: per-pass expert load, recorded on the device, for the manager.
+
+Shape legend: W window (passes), L layers, E logical experts, P physical slots, G GPUs, K top-k.
+
+One recorder per rank. Per forward pass::
+
+    rec.begin_pass(has_prefill=..., num_tokens=T)            # sets the device record flag
+    for layer in layers:                                      # inside the (captured) forward
+        phys = remap_and_record(ids, tables, layer, **rec.layer_kwargs(layer))
+        rec.record_topk(layer, ids)                           # per_token mode only
+    counted = rec.end_pass()                                  # commits the pass, advances the step
+
+``layer_kwargs`` hands the kernel a fixed int32 [P] row of ``pass_counts_LP`` and the int32
+``record_flag_1``; both keep their address for the recorder's life, so a captured CUDA graph
+records or not by the flag alone. After a hot-swap call :meth:`set_placement` before the next
+pass: every stored pass remembers which placement was live, and its slot counts become expert
+counts through that placement's map.
+
+Modes: ``stat`` (circular window of W passes on the device, int32 [W, L, P]), ``per_pass``
+(each pass copied to pinned host memory without a stream stall; the last W kept), ``per_token``
+(logical top-k ids per token, up to a token budget). With ``prefill_only`` a rank records only
+passes that carry prefill locally, and the step counter advances only on passes where SOME rank
+had prefill: ``end_pass`` all-reduces the flag, so every rank must call it on every pass (an
+idle rank with T = 0 too) and all ranks count, rebalance and fill window rows in lockstep.
+Counts are int32 per pass and int64 once summed, so nothing overflows on long runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from eplb.config import RECORDER_MODES, EplbConfig
+from eplb.placement import Placement
+from eplb.recorder_buffers import PassInfo, PerPassStaging, StatWindow, TokenBuffer
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecorderConfig:
+    """What and how much the recorder keeps."""
+
+    mode: str = "stat"
+    """stat | per_pass | per_token."""
+    window: int = 1000
+    """W: passes kept (stat window; per_pass records)."""
+    prefill_only: bool = False
+    """Record only prefill passes; count only passes where some rank had prefill."""
+    token_budget: int = 65536
+    """per_token: most tokens kept (later tokens are dropped and counted)."""
+    top_k: int = 8
+    """K, ids per token (per_token)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in RECORDER_MODES:
+            raise ValueError(f"unknown recorder mode {self.mode!r}; choose from {RECORDER_MODES}")
+        if self.window < 1 or self.token_budget < 1 or self.top_k < 1:
+            raise ValueError("window, token_budget and top_k must be >= 1")
+
+    @classmethod
+    def from_eplb_config(
+        cls, config: EplbConfig, *, top_k: int = 8, token_budget: int = 65536
+    ) -> RecorderConfig:
+        """The recorder SGLang's flags ask for (stat with the rebalance interval when EPLB is on)."""
+        return cls(
+            mode=config.recorder_mode or "stat",
+            window=config.recorder_buffer_size,
+            prefill_only=config.eplb_record_prefill_only,
+            token_budget=token_budget,
+            top_k=top_k,
+        )
+
+
+class ExpertDistributionRecorder:
+    """Records expert load per forward pass; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        config: RecorderConfig,
+        placement: Placement,
+        *,
+        device: torch.device | str = "cpu",
+        group: Any = None,
+        flag_group: Any = None,
+    ) -> None:
+        """``group``: process group for dump/window sums (None: the default group when
+        torch.distributed is initialised). ``flag_group``: group for the per-pass prefill flag
+        (e.g. a Gloo group, so NCCL ranks avoid a device sync per pass); defaults to ``group``."""
+        self.config = config
+        self.device = torch.device(device)
+        self.group = group
+        self.flag_group = flag_group if flag_group is not None else group
+        L, P = placement.num_layers, placement.num_physical
+        self.pass_counts_LP = torch.zeros((L, P), dtype=torch.int32, device=self.device)
+        """int32 [L, P]: this pass's slot counts; row ``layer`` is the kernel's ``counts_P``."""
+        self.record_flag_1 = torch.zeros(1, dtype=torch.int32, device=self.device)
+        """int32 [1]: 1 while this pass is recorded (the kernel's ``record`` flag)."""
+        self._placement = placement
+        self._maps: dict[int, np.ndarray] = {0: placement.phy2log_LP.copy()}
+        self._map_version = 0
+        self._recording = False
+        self._num_counted = 0
+        self._pass_open = False
+        self._local_prefill = False
+        self._local_flag = False
+        self._num_tokens = 0
+        self._stat = StatWindow(config.window, L, P, self.device) if config.mode == "stat" else None
+        self._per_pass = (
+            PerPassStaging(config.window, L, P, self.device) if config.mode == "per_pass" else None
+        )
+        self._tokens = (
+            TokenBuffer(config.token_budget, L, config.top_k, self.device)
+            if config.mode == "per_token"
+            else None
+        )
+
+    # ---- shape and state -----------------------------------------------------------------------
+    @property
+    def placement(self) -> Placement:
+        """The placement live now (the one :meth:`set_placement` last gave)."""
+        return self._placement
+
+    @property
+    def is_recording(self) -> bool:
+        return self._recording
+
+    @property
+    def num_counted_passes(self) -> int:
+        """The step counter: passes counted since creation (prefill_only: passes with prefill on some rank)."""
+        return self._num_counted
+
+    @property
+    def num_window_passes(self) -> int:
+        """Passes held in the window (stat) or in the kept records (per_pass)."""
+        if self._stat is not None:
+            return self._stat.filled
+        if self._per_pass is not None:
+            self._per_pass.collect(wait=True)
+            return len(self._per_pass.records)
+        return 0
+
+    @property
+    def window_full(self) -> bool:
+        return self.num_window_passes >= self.config.window
+
+    # ---- control -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Record from the next pass on (call on every rank at the same pass)."""
+        self._recording = True
+
+    def stop(self) -> None:
+        """Stop recording; the step counter keeps advancing."""
+        self._recording = False
+        self.record_flag_1.zero_()
+
+    def reset(self) -> None:
+        """Drop everything recorded (not the step counter, not the recording state)."""
+        for store in (self._stat, self._per_pass, self._tokens):
+            if store is not None:
+                store.clear()
+        self._maps = {self._map_version: self._placement.phy2log_LP.copy()}
+
+    def set_placement(self, placement: Placement) -> None:
+        """The placement changed (hot-swap): passes from now on convert through its map."""
+        if (placement.num_layers, placement.num_physical, placement.num_logical) != (
+            self._placement.num_layers,
+            self._placement.num_physical,
+            self._placement.num_logical,
+        ):
+            raise ValueError("a new placement must keep L, E and P")
+        self._placement = placement
+        self._map_version += 1
+        self._maps[self._map_version] = placement.phy2log_LP.copy()
+
+    # ---- per pass ------------------------------------------------------------------------------
+    def begin_pass(self, *, has_prefill: bool, num_tokens: int = 0) -> None:
+        """Start a pass: set the device record flag (an enqueued fill, no host sync)."""
+        if self._pass_open:
+            raise RuntimeError("begin_pass called twice without end_pass")
+        self._pass_open = True
+        self._local_prefill = bool(has_prefill)
+        self._num_tokens = int(num_tokens)
+        self._local_flag = self._recording and (self._local_prefill or not self.config.prefill_only)
+        self.record_flag_1.fill_(1 if self._local_flag else 0)
+
+    def layer_kwargs(self, layer: int) -> dict[str, torch.Tensor]:
+        """Keyword arguments for eplb.remap.remap_and_record that record into this pass."""
+        return {"counts_P": self.pass_counts_LP[layer], "record": self.record_flag_1}
+
+    def record_topk(self, layer: int, topk_ids_TK: torch.Tensor) -> None:
+        """per_token mode: keep this layer's logical ids (int32 [T, K]) of this pass."""
+        if self._tokens is not None and self._local_flag:
+            self._tokens.write(layer, topk_ids_TK)
+
+    def end_pass(self) -> bool:
+        """Finish the pass on every rank; returns whether it was counted (the step advanced)."""
+        if not self._pass_open:
+            raise RuntimeError("end_pass called without begin_pass")
+        self._pass_open = False
+        counted = True
+        if self.config.prefill_only:
+            counted = _any_rank(self._local_prefill, self.flag_group, self.device)
+        if counted:
+            info = PassInfo(self._num_counted, self._map_version, self._local_prefill, self._num_tokens)
+            self._num_counted += 1
+            if self._recording:
+                if self._stat is not None:
+                    self._stat.push(self.pass_counts_LP, info)
+                if self._per_pass is not None:
+                    self._per_pass.push(self.pass_counts_LP, info)
+        if self._tokens is not None:
+            self._tokens.commit(self._num_counted - 1, keep=counted and self._local_flag)
+        if self._local_flag:
+            self.pass_counts_LP.zero_()
+        return counted
+
+    # ---- what the manager reads ----------------------------------------------------------------
+    def window_passes(self, *, reduce: bool = False) -> tuple[list[PassInfo], np.ndarray]:
+        """Kept passes oldest first, and their slot counts int64 [F, L, P] (summed over ranks if ``reduce``)."""
+        if self._stat is not None:
+            rows = self._stat.chronological_rows()
+            infos = [info for r in rows if (info := self._stat.info[r]) is not None]
+            phys = self._stat.counts_WLP[rows].to(torch.int64)
+        elif self._per_pass is not None:
+            self._per_pass.collect(wait=True)
+            infos = [info for info, _ in self._per_pass.records]
+            arrays = [a for _, a in self._per_pass.records]
+            L, P = self.pass_counts_LP.shape
+            stacked = np.stack(arrays) if arrays else np.zeros((0, L, P), dtype=np.int32)
+            phys = torch.from_numpy(stacked.astype(np.int64)).to(self.device)
+        else:
+            raise ValueError("per_token mode keeps token ids, not a window of counts")
+        if reduce:
+            phys = _all_reduce_sum(phys, self.group)
+        return infos, phys.cpu().numpy()
+
+    def window_logical_counts(self, *, reduce: bool = False) -> np.ndarray:
+        """int64 [F, L, E]: kept passes' expert counts, oldest first (each through its own map)."""
+        infos, phys_FLP = self.window_passes(reduce=reduce)
+        return self.to_logical(phys_FLP, [info.map_version for info in infos])
+
+    def window_logical_total(self, *, reduce: bool = False) -> np.ndarray:
+        """int64 [L, E]: expert counts summed over the kept passes (device-side sum, small copy)."""
+        L, E = self._placement.num_layers, self._placement.num_logical
+        if self._stat is None:
+            return self.window_logical_counts(reduce=reduce).sum(axis=0, dtype=np.int64).reshape(L, E)
+        total_LE = torch.zeros((L, E), dtype=torch.int64, device=self.device)
+        rows = self._stat.chronological_rows()
+        for version in sorted({info.map_version for r in rows if (info := self._stat.info[r]) is not None}):
+            picked = [
+                r for r in rows if (info := self._stat.info[r]) is not None and info.map_version == version
+            ]
+            phys_LP = self._stat.counts_WLP[picked].to(torch.int64).sum(dim=0)
+            map_LP = torch.from_numpy(self._maps[version].astype(np.int64)).to(self.device)
+            total_LE.scatter_add_(1, map_LP, phys_LP)
+        if reduce:
+            total_LE = _all_reduce_sum(total_LE, self.group)
+        return total_LE.cpu().numpy()
+
+    def recorded_tokens(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """per_token mode: (ids int32 [N, L, K], forward pass id int64 [N], tokens dropped past the budget)."""
+        if self._tokens is None:
+            raise ValueError("recorded_tokens needs per_token mode")
+        t = self._tokens
+        return t.ids_NLK[: t.used].cpu().numpy(), np.asarray(t.pass_of_token, dtype=np.int64), t.dropped
+
+    def to_logical(self, phys_FLP: np.ndarray, versions: list[int]) -> np.ndarray:
+        """int64 [F, L, E]: slot counts -> expert counts, row f through placement ``versions[f]``."""
+        F, L, P = phys_FLP.shape
+        E = self._placement.num_logical
+        out = np.zeros((F, L, E), dtype=np.int64)
+        layer_LP = np.broadcast_to(np.arange(L)[:, None], (L, P))
+        for version in sorted(set(versions)):
+            rows = [f for f in range(F) if versions[f] == version]
+            flat = (layer_LP * E + self._maps[version]).ravel()
+            order = np.argsort(flat, kind="stable")
+            starts = np.searchsorted(flat[order], np.arange(L * E))
+            sums = np.add.reduceat(phys_FLP[rows].reshape(len(rows), L * P)[:, order], starts, axis=1)
+            out[rows] = sums.reshape(len(rows), L, E)
+        return out
+
+    def dump(self, path: str | Path, *, fmt: str = "eplb", reduce: bool = True) -> Path | None:
+        """Write what was recorded (see eplb.recorder_dump); collective when ``reduce`` and distributed."""
+        from eplb.recorder_dump import dump_recorder
+
+        return dump_recorder(self, Path(path), fmt=fmt, reduce=reduce)
+
+
+def _dist_active(group: Any) -> bool:
+    import torch.distributed as dist
+
+    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1)
+
+
+def _all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
+    if not _dist_active(group):
+        return t
+    import torch.distributed as dist
+
+    t = t.clone()
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return t
+
+
+def _any_rank(flag: bool, group: Any, device: torch.device) -> bool:
+    """Whether ``flag`` is set on some rank of ``group`` (every rank must call this)."""
+    if not _dist_active(group):
+        return flag
+    import torch.distributed as dist
+
+    backend = dist.get_backend(group)
+    flag_device = device if backend == "nccl" else torch.device("cpu")
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=flag_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return bool(t.item())
+
+
+__all__ = ["ExpertDistributionRecorder", "PassInfo", "RecorderConfig"]
