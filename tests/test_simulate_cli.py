@@ -185,6 +185,8 @@ def test_placement_file_round_trips_and_refuses_corrupt_files(tmp_path: Path) ->
             "buffer-size",
         ),
         (["--algorithms", "magic"], "unknown algorithm"),
+        (["--algorithms", "deepseek", "--solver-option", "bogus=1"], "bogus"),
+        (["--algorithms", "deepseek", "--solver-option", "prediction"], "KEY=VALUE"),
         (["--nnodes", "3"], "--nnodes"),
         (["--trace", "/nonexistent/trace.safetensors"], "not found"),
     ],

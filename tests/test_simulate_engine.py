@@ -253,6 +253,15 @@ def test_threshold_skips_and_fake_dispatch_ignores_the_placement() -> None:
     assert fake_none.balancedness_T.mean() > result.baseline.balancedness_T.mean()
 
 
+def test_solver_options_reach_the_solver() -> None:
+    trace = _random_trace(seed=4, T=40)
+    config = SimulationConfig(
+        num_gpus=4, num_nodes=1, num_redundant=4, interval=10, solver_options={"min_gain": 2.0}
+    )
+    events = simulate(trace, parse_runs(["deepseek"], "static"), config).runs[0].events
+    assert len(events) == 3 and all(not e.applied and "min_gain" in e.reason for e in events)
+
+
 def test_bad_configurations_are_value_errors() -> None:
     trace = _random_trace(seed=0)
     with pytest.raises(ValueError, match="divide evenly"):

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_ALGORITHMS),
         metavar="ALGO[:DISPATCH]",
         help="runs to compare: none | deepseek | deepseek_hierarchical | scipy | auto, each optionally "
-        "with :static | :dynamic | :weighted | :fake (default: %(default)s)",
+        f"with :static | :dynamic | :weighted | :fake (default: {' '.join(DEFAULT_ALGORITHMS)})",
     )
     add_input_arguments(parser)
     add_topology_arguments(parser)

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         bytes_per_expert=config.bytes_per_expert,
         weighted=args.ep_dispatch_algorithm == "weighted",
         seed=args.seed,
+        extra_options=config.solver_options,
     )
     proposal = planner.plan(window_WLE, start, past)
     placement = proposal.placement

@@ -61,6 +61,8 @@ class SimulationConfig:
     seed: int = 0
     """Seed of the planners and of fake dispatch."""
     cost: CostModel = field(default_factory=CostModel)
+    solver_options: Mapping[str, Any] = field(default_factory=dict)
+    """Extra ``eplb.solver.SolveOptions`` fields for the solver-backed runs (--solver-option)."""
 
     def __post_init__(self) -> None:
         if self.num_gpus < 1 or self.num_nodes < 1 or self.num_gpus % self.num_nodes:
@@ -88,7 +90,7 @@ class SimulationConfig:
         return self.interval if self.window is None else self.window
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "solver_options": dict(self.solver_options)}
 
 
 @dataclass(frozen=True)
@@ -207,7 +209,11 @@ def _planner_for(
     if planners and spec.name in planners:
         return planners[spec.name]
     return make_planner(
-        spec, num_groups=config.num_groups, bytes_per_expert=config.bytes_per_expert, seed=config.seed
+        spec,
+        num_groups=config.num_groups,
+        bytes_per_expert=config.bytes_per_expert,
+        seed=config.seed,
+        solver_options=config.solver_options,
     )
 
 

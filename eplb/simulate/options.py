@@ -20,6 +20,7 @@ from eplb.placement import Placement
 from eplb.simulate.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.simulate.engine import SimulationConfig
+from eplb.simulate.planners import parse_solver_options
 from eplb.traces import Trace
 
 DEFAULT_STEPS = 4000
@@ -113,6 +114,14 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
         help="dispatch of the baseline and of --algorithms entries without ':mode' (default: %(default)s)",
     )
     g.add_argument(
+        "--solver-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an eplb.solver SolveOptions field for the solver-backed runs, e.g. prediction=robust "
+        "or time_budget_s=0.2 (repeatable)",
+    )
+    g.add_argument(
         "--init-expert-location",
         default="trivial",
         help="placement before the first rebalance: 'trivial', an SGLang JSON with physical_to_logical_map, "
@@ -204,6 +213,7 @@ def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) 
         num_groups=num_groups,
         seed=args.seed,
         cost=cost_model(args),
+        solver_options=parse_solver_options(args.solver_option),
     )
 
 

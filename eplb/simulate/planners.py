@@ -10,9 +10,10 @@ adapt ``eplb.solver.solve`` (imported lazily, so the simulator runs without it f
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Protocol
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -117,9 +118,26 @@ class SolverPlanner:
     bytes_per_expert: int
     weighted: bool = False
     seed: int = 0
+    extra_options: Mapping[str, Any] = field(default_factory=dict)
+    """More ``SolveOptions`` fields by name (prediction, time_budget_s, min_gain, ...)."""
+
+    def options(self) -> Any:
+        """The ``SolveOptions`` this planner passes; unknown or invalid fields raise ValueError."""
+        from eplb.solver import SolveOptions
+
+        try:
+            return SolveOptions(
+                algorithm=self.algorithm,
+                weighted=self.weighted,
+                bytes_per_expert=self.bytes_per_expert,
+                seed=self.seed,
+                **dict(self.extra_options),
+            )
+        except TypeError as exc:
+            raise ValueError(f"--solver-option: {exc}") from None
 
     def plan(self, window_WLE: np.ndarray, current: Placement, past: PastView) -> Proposal:
-        from eplb.solver import SolveOptions, Topology, solve
+        from eplb.solver import Topology, solve
 
         topology = Topology(
             num_gpus=current.num_gpus,
@@ -127,13 +145,7 @@ class SolverPlanner:
             num_physical=current.num_physical,
             num_groups=self.num_groups,
         )
-        options = SolveOptions(
-            algorithm=self.algorithm,
-            weighted=self.weighted,
-            bytes_per_expert=self.bytes_per_expert,
-            seed=self.seed,
-        )
-        plan = solve(window_WLE, topology=topology, current=current, options=options)
+        plan = solve(window_WLE, topology=topology, current=current, options=self.options())
         return Proposal(
             placement=plan.placement,
             weights_LER=plan.dispatch_weights_LER,
@@ -152,16 +164,40 @@ def solver_available() -> bool:
     return True
 
 
-def make_planner(run: RunSpec, *, num_groups: int, bytes_per_expert: int, seed: int) -> Planner | None:
+def parse_solver_options(items: Sequence[str]) -> dict[str, Any]:
+    """``["prediction=robust", "time_budget_s=0.2"]`` -> a dict; values are JSON when they parse as JSON."""
+    options: dict[str, Any] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--solver-option expects KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(text)
+        except json.JSONDecodeError:
+            options[key] = text
+    return options
+
+
+def make_planner(
+    run: RunSpec,
+    *,
+    num_groups: int,
+    bytes_per_expert: int,
+    seed: int,
+    solver_options: Mapping[str, Any] | None = None,
+) -> Planner | None:
     """The planner of ``run``; None for "none" (the initial placement is kept throughout)."""
     if run.algorithm == "none":
         return None
     if not solver_available():
         raise ValueError(f"algorithm {run.algorithm!r} needs eplb.solver, which is not installed here")
-    return SolverPlanner(
+    planner = SolverPlanner(
         algorithm=run.algorithm,
         num_groups=num_groups,
         bytes_per_expert=bytes_per_expert,
         weighted=run.dispatch == "weighted",
         seed=seed,
+        extra_options=dict(solver_options or {}),
     )
+    planner.options()  # fail now, not at the first rebalance
+    return planner
