@@ -132,9 +132,7 @@ def hot_swap(
     error = None
     if outcome is not None:
         error = outcome.error
-        state_LP = plan.state_after(
-            cur_LP, done=outcome.done, partial=outcome.partial, commit_failed=outcome.commit_failed
-        )
+        state_LP = plan.state_after(cur_LP, done=outcome.done, partial=outcome.partial)
         rollback = plan_swap(
             state_LP,
             cur_LP,
@@ -144,7 +142,10 @@ def hot_swap(
             chunk_bytes=max(chunk_bytes, 1),
             layers=layer_list,
         )
-        again = _execute(runtime, rollback, options.overlap_chunks, None, epoch=1)
+        try:
+            again = _execute(runtime, rollback, options.overlap_chunks, None, epoch=1)
+        except Exception as exc:
+            raise HotSwapError(f"hot-swap failed ({error}) and so did its rollback ({exc})") from exc
         if again is not None:
             raise HotSwapError(f"hot-swap failed ({error}) and so did its rollback ({again.error})")
     elif update_maps is not None:
@@ -166,16 +167,20 @@ class _Failure:
     error: str
     done: int
     partial: tuple[int, ...]
-    commit_failed: int | None
 
 
 def _execute(
     runtime: SwapRuntime, plan: SwapPlan, overlap: bool, fault: FaultHook | None, epoch: int
 ) -> _Failure | None:
-    """Run every chunk of ``plan``; None on success, else where it stopped (same on every rank)."""
+    """Run every chunk of ``plan``; None on success, else where it stopped (same on every rank).
+
+    A staged commit is a local device copy after the chunk was agreed; if one fails, the swapped
+    pair of slots it belonged to may both be lost, so that case raises :class:`HotSwapError` on
+    every rank (at the next agreement) instead of rolling back.
+    """
     n = len(plan.chunks)
     runs: dict[int, ChunkRun] = {}
-    commit_failed: int | None = None
+    commit_error: str | None = None
     for k in range(n):
         if k not in runs:
             runs[k] = runtime.start_chunk(plan, k, epoch, fault)
@@ -184,23 +189,24 @@ def _execute(
         run = runs[k]
         runtime.finish_chunk(run, fault)
         runtime.write_direct(plan, run)
-        failed, prev_commit_failed = runtime.agree(run.failed, run.mismatch_1, commit_failed is not None)
-        if failed or prev_commit_failed:
+        failed, commit_failed = runtime.agree(run.failed, run.mismatch_1, commit_error is not None)
+        if commit_failed:
+            raise HotSwapError(
+                f"a staged write of chunk {k - 1} failed on some rank: {commit_error or 'elsewhere'}"
+            )
+        if failed:
             posted = tuple(sorted(i for i in runs if i >= k))
             for i in posted:
                 runtime.drain(runs[i])
             if run.mismatch_1 is not None and bool(run.mismatch_1):
                 run.errors.append(f"chunk {k} verify: checksum mismatch")
             errors = "; ".join(e for i in posted for e in runs[i].errors) or "another rank failed"
-            # Every rank derives the same failure point from the agreed flags alone.
-            broken_commit = k - 1 if prev_commit_failed else None
-            if broken_commit is not None:
-                errors = f"commit of chunk {broken_commit} failed; {errors}"
-            return _Failure(errors, k, posted, broken_commit)
-        commit_failed = None if runtime.commit(plan, run) else k
-    _, late_commit_failed = runtime.agree(False, None, commit_failed is not None)
-    if late_commit_failed:
-        return _Failure(f"commit of chunk {n - 1} failed", n, (), n - 1)
+            return _Failure(errors, k, posted)
+        commit_error = runtime.commit(plan, run)
+    if runtime.agree(False, None, commit_error is not None)[1]:
+        raise HotSwapError(
+            f"a staged write of chunk {n - 1} failed on some rank: {commit_error or 'elsewhere'}"
+        )
     return None
 
 

@@ -121,7 +121,7 @@ class SwapRuntime:
             raise ValueError("ranks disagree on the placements or layers of this hot-swap")
 
     def agree(self, failed: bool, mismatch_1: torch.Tensor | None, commit_failed: bool) -> tuple[bool, bool]:
-        """(some rank failed this chunk, some rank failed to commit the previous one)."""
+        """(some rank failed this chunk, some rank failed a staged write of the previous one)."""
         status = torch.tensor([int(failed), int(commit_failed)], dtype=torch.int32, device=self.device)
         if mismatch_1 is not None:
             status[0] = torch.maximum(status[0], mismatch_1.to(torch.int32).reshape(()))
@@ -242,8 +242,8 @@ class SwapRuntime:
         except Exception as exc:
             run.fail("write", exc)
 
-    def commit(self, plan: SwapPlan, run: ChunkRun) -> bool:
-        """Write staged destinations (after the chunk was agreed). False if a copy failed."""
+    def commit(self, plan: SwapPlan, run: ChunkRun) -> str | None:
+        """Write staged destinations (after the chunk was agreed). The error, if a copy failed."""
         chunk = plan.chunks[run.index]
         try:
             for i, bufs in run.primary.items():
@@ -253,9 +253,8 @@ class SwapRuntime:
                         for a, b in zip(self.views(t.layer, d), bufs, strict=True):
                             a.copy_(b)
         except Exception as exc:
-            run.errors.append(f"chunk {run.index} commit: {type(exc).__name__}: {exc}")
-            return False
-        return True
+            return f"chunk {run.index} commit: {type(exc).__name__}: {exc}"
+        return None
 
     def _wait(self, run: ChunkRun) -> bool:
         """Wait for the chunk's transfers up to the deadline; False on timeout (the ops stay posted).

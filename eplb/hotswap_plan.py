@@ -85,28 +85,17 @@ class SwapPlan:
                 got[t.dst_gpu] += self.bytes_per_expert
         return got
 
-    def state_after(
-        self,
-        cur_LP: np.ndarray,
-        *,
-        done: int,
-        partial: Sequence[int] = (),
-        commit_failed: int | None = None,
-    ) -> np.ndarray:
+    def state_after(self, cur_LP: np.ndarray, *, done: int, partial: Sequence[int] = ()) -> np.ndarray:
         """int32 [L, P]: known slot contents when chunks < ``done`` were agreed and committed.
 
         Chunks in ``partial`` started but were not agreed: their direct destinations are unknown
-        (-1), their staged ones still hold the old content. ``commit_failed``: an agreed chunk whose
-        staged writes may not have landed (those slots become unknown).
+        (-1), their staged ones still hold the old content.
         """
         state = np.array(cur_LP, dtype=np.int32, copy=True)
         for k in range(done):
-            chunk = self.chunks[k]
-            for i in chunk.transfers:
+            for i in self.chunks[k].transfers:
                 t = self.transfers[i]
-                for d in t.dst_slots:
-                    lost = k == commit_failed and (t.layer, d) in chunk.staged
-                    state[t.layer, d] = -1 if lost else t.expert
+                state[t.layer, list(t.dst_slots)] = t.expert
         for k in partial:
             chunk = self.chunks[k]
             for i in chunk.transfers:
