@@ -66,8 +66,9 @@ def _percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q)) if values else float("nan")
 
 
-def micro_costs(sink: PrometheusSink, logical_LE: np.ndarray, gpu_LG: np.ndarray) -> dict[str, float]:
+def micro_costs(logical_LE: np.ndarray, gpu_LG: np.ndarray) -> dict[str, float]:
     """Median seconds of each sink call and of a scrape's render (fresh window vs cached)."""
+    sink = PrometheusSink(min_render_interval_s=0.0)  # every render after a new window is fresh
 
     def timed(fn: Any, repeat: int) -> float:
         samples = []
@@ -99,7 +100,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # A pool of passes' routed ids to cycle through (drawing them would dominate the step).
     pool = [rng.choice(E, size=(args.tokens, K), p=popularity_E).astype(np.int32) for _ in range(8)]
 
-    sink = PrometheusSink()
+    sink = PrometheusSink(min_render_interval_s=args.min_render_interval)
     sink.on_topology(
         num_layers=L, num_logical=E, num_physical=placement.num_physical, num_gpus=G, num_nodes=max(1, G // 8)
     )
@@ -138,24 +139,46 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         load_before = os.getloadavg()
         times: dict[str, list[float]] = {"off": [], "on": []}
-        per_block: list[tuple[str, float]] = []
+        blocks: list[dict[str, Any]] = []
         i = 0
         for (_start, end), phase in zip([(time.time(), t0), *bounds], ["warmup", *phases], strict=True):
             block_times = []
+            wall0, cpu0, thread0 = time.perf_counter(), time.process_time(), time.thread_time()
             while time.time() < end:
                 s = time.perf_counter()
                 step(i)
                 block_times.append(time.perf_counter() - s)
                 i += 1
+            wall, cpu, thread = (
+                time.perf_counter() - wall0,
+                time.process_time() - cpu0,
+                time.thread_time() - thread0,
+            )
             if phase != "warmup":
                 times[phase].extend(block_times)
-                per_block.append((phase, statistics.median(block_times)))
+                # CPU this process spent outside the stepping thread: the exporter (and GC, idle polls).
+                blocks.append(
+                    {
+                        "phase": phase,
+                        "mean": statistics.fmean(block_times),
+                        "other_cpu": (cpu - thread) / wall,
+                    }
+                )
         out, _ = scraper.communicate(timeout=60)
         load_after = os.getloadavg()
         scraped = json.loads(out)
-        micro = micro_costs(sink, window_LE.copy(), gpu_load(window_LE, placement))
+        micro = micro_costs(window_LE.copy(), gpu_load(window_LE, placement))
 
     off, on = times["off"], times["on"]
+    # Each "on" block against the mean of the "off" blocks either side of it: drift cancels.
+    paired = []
+    for j, b in enumerate(blocks):
+        if b["phase"] == "on":
+            neighbours = [blocks[k]["mean"] for k in (j - 1, j + 1) if 0 <= k < len(blocks)]
+            paired.append(100 * (b["mean"] / statistics.fmean(neighbours) - 1))
+    other_cpu = {
+        p: statistics.fmean(b["other_cpu"] for b in blocks if b["phase"] == p) for p in ("off", "on")
+    }
     result: dict[str, Any] = {
         "shape": {
             "layers": L,
@@ -166,7 +189,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "rate_hz": args.rate,
         "scrape_seconds": args.duration,
+        "blocks": args.blocks,
         "window_every": args.window_every,
+        "min_render_interval_s": args.min_render_interval,
         "steps_off": len(off),
         "steps_on": len(on),
         "mean_off_ms": 1e3 * statistics.fmean(off),
@@ -175,7 +200,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "median_on_ms": 1e3 * statistics.median(on),
         "p99_off_ms": 1e3 * _percentile(off, 99),
         "p99_on_ms": 1e3 * _percentile(on, 99),
-        "block_medians_ms": [(p, round(1e3 * m, 4)) for p, m in per_block],
+        "paired_block_change_pct": paired,
+        "paired_change_median_pct": statistics.median(paired),
+        "exporter_cpu_share_off": other_cpu["off"],
+        "exporter_cpu_share_on": other_cpu["on"],
         "scrapes": scraped["scrapes"],
         "scrape_p50_ms": 1e3 * _percentile(scraped["latencies"], 50),
         "scrape_p99_ms": 1e3 * _percentile(scraped["latencies"], 99),
@@ -193,12 +221,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of scraping (default 30)")
     parser.add_argument("--rate", type=float, default=20.0, help="scrapes per second (default 20)")
-    parser.add_argument("--blocks", type=int, default=6, help="off/on block pairs (default 6)")
+    parser.add_argument("--blocks", type=int, default=15, help="off/on block pairs (default 15)")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of steps before timing")
-    parser.add_argument("--tokens", type=int, default=2048, help="T, tokens per pass (default 2048)")
+    parser.add_argument("--tokens", type=int, default=8192, help="T, tokens per pass (default 8192)")
     parser.add_argument("--num-gpus", type=int, default=32, help="G, EP ranks (default 32)")
     parser.add_argument("--num-redundant", type=int, default=32, help="redundant slots (default 32)")
     parser.add_argument("--window-every", type=int, default=10, help="steps between on_window calls")
+    parser.add_argument(
+        "--min-render-interval",
+        type=float,
+        default=1.0,
+        help="PrometheusSink min_render_interval_s (default 1.0; 0 re-renders each new window)",
+    )
     parser.add_argument("--rebalance-every", type=int, default=1000, help="steps between rebalances")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
@@ -227,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, a, b, c in rows:
         change = f"{c:+9.2f}" if c != "" else ""
         print(f"{name:16} {a:10.4g} {b:10.4g} {change}")
+    print(
+        f"paired on/off block change: median {result['paired_change_median_pct']:+.2f}% over {len(result['paired_block_change_pct'])} blocks;"
+        f" CPU outside the step thread: {100 * result['exporter_cpu_share_off']:.2f}% of a core without scrapes,"
+        f" {100 * result['exporter_cpu_share_on']:.2f}% with"
+    )
     print(
         f"scrapes {result['scrapes']} ({result['scrape_bytes']} B each), latency p50 {result['scrape_p50_ms']:.2f} ms"
         f" p99 {result['scrape_p99_ms']:.2f} ms; load avg {result['loadavg_1m_before_after']} on {result['cpus']} CPUs"
