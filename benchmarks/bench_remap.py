@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -90,25 +91,19 @@ def sglang_unfused(
     return phys
 
 
-def time_eager(fn: Callable[[], Any], reps: int) -> float:
-    """Median µs of single calls between device events (launch overhead included)."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+def _timed(run: Callable[[], Any]) -> float:
+    """µs between device events around one call of ``run``."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
 
 
-def time_graph(fn: Callable[[], Any], calls: int, reps: int) -> float:
-    """Median µs per call of replaying a graph that holds ``calls`` calls."""
-    fn()  # compile and warm up outside the capture
+def capture(fn: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph holding ``calls`` back-to-back calls of ``fn`` (compiled and warmed up first)."""
+    fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
@@ -120,15 +115,41 @@ def time_graph(fn: Callable[[], Any], calls: int, reps: int) -> float:
     for _ in range(10):
         graph.replay()
     torch.cuda.synchronize()
-    times = []
+    return graph
+
+
+def time_interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, dict[str, float]]:
+    """Median µs per call of every variant: eager, graph of 1 call, graph of GRAPH_CALLS calls.
+
+    Variants take turns within each repetition, so drift in clocks or host load hits all alike.
+    """
+    g1 = {name: capture(fn, 1) for name, fn in variants.items()}
+    gn = {name: capture(fn, GRAPH_CALLS) for name, fn in variants.items()}
+    for fn in variants.values():
+        for _ in range(10):
+            fn()
+    samples: dict[str, dict[str, list[float]]] = {n: {"eager": [], "g1": [], "gn": []} for n in variants}
     for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+        for name, fn in variants.items():
+            samples[name]["eager"].append(_timed(fn))
+            samples[name]["g1"].append(_timed(g1[name].replay))
+            samples[name]["gn"].append(_timed(gn[name].replay) / GRAPH_CALLS)
+    return {
+        name: {
+            "eager_us": statistics.median(s["eager"]),
+            "graph1_us": statistics.median(s["g1"]),
+            f"graph{GRAPH_CALLS}_us": statistics.median(s["gn"]),
+            f"graph{GRAPH_CALLS}_p10_us": float(np.percentile(s["gn"], 10)),
+            f"graph{GRAPH_CALLS}_p90_us": float(np.percentile(s["gn"], 90)),
+        }
+        for name, s in samples.items()
+    }
+
+
+def time_graph(fn: Callable[[], Any], calls: int, reps: int) -> float:
+    """Median µs per call of replaying a graph that holds ``calls`` calls (used by the sweep)."""
+    graph = capture(fn, calls)
+    return statistics.median(_timed(graph.replay) / calls for _ in range(reps))
 
 
 def warm_up_gpu(seconds: float = 2.0) -> None:
@@ -342,13 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         failed |= bool(problems)
         if args.check_only or device.type != "cuda":
             continue
-        row: dict[str, Any] = {"T": T, "timings": {}}
-        for name, fn in variants.items():
-            row["timings"][name] = {
-                "eager_us": time_eager(fn, args.reps),
-                "graph1_us": time_graph(fn, 1, args.reps),
-                f"graph{GRAPH_CALLS}_us": time_graph(fn, GRAPH_CALLS, args.reps),
-            }
+        row: dict[str, Any] = {"T": T, "timings": time_interleaved(variants, args.reps)}
         if args.sweep:
             row["sweep"] = sweep(bufs, max(50, args.reps // 3))
         results.append(row)
