@@ -22,7 +22,7 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -54,6 +54,7 @@ class PrometheusSink:
         self._events = CollectorRegistry(auto_describe=True)
         spec = names.BY_NAME
         self._info = Info(names.INFO.removesuffix("_info"), spec[names.INFO].help, registry=None)
+        self._info.info({"version": __version__})  # the topology labels join at on_topology
         passes = Counter(
             names.FORWARD_PASSES, spec[names.FORWARD_PASSES].help, ["kind", "recorded"], registry=None
         )
@@ -72,14 +73,6 @@ class PrometheusSink:
         )
         self._experts_moved = Counter(names.EXPERTS_MOVED, spec[names.EXPERTS_MOVED].help, registry=None)
         self._bytes_moved = Counter(names.MOVED_BYTES, spec[names.MOVED_BYTES].help, registry=None)
-        last_balance = Gauge(
-            names.LAST_REBALANCE_BALANCEDNESS,
-            spec[names.LAST_REBALANCE_BALANCEDNESS].help,
-            ["when"],
-            registry=None,
-        )
-        self._balance_before = last_balance.labels(when="before")
-        self._balance_after = last_balance.labels(when="after")
         self._last_rebalance = _LastRebalanceCollector()
         self.window = WindowCollector(
             hot_experts_per_layer=hot_experts_per_layer,
@@ -94,7 +87,6 @@ class PrometheusSink:
             self._transfer,
             self._experts_moved,
             self._bytes_moved,
-            last_balance,
             self._last_rebalance,
         ]
         for metric in event_metrics:
@@ -151,9 +143,7 @@ class PrometheusSink:
             self._transfer.observe(transfer_seconds)
             self._experts_moved.inc(experts_moved)
             self._bytes_moved.inc(bytes_moved)
-        self._balance_before.set(balancedness_before)
-        self._balance_after.set(balancedness_after)
-        self._last_rebalance.record(outcome, reason)
+        self._last_rebalance.record(outcome, reason, balancedness_before, balancedness_after)
 
     def on_topology(
         self, *, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, num_nodes: int
@@ -178,35 +168,46 @@ class PrometheusSink:
 
 
 class _LastRebalanceCollector(Collector):
-    """``eplb_last_rebalance_timestamp_seconds{outcome, reason}``: one series per outcome at a time.
+    """The last rebalance: its balancedness before/after, and its time per outcome with the reason.
 
-    The reason label carries the manager's explanation for Grafana annotations; keeping only the
-    latest reason per outcome (truncated) bounds the live series to three.
+    ``eplb_last_rebalance_timestamp_seconds{outcome, reason}`` carries the manager's explanation
+    for Grafana annotations; keeping only the latest reason per outcome (truncated) bounds the live
+    series to three. Nothing is exported before the first rebalance (no made-up zeros).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._last: dict[str, tuple[str, float]] = {}
+        self._balancedness: tuple[float, float] | None = None
 
-    def record(self, outcome: str, reason: str) -> None:
+    def record(self, outcome: str, reason: str, before: float, after: float) -> None:
         short = " ".join(str(reason).split())[:MAX_REASON_CHARS]
         with self._lock:
             self._last[outcome] = (short, time.time())
+            self._balancedness = (before, after)
 
     def describe(self) -> Iterator[Metric]:
-        yield self._empty_family()
+        yield from self._families()
 
     def collect(self) -> Iterator[Metric]:
-        family = self._empty_family()
+        stamps, balance = self._families()
         with self._lock:
-            last = dict(self._last)
+            last, balancedness = dict(self._last), self._balancedness
         for outcome in names.REBALANCE_OUTCOMES:
             if outcome in last:
                 reason, stamp = last[outcome]
-                family.add_metric([outcome, reason], stamp)
-        yield family
+                stamps.add_metric([outcome, reason], stamp)
+        if balancedness is not None:
+            balance.add_metric(["before"], balancedness[0])
+            balance.add_metric(["after"], balancedness[1])
+        yield stamps
+        yield balance
 
     @staticmethod
-    def _empty_family() -> GaugeMetricFamily:
-        spec = names.BY_NAME[names.LAST_REBALANCE_TIMESTAMP]
-        return GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily]:
+        stamp = names.BY_NAME[names.LAST_REBALANCE_TIMESTAMP]
+        balance = names.BY_NAME[names.LAST_REBALANCE_BALANCEDNESS]
+        return (
+            GaugeMetricFamily(stamp.name, stamp.help, labels=list(stamp.labels)),
+            GaugeMetricFamily(balance.name, balance.help, labels=list(balance.labels)),
+        )

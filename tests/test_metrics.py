@@ -252,10 +252,14 @@ def test_windows_faster_than_the_render_interval_are_served_from_the_last_render
         PrometheusSink(min_render_interval_s=-1.0)
 
 
-def test_before_any_window_there_are_no_window_samples() -> None:
-    text = PrometheusSink().render()
-    assert names.RANK_TOKENS not in {n for n, _, _ in samples(text)}
-    assert generate_latest(PrometheusSink().registry)  # still renders
+def test_before_any_event_nothing_is_made_up() -> None:
+    sink = PrometheusSink()
+    exported = {n for n, _, _ in samples(sink.render())}
+    for name in (names.RANK_TOKENS, names.LAST_REBALANCE_BALANCEDNESS, names.LAST_REBALANCE_TIMESTAMP):
+        assert name not in exported
+    assert sorted(samples(sink.render())) == sorted(samples(generate_latest(sink.registry)))
+    # The version is known from the start; the topology joins it once reported.
+    assert by_name(sink.render(), names.INFO) == {(("version", __version__),): 1.0}
 
 
 def test_sinks_use_their_own_registry() -> None:

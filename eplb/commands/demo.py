@@ -73,6 +73,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(eplb_rebalance_num_iterations=100, ep_num_redundant_experts=None, enable_eplb=True)
     add_seed(parser)
     add_json_out(parser)
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="export Prometheus metrics on this port (0: any free one)",
+    )
+    parser.add_argument(
+        "--metrics-host",
+        default="127.0.0.1",
+        help="address the metrics endpoint binds (default: %(default)s)",
+    )
 
 
 def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
@@ -101,7 +112,18 @@ def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    result = run_demo(config_from_namespace(args))
+    from eplb.metrics_exporter import sink_for_rank
+
+    config = config_from_namespace(args)
+    # Rank 0 runs in this process and reports the window it aggregated over all ranks.
+    sink, exporter = sink_for_rank(0, port=args.metrics_port, host=args.metrics_host)
+    if exporter is not None:
+        print(f"eplb demo: metrics on {exporter.url}", flush=True)
+    try:
+        result = run_demo(config, sink=sink)
+    finally:
+        if exporter is not None:
+            exporter.stop()
     keys = [
         "ranks",
         "device",
