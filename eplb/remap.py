@@ -72,8 +72,19 @@ def _aiter_usable() -> bool:
     return importlib.util.find_spec("aiter") is not None
 
 
+_RESOLVED: dict[tuple[str, str], RemapBackend] = {}
+
+
 def get_backend(name: str, device: torch.device) -> RemapBackend:
-    """Resolve a backend name (``auto`` included) for tensors on ``device``."""
+    """Resolve a backend name (``auto`` included) for tensors on ``device`` (cached: once per pair)."""
+    key = (name, device.type)
+    fn = _RESOLVED.get(key)
+    if fn is None:
+        fn = _RESOLVED[key] = _resolve_backend(name, device)
+    return fn
+
+
+def _resolve_backend(name: str, device: torch.device) -> RemapBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
     if name not in _BACKENDS:
