@@ -161,4 +161,4 @@ def one_hot_rows(index: torch.Tensor, num_classes: int) -> torch.Tensor:
 def weighted_sum(per_copy_NH: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """float32 [T, H]: sum over k of weight[t, k] * copy output[t*K + k] (the combine)."""
     T, K = weights_TK.shape
-    return (per_copy_NH.view(T, K, -1) * weights_TK.float().unsqueeze(2)).sum(1)
+    return (per_copy_NH.view(T, K, per_copy_NH.shape[1]) * weights_TK.float().unsqueeze(2)).sum(1)

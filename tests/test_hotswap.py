@@ -1,0 +1,205 @@
+"""Hot-swap on one rank (no process group): in place, exact, rolled back on injected failures; checksums; layouts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_phy2log
+
+from eplb.hotswap import HotSwapOptions, hot_swap
+from eplb.hotswap_checksum import expert_checksum
+from eplb.hotswap_layout import (
+    BlockShuffleLayout,
+    PlainLayout,
+    get_layout,
+    shuffle_scale_tiles,
+    shuffle_weight_tiles,
+    unshuffle_scale_tiles,
+    unshuffle_weight_tiles,
+)
+from eplb.moe.model import slot_buffers
+from eplb.placement import Placement
+
+L, E, P = 3, 6, 10
+
+
+def logical(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"w13": torch.randn(L, E, 64, 32, generator=g), "w2": torch.randn(L, E, 32, 32, generator=g)}
+
+
+def placements(seed: int) -> tuple[Placement, Placement]:
+    rng = np.random.default_rng(seed)
+    old = Placement.from_phy2log(random_phy2log(rng, L, E, P), 1, max_replicas=P - E + 1)
+    new = Placement.from_phy2log(random_phy2log(rng, L, E, P), 1, max_replicas=P - E + 1)
+    return old, new
+
+
+def assert_holds(
+    slots_L: list[dict[str, torch.Tensor]], w: dict[str, torch.Tensor], pl: Placement, layout=None
+) -> None:
+    layout = layout or PlainLayout()
+    for layer in range(L):
+        for name in ("w13", "w2"):
+            plain = layout.to_plain(name, slots_L[layer][name])
+            expected = w[name][layer][torch.from_numpy(pl.phy2log_LP[layer].astype(np.int64))]
+            assert torch.equal(plain, expected), (layer, name)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("budget_experts", [1, 4, 100])
+def test_swap_in_place_is_exact(seed: int, budget_experts: int) -> None:
+    w = logical(seed)
+    old, new = placements(seed)
+    slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
+    ptrs = [t.data_ptr() for d in slots_L for t in d.values()]
+    per_expert = (64 * 32 + 32 * 32) * 4
+    updated = []
+    res = hot_swap(
+        slots_L,
+        old,
+        new,
+        options=HotSwapOptions(staging_budget_bytes=budget_experts * per_expert),
+        update_maps=lambda: updated.append(True),
+    )
+    assert res.ok and res.error is None and updated == [True]
+    assert res.experts_moved == 0 and res.local_copies > 0  # one GPU: every move is local
+    assert_holds(slots_L, w, new)
+    assert ptrs == [t.data_ptr() for d in slots_L for t in d.values()]
+
+
+def test_layers_subset_leaves_other_layers_alone() -> None:
+    w = logical(1)
+    old, new = placements(1)
+    slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
+    hot_swap(slots_L, old, new, layers=[1])
+    mixed = old.phy2log_LP.copy()
+    mixed[1] = new.phy2log_LP[1]
+    assert_holds(slots_L, w, Placement.from_phy2log(mixed, 1))
+
+
+@pytest.mark.parametrize("stage", ["prepare", "received"])
+@pytest.mark.parametrize("overlap", [False, True])
+def test_injected_failure_rolls_back_exactly(stage: str, overlap: bool) -> None:
+    w = logical(2)
+    old, new = placements(2)
+    slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
+    before = [{k: v.clone() for k, v in d.items()} for d in slots_L]
+    ptrs = [t.data_ptr() for d in slots_L for t in d.values()]
+    called = []
+
+    def fault(where: str, chunk: int, bufs: list[torch.Tensor]) -> None:
+        if where == stage and chunk == 1:
+            raise RuntimeError("injected")
+
+    res = hot_swap(
+        slots_L,
+        old,
+        new,
+        options=HotSwapOptions(staging_budget_bytes=2 * (64 * 32 + 32 * 32) * 4, overlap_chunks=overlap),
+        update_maps=lambda: called.append(True),
+        fault=fault,
+    )
+    assert not res.ok and "injected" in (res.error or "") and res.chunks > 2
+    assert called == []
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(slots_L, before, strict=True) for k in a)
+    assert ptrs == [t.data_ptr() for d in slots_L for t in d.values()]
+
+
+def test_local_copy_corruption_is_caught_by_checksum(monkeypatch: pytest.MonkeyPatch) -> None:
+    # One rank receives nothing, so corrupt the first local copy once, after it landed.
+    from eplb.hotswap_exec import ChunkRun, SwapRuntime
+
+    w = logical(3)
+    old, new = placements(3)
+    slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
+    before = [{k: v.clone() for k, v in d.items()} for d in slots_L]
+    original = SwapRuntime.finish_chunk
+    done: list[bool] = []
+
+    def corrupting_finish(self: SwapRuntime, run: ChunkRun, fault: object) -> None:
+        if not done and run.local:
+            run.primary[run.local[0]][0].view(-1)[0] += 1.0
+            done.append(True)
+        original(self, run, None)
+
+    monkeypatch.setattr(SwapRuntime, "finish_chunk", corrupting_finish)
+    res = hot_swap(slots_L, old, new, options=HotSwapOptions(staging_budget_bytes=1 << 20))
+    assert done and not res.ok and "checksum mismatch" in (res.error or "")
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(slots_L, before, strict=True) for k in a)
+
+
+def test_placements_must_match_the_group() -> None:
+    w = logical(0)
+    old = Placement.trivial(L, E, 2, num_redundant=4)
+    slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
+    with pytest.raises(ValueError, match="2 GPUs but the group has 1"):
+        hot_swap(slots_L, old, old)
+
+
+# ---- checksums -------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "shape,dtype",
+    [((8, 16), torch.float32), ((4, 6), torch.bfloat16), ((3, 5), torch.uint8), ((7,), torch.float16)],
+)
+def test_checksum_detects_changes(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    t = (torch.rand(shape, generator=g) * 200).to(dtype)
+    base = expert_checksum([t])
+    assert torch.equal(base, expert_checksum([t.clone()]))
+    bumped = t.clone()
+    bumped.view(torch.uint8).view(-1)[1] ^= 1
+    assert not torch.equal(base, expert_checksum([bumped]))
+    if len(shape) == 2:
+        swapped = t.clone()
+        swapped[[0, 1]] = t[[1, 0]]
+        if not torch.equal(t[0], t[1]):
+            assert not torch.equal(base, expert_checksum([swapped]))
+
+
+def test_checksum_of_nan_payload_is_exact() -> None:
+    t = torch.full((4, 4), float("nan"))
+    assert torch.equal(expert_checksum([t]), expert_checksum([t.clone()]))
+    with pytest.raises(ValueError):
+        expert_checksum([])
+    with pytest.raises(ValueError, match="contiguous"):
+        expert_checksum([torch.zeros(4, 4).T])
+
+
+# ---- layouts ---------------------------------------------------------------------------------
+def test_tile_shuffles_invert_and_move_data() -> None:
+    w = torch.arange(3 * 32 * 64, dtype=torch.float32).reshape(3, 32, 64)
+    shuffled = shuffle_weight_tiles(w)
+    assert shuffled.shape == w.shape and not torch.equal(shuffled, w)
+    assert torch.equal(unshuffle_weight_tiles(shuffled), w)
+    # Known element: with 4-byte elements a 16-byte pack holds 4; rows come in tiles of 16.
+    assert shuffled[0, 0, 4] == w[0, 1, 0]
+    s = torch.arange(2 * 64 * 16, dtype=torch.float32).reshape(2, 64, 16)
+    assert torch.equal(unshuffle_scale_tiles(shuffle_scale_tiles(s)), s)
+    with pytest.raises(ValueError, match="tile"):
+        shuffle_weight_tiles(torch.zeros(2, 8, 32))
+    with pytest.raises(ValueError, match="divisible by 32"):
+        shuffle_scale_tiles(torch.zeros(2, 8, 8))
+
+
+def test_swap_through_a_shuffled_layout() -> None:
+    layout = get_layout("block_shuffle")
+    assert isinstance(layout, BlockShuffleLayout)
+    w = logical(4)
+    old, new = placements(4)
+    slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32, layout=layout)
+    first = torch.from_numpy(old.phy2log_LP[0].astype(np.int64))
+    assert not torch.equal(slots_L[0]["w13"], w["w13"][0][first])  # the engine layout really differs
+    assert_holds(slots_L, w, old, layout)
+    res = hot_swap(slots_L, old, new, layout=layout, options=HotSwapOptions(staging_budget_bytes=1 << 14))
+    assert res.ok
+    assert_holds(slots_L, w, new, layout)
+
+
+def test_layout_registry() -> None:
+    assert get_layout("plain").name == "plain"
+    with pytest.raises(ValueError, match="ROCm"):
+        get_layout("aiter")  # this machine has no ROCm torch
+    with pytest.raises(ValueError, match="unknown slot layout"):
+        get_layout("nope")
