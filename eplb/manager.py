@@ -27,11 +27,8 @@ the rest.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,92 +37,35 @@ import torch.distributed as dist
 from eplb.balance import gpu_load, model_balancedness
 from eplb.config import EplbConfig
 from eplb.hotswap import FaultHook, HotSwapOptions, hot_swap
+from eplb.manager_types import (
+    APPLY,
+    FAILED,
+    ExpertEngine,
+    ManagerState,
+    PlanLike,
+    Planner,
+    RebalanceRecord,
+    SwapJob,
+    encode_plan,
+    solver_planner,
+    timed_plan,
+    with_layers,
+)
 from eplb.manager_window import PassWindow
 from eplb.metrics_sink import MetricsSink, NullSink, RebalanceOutcome
 from eplb.placement import Placement
 
+__all__ = [
+    "EplbManager",
+    "ExpertEngine",
+    "ManagerState",
+    "PlanLike",
+    "Planner",
+    "RebalanceRecord",
+    "solver_planner",
+]
+
 log = logging.getLogger("eplb.manager")
-
-
-class PlanLike(Protocol):
-    """What a planner returns (eplb.solver.Plan satisfies it)."""
-
-    @property
-    def placement(self) -> Placement: ...
-    @property
-    def dispatch_weights_LER(self) -> np.ndarray | None: ...
-    @property
-    def predicted_balancedness(self) -> float: ...
-    @property
-    def apply(self) -> bool: ...
-    @property
-    def reason(self) -> str: ...
-
-
-Planner = Callable[[np.ndarray, Placement], PlanLike]
-"""``planner(window_WLE float64 [W, L, E], current) -> plan``; runs on rank 0's worker thread."""
-
-
-class ExpertEngine(Protocol):
-    """The serving engine's side: slot buffers to swap and maps to update (eplb.moe.model.MoEModel)."""
-
-    def slot_tensors(self, layer: int) -> Mapping[str, torch.Tensor]: ...
-
-    def set_placement(self, placement: Placement, dispatch_weights_LER: np.ndarray | None = None) -> None: ...
-
-
-@dataclass(frozen=True)
-class RebalanceRecord:
-    """One rebalance decision and its outcome (all ranks hold the same numbers; reason on rank 0)."""
-
-    at_pass: int
-    outcome: RebalanceOutcome
-    reason: str
-    balancedness_before: float
-    balancedness_after: float
-    predicted_balancedness: float | None
-    solve_seconds: float
-    transfer_seconds: float
-    experts_moved: int
-    bytes_moved: int
-
-
-@dataclass(frozen=True)
-class ManagerState:
-    """A snapshot for metrics, logs and tests."""
-
-    phase: str
-    """idle | solving | applying."""
-    passes: int
-    counted_passes: int
-    next_rebalance_at: int
-    """Counted-pass number of the next rebalance."""
-    window_passes: int
-    layers_pending: tuple[int, ...]
-    placement: Placement
-    history: tuple[RebalanceRecord, ...] = field(default_factory=tuple)
-    windows: tuple[tuple[int, float], ...] = field(default_factory=tuple)
-    """(pass, balancedness of the window summed over ranks under the live placement) at each check."""
-
-
-def solver_planner(
-    config: EplbConfig, placement: Placement, *, bytes_per_expert: int, num_groups: int = 1
-) -> Planner:
-    """The default planner: eplb.solver.solve with the config's algorithm (weights for weighted dispatch)."""
-    from eplb.solver import SolveOptions, Topology, solve
-
-    topology = Topology(
-        num_gpus=placement.num_gpus,
-        num_nodes=placement.num_nodes,
-        num_physical=placement.num_physical,
-        num_groups=num_groups,
-    )
-    options = SolveOptions(
-        algorithm=config.eplb_algorithm,
-        weighted=config.dispatch_algorithm == "weighted",
-        bytes_per_expert=bytes_per_expert,
-    )
-    return lambda load_WLE, current: solve(load_WLE, topology, current, options)
 
 
 class EplbManager:
@@ -176,7 +116,7 @@ class EplbManager:
         self._next_at = config.eplb_rebalance_num_iterations
         self._history: list[RebalanceRecord] = []
         self._windows: list[tuple[int, float]] = []
-        self._job: _SwapJob | None = None
+        self._job: SwapJob | None = None
         self._load_LE = np.zeros((L, E))
         self._before = 1.0
         self.sink.on_topology(
@@ -271,7 +211,7 @@ class EplbManager:
         if self.rank == 0:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb-solve")
-            self._future = self._executor.submit(_timed_plan, self._planner, load_WLE, self._placement)
+            self._future = self._executor.submit(timed_plan, self._planner, load_WLE, self._placement)
         self._phase = "solving"
 
     def _adopt_plan(self) -> None:
@@ -288,12 +228,12 @@ class EplbManager:
         reason = ""
         if self.rank == 0:
             assert self._future is not None
-            header, phy2log, weights, reason = _encode_plan(self._future, header, phy2log, weights)
+            header, phy2log, weights, reason = encode_plan(self._future, header, phy2log, weights)
             self._future = None
         header = self._broadcast(header)
         status, has_weights, predicted, solve_s = header.tolist()
-        if status != _APPLY:
-            outcome: RebalanceOutcome = "failed" if status == _FAILED else "skipped"
+        if status != APPLY:
+            outcome: RebalanceOutcome = "failed" if status == FAILED else "skipped"
             self._finish(outcome, reason, self._before, self._before, predicted, solve_s)
             return
         phy2log = self._broadcast(phy2log)
@@ -304,7 +244,7 @@ class EplbManager:
         changed = [
             int(x) for x in np.flatnonzero((target.phy2log_LP != self._placement.phy2log_LP).any(axis=1))
         ]
-        self._job = _SwapJob(
+        self._job = SwapJob(
             self._placement, self._weights_LER, target, weights_LER, changed, reason, predicted, solve_s
         )
         self._phase = "applying"
@@ -315,7 +255,7 @@ class EplbManager:
         assert job is not None
         per_chunk = self.config.eplb_rebalance_layers_per_chunk or max(len(job.pending), 1)
         chunk, job.pending = job.pending[:per_chunk], job.pending[per_chunk:]
-        mixed, mixed_w = _with_layers(
+        mixed, mixed_w = with_layers(
             self._placement, self._weights_LER, job.target, job.target_weights_LER, chunk
         )
         slots_L = [self.engine.slot_tensors(layer) for layer in range(self._placement.num_layers)]
@@ -365,7 +305,7 @@ class EplbManager:
         after: float,
         predicted: float | None,
         solve_seconds: float,
-        job: _SwapJob | None = None,
+        job: SwapJob | None = None,
     ) -> None:
         record = RebalanceRecord(
             at_pass=self._passes,
@@ -410,77 +350,3 @@ class EplbManager:
             on_device, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
         )
         return on_device.cpu()
-
-
-_FAILED, _SKIP, _APPLY = 0.0, 1.0, 2.0
-
-
-@dataclass
-class _SwapJob:
-    original: Placement
-    original_weights_LER: np.ndarray | None
-    target: Placement
-    target_weights_LER: np.ndarray | None
-    pending: list[int]
-    reason: str
-    predicted: float
-    solve_seconds: float
-    done: list[int] = field(default_factory=list)
-    transfer_seconds: float = 0.0
-    experts_moved: int = 0
-    bytes_moved: int = 0
-
-
-def _timed_plan(planner: Planner, load_WLE: np.ndarray, current: Placement) -> tuple[PlanLike, float]:
-    start = time.perf_counter()
-    plan = planner(load_WLE, current)
-    return plan, time.perf_counter() - start
-
-
-def _encode_plan(
-    future: Future[tuple[PlanLike, float]], header: torch.Tensor, phy2log: torch.Tensor, weights: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
-    """Rank 0: the plan (or its failure) as the tensors it broadcasts, plus the reason."""
-    try:
-        plan, seconds = future.result()
-    except Exception as exc:
-        header[:] = torch.tensor([_FAILED, 0.0, float("nan"), 0.0], dtype=torch.float64)
-        return header, phy2log, weights, f"planner failed: {type(exc).__name__}: {exc}"
-    status = _APPLY if plan.apply else _SKIP
-    w = plan.dispatch_weights_LER
-    header[:] = torch.tensor(
-        [status, float(w is not None), plan.predicted_balancedness, seconds], dtype=torch.float64
-    )
-    phy2log.copy_(torch.from_numpy(np.ascontiguousarray(plan.placement.phy2log_LP, dtype=np.int32)))
-    if w is not None:
-        weights.zero_()
-        weights[:, :, : w.shape[2]] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
-    return header, phy2log, weights, plan.reason
-
-
-def _with_layers(
-    live: Placement,
-    live_weights_LER: np.ndarray | None,
-    target: Placement,
-    target_weights_LER: np.ndarray | None,
-    layers: list[int],
-) -> tuple[Placement, np.ndarray | None]:
-    """``live`` with ``layers`` taken from ``target`` (maps and dispatch weights)."""
-    phy2log = live.phy2log_LP.copy()
-    phy2log[layers] = target.phy2log_LP[layers]
-    mixed = Placement.from_phy2log(phy2log, live.num_gpus, live.num_nodes, max_replicas=target.max_replicas)
-    if live_weights_LER is None and target_weights_LER is None:
-        return mixed, None
-    weights = _uniform_weights(mixed) if live_weights_LER is None else live_weights_LER.copy()
-    if target_weights_LER is not None:
-        weights[layers] = target_weights_LER[layers]
-    else:
-        weights[layers] = _uniform_weights(mixed)[layers]
-    return mixed, weights
-
-
-def _uniform_weights(placement: Placement) -> np.ndarray:
-    """float32 [L, E, R]: 1/count on each used replica (what uniform dispatch means)."""
-    R = placement.max_replicas
-    used = np.arange(R)[None, None, :] < placement.logcnt_LE[:, :, None]
-    return np.where(used, 1.0 / placement.logcnt_LE[:, :, None], 0.0).astype(np.float32)

@@ -1,0 +1,174 @@
+"""The manager's types and plan helpers: planner and engine protocols, records, state, swap jobs.
+
+Shape legend: W window (passes), L layers, E logical experts, P physical slots, R max replicas.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from eplb.config import EplbConfig
+from eplb.metrics_sink import RebalanceOutcome
+from eplb.placement import Placement
+
+
+class PlanLike(Protocol):
+    """What a planner returns (eplb.solver.Plan satisfies it)."""
+
+    @property
+    def placement(self) -> Placement: ...
+    @property
+    def dispatch_weights_LER(self) -> np.ndarray | None: ...
+    @property
+    def predicted_balancedness(self) -> float: ...
+    @property
+    def apply(self) -> bool: ...
+    @property
+    def reason(self) -> str: ...
+
+
+Planner = Callable[[np.ndarray, Placement], PlanLike]
+"""``planner(window_WLE float64 [W, L, E], current) -> plan``; runs on rank 0's worker thread."""
+
+
+class ExpertEngine(Protocol):
+    """The serving engine's side: slot buffers to swap and maps to update (eplb.moe.model.MoEModel)."""
+
+    def slot_tensors(self, layer: int) -> Mapping[str, torch.Tensor]: ...
+
+    def set_placement(self, placement: Placement, dispatch_weights_LER: np.ndarray | None = None) -> None: ...
+
+
+@dataclass(frozen=True)
+class RebalanceRecord:
+    """One rebalance decision and its outcome (all ranks hold the same numbers; reason on rank 0)."""
+
+    at_pass: int
+    outcome: RebalanceOutcome
+    reason: str
+    balancedness_before: float
+    balancedness_after: float
+    predicted_balancedness: float | None
+    solve_seconds: float
+    transfer_seconds: float
+    experts_moved: int
+    bytes_moved: int
+
+
+@dataclass(frozen=True)
+class ManagerState:
+    """A snapshot for metrics, logs and tests."""
+
+    phase: str
+    """idle | solving | applying."""
+    passes: int
+    counted_passes: int
+    next_rebalance_at: int
+    """Counted-pass number of the next rebalance."""
+    window_passes: int
+    layers_pending: tuple[int, ...]
+    placement: Placement
+    history: tuple[RebalanceRecord, ...] = field(default_factory=tuple)
+    windows: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    """(pass, balancedness of the window summed over ranks under the live placement) at each check."""
+
+
+def solver_planner(
+    config: EplbConfig, placement: Placement, *, bytes_per_expert: int, num_groups: int = 1
+) -> Planner:
+    """The default planner: eplb.solver.solve with the config's algorithm (weights for weighted dispatch)."""
+    from eplb.solver import SolveOptions, Topology, solve
+
+    topology = Topology(
+        num_gpus=placement.num_gpus,
+        num_nodes=placement.num_nodes,
+        num_physical=placement.num_physical,
+        num_groups=num_groups,
+    )
+    options = SolveOptions(
+        algorithm=config.eplb_algorithm,
+        weighted=config.dispatch_algorithm == "weighted",
+        bytes_per_expert=bytes_per_expert,
+    )
+    return lambda load_WLE, current: solve(load_WLE, topology, current, options)
+
+
+FAILED, SKIP, APPLY = 0.0, 1.0, 2.0
+
+
+@dataclass
+class SwapJob:
+    original: Placement
+    original_weights_LER: np.ndarray | None
+    target: Placement
+    target_weights_LER: np.ndarray | None
+    pending: list[int]
+    reason: str
+    predicted: float
+    solve_seconds: float
+    done: list[int] = field(default_factory=list)
+    transfer_seconds: float = 0.0
+    experts_moved: int = 0
+    bytes_moved: int = 0
+
+
+def timed_plan(planner: Planner, load_WLE: np.ndarray, current: Placement) -> tuple[PlanLike, float]:
+    start = time.perf_counter()
+    plan = planner(load_WLE, current)
+    return plan, time.perf_counter() - start
+
+
+def encode_plan(
+    future: Future[tuple[PlanLike, float]], header: torch.Tensor, phy2log: torch.Tensor, weights: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
+    """Rank 0: the plan (or its failure) as the tensors it broadcasts, plus the reason."""
+    try:
+        plan, seconds = future.result()
+    except Exception as exc:
+        header[:] = torch.tensor([FAILED, 0.0, float("nan"), 0.0], dtype=torch.float64)
+        return header, phy2log, weights, f"planner failed: {type(exc).__name__}: {exc}"
+    status = APPLY if plan.apply else SKIP
+    w = plan.dispatch_weights_LER
+    header[:] = torch.tensor(
+        [status, float(w is not None), plan.predicted_balancedness, seconds], dtype=torch.float64
+    )
+    phy2log.copy_(torch.from_numpy(np.ascontiguousarray(plan.placement.phy2log_LP, dtype=np.int32)))
+    if w is not None:
+        weights.zero_()
+        weights[:, :, : w.shape[2]] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+    return header, phy2log, weights, plan.reason
+
+
+def with_layers(
+    live: Placement,
+    live_weights_LER: np.ndarray | None,
+    target: Placement,
+    target_weights_LER: np.ndarray | None,
+    layers: list[int],
+) -> tuple[Placement, np.ndarray | None]:
+    """``live`` with ``layers`` taken from ``target`` (maps and dispatch weights)."""
+    phy2log = live.phy2log_LP.copy()
+    phy2log[layers] = target.phy2log_LP[layers]
+    mixed = Placement.from_phy2log(phy2log, live.num_gpus, live.num_nodes, max_replicas=target.max_replicas)
+    if live_weights_LER is None and target_weights_LER is None:
+        return mixed, None
+    weights = uniform_weights(mixed) if live_weights_LER is None else live_weights_LER.copy()
+    if target_weights_LER is not None:
+        weights[layers] = target_weights_LER[layers]
+    else:
+        weights[layers] = uniform_weights(mixed)[layers]
+    return mixed, weights
+
+
+def uniform_weights(placement: Placement) -> np.ndarray:
+    """float32 [L, E, R]: 1/count on each used replica (what uniform dispatch means)."""
+    R = placement.max_replicas
+    used = np.arange(R)[None, None, :] < placement.logcnt_LE[:, :, None]
+    return np.where(used, 1.0 / placement.logcnt_LE[:, :, None], 0.0).astype(np.float32)
