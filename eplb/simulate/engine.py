@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
+from threadpoolctl import threadpool_limits
 
 from eplb.balance import balancedness
 from eplb.placement import Placement
@@ -146,20 +147,19 @@ def simulate(
         )
     if initial is None:
         initial = Placement.trivial(L, E, config.num_gpus, config.num_redundant, config.num_nodes)
-    elif (
-        initial.num_layers,
-        initial.num_logical,
-        initial.num_physical,
-        initial.num_gpus,
-        initial.num_nodes,
-    ) != (
-        L,
-        E,
-        E + config.num_redundant,
-        config.num_gpus,
-        config.num_nodes,
-    ):
-        raise ValueError("the initial placement does not match the trace's shape and the EP topology")
+    else:
+        got = (
+            initial.num_layers,
+            initial.num_logical,
+            initial.num_physical,
+            initial.num_gpus,
+            initial.num_nodes,
+        )
+        want = (L, E, E + config.num_redundant, config.num_gpus, config.num_nodes)
+        if got != want:
+            raise ValueError(
+                f"the initial placement is (L, E, P, G, N) = {got}; the trace and topology need {want}"
+            )
     baseline_spec = RunSpec("none", config.default_dispatch)
     specs = list(runs) if baseline_spec in runs else [*runs, baseline_spec]
     apply_steps = rebalance_steps(trace, config)
@@ -170,8 +170,6 @@ def simulate(
         _RunState(spec, initial, _planner_for(spec, config, planners), trace, config, scored_from)
         for spec in specs
     ]
-    from threadpoolctl import threadpool_limits
-
     # The products are many small GEMMs: BLAS threads only add contention (65x slower measured on
     # a busy 2-core machine), so one thread it is.
     with threadpool_limits(limits=1, user_api="blas"):
