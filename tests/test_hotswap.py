@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,15 @@ from eplb.moe.model import slot_buffers
 from eplb.placement import Placement
 
 L, E, P = 3, 6, 10
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny ops on a shared 2-core machine: intra-op threads only add spin-waiting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def logical(seed: int = 0) -> dict[str, torch.Tensor]:

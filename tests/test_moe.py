@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 import pytest
 import torch
@@ -14,6 +16,15 @@ from eplb.moe.reference import dense_moe, reference_forward
 from eplb.placement import Placement
 
 CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny ops on a shared 2-core machine: intra-op threads only add spin-waiting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def per_row_ffn(x: torch.Tensor, slot: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,295 @@
+"""The rebalance manager: pass counting, background solve, decisions, chunked swaps, rollback, metrics.
+
+One-rank tests drive the control logic with planners passed in; a 2-rank Gloo run checks that every
+rank takes the same steps on the same pass, with the real solver and a skewed router.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_phy2log
+
+from eplb.config import EplbConfig
+from eplb.manager import EplbManager
+from eplb.moe.model import MoEModel, MoEModelConfig, logical_weights
+from eplb.moe.reference import reference_forward
+from eplb.moe.spawn import RankContext, run_ranks
+from eplb.placement import Placement
+
+CPU = torch.device("cpu")
+CFG = MoEModelConfig(num_layers=3, num_experts=8, top_k=2, hidden=32, intermediate=16)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """Tiny ops on a shared 2-core machine: intra-op threads only add spin-waiting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.events: list[tuple[str, dict[str, Any]]] = []
+
+    def on_forward_pass(self, **kw: Any) -> None:
+        self.events.append(("pass", kw))
+
+    def on_window(self, **kw: Any) -> None:
+        self.events.append(("window", kw))
+
+    def on_rebalance(self, **kw: Any) -> None:
+        self.events.append(("rebalance", kw))
+
+    def on_topology(self, **kw: Any) -> None:
+        self.events.append(("topology", kw))
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [kw for k, kw in self.events if k == kind]
+
+
+@dataclass
+class FakePlan:
+    placement: Placement
+    dispatch_weights_LER: np.ndarray | None = None
+    predicted_balancedness: float = 0.99
+    apply: bool = True
+    reason: str = "test plan"
+
+
+def make(num_redundant: int = 4, **cfg_kw: Any) -> tuple[MoEModel, Placement, dict[str, torch.Tensor]]:
+    w = logical_weights(CFG)
+    placement = Placement.trivial(CFG.num_layers, CFG.num_experts, 1, num_redundant=num_redundant)
+    return MoEModel(CFG, placement, rank=0, device=CPU, weights=w, remap_backend="torch"), placement, w
+
+
+def other_placement(placement: Placement, seed: int = 0) -> Placement:
+    rng = np.random.default_rng(seed)
+    p2l = random_phy2log(rng, placement.num_layers, placement.num_logical, placement.num_physical)
+    return Placement.from_phy2log(p2l, placement.num_gpus, max_replicas=placement.max_replicas)
+
+
+def run_passes(
+    manager: EplbManager, model: MoEModel, n: int, *, prefill: bool = False, seed: int = 0
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        model(torch.randn(6, CFG.hidden, generator=g))
+        manager.on_forward_pass_end(is_prefill=prefill)
+
+
+def until_idle(manager: EplbManager, model: MoEModel, limit_s: float = 10.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while manager.state().phase != "idle":
+        assert time.monotonic() < deadline, "the manager never went back to idle"
+        run_passes(manager, model, 1)
+        time.sleep(0.005)
+
+
+def test_rebalance_applies_a_chunk_of_layers_per_pass() -> None:
+    model, placement, w = make()
+    target = other_placement(placement)
+    sink = RecordingSink()
+    config = EplbConfig(eplb_rebalance_num_iterations=5, eplb_rebalance_layers_per_chunk=1)
+    manager = EplbManager(
+        config, model, placement, device=CPU, sink=sink, planner=lambda load, cur: FakePlan(target)
+    )
+    model.logical_counts_LE = manager.pass_counts_LE
+    run_passes(manager, model, 4)
+    assert manager.state().phase == "idle" and manager.state().window_passes == 4
+    run_passes(manager, model, 1)
+    assert manager.state().phase == "solving"
+    phases = []
+    deadline = time.monotonic() + 10
+    while manager.state().phase != "idle":
+        assert time.monotonic() < deadline
+        run_passes(manager, model, 1)
+        phases.append((manager.state().phase, manager.state().layers_pending))
+        time.sleep(0.005)
+    # Three changed layers, one per pass: two passes still applying, then done.
+    assert [p for p in phases if p[0] == "applying"] == [("applying", (1, 2)), ("applying", (2,))]
+    assert manager.placement.same_slots(target) and model.placement.same_slots(target)
+    (record,) = manager.state().history
+    assert record.outcome == "applied" and record.predicted_balancedness == pytest.approx(0.99)
+    assert record.balancedness_before <= 1.0 and record.experts_moved == 0  # one GPU: all copies local
+    (event,) = sink.of("rebalance")
+    assert event["outcome"] == "applied" and event["transfer_seconds"] > 0
+    assert sink.of("topology")[0]["num_physical"] == placement.num_physical
+    window = sink.of("window")[0]
+    assert window["logical_load_LE"].sum() == 5 * 6 * CFG.top_k * CFG.num_layers  # 5 passes, 6 tokens, top-2
+    x = torch.randn(7, CFG.hidden)
+    torch.testing.assert_close(model(x), reference_forward(CFG, w, x), rtol=1e-5, atol=1e-5)
+    manager.close()
+
+
+def test_serving_never_waits_for_the_solve() -> None:
+    model, placement, _ = make()
+    release = threading.Event()
+    target = other_placement(placement, 1)
+
+    def slow_planner(load: np.ndarray, current: Placement) -> FakePlan:
+        release.wait(10)
+        return FakePlan(target)
+
+    manager = EplbManager(
+        EplbConfig(eplb_rebalance_num_iterations=2), model, placement, device=CPU, planner=slow_planner
+    )
+    model.logical_counts_LE = manager.pass_counts_LE
+    start = time.perf_counter()
+    run_passes(manager, model, 10)  # the solve is blocked for all of these passes
+    assert time.perf_counter() - start < 5 and manager.state().phase == "solving"
+    release.set()
+    until_idle(manager, model)
+    assert manager.placement.same_slots(target)
+    manager.close()
+
+
+@pytest.mark.parametrize(
+    "planner,outcome,reason",
+    [
+        (lambda load, cur: FakePlan(cur, apply=False, reason="gain too small"), "skipped", "gain too small"),
+        (lambda load, cur: 1 / 0, "failed", "ZeroDivisionError"),
+    ],
+)
+def test_skipped_and_failed_plans_keep_the_placement(planner: Any, outcome: str, reason: str) -> None:
+    model, placement, _ = make()
+    sink = RecordingSink()
+    manager = EplbManager(
+        EplbConfig(eplb_rebalance_num_iterations=3), model, placement, device=CPU, sink=sink, planner=planner
+    )
+    model.logical_counts_LE = manager.pass_counts_LE
+    run_passes(manager, model, 3)
+    until_idle(manager, model)
+    (record,) = manager.state().history
+    assert record.outcome == outcome and reason in record.reason
+    assert sink.of("rebalance")[0]["outcome"] == outcome
+    assert manager.placement is placement
+    manager.close()
+
+
+def test_threshold_skips_without_solving() -> None:
+    model, placement, _ = make()
+    calls = []
+    config = EplbConfig(eplb_rebalance_num_iterations=3, eplb_min_rebalancing_utilization_threshold=0.0)
+    manager = EplbManager(config, model, placement, device=CPU, planner=lambda load, cur: calls.append(1))
+    model.logical_counts_LE = manager.pass_counts_LE
+    run_passes(manager, model, 3)
+    (record,) = manager.state().history
+    assert record.outcome == "skipped" and "threshold" in record.reason and calls == []
+    manager.close()
+
+
+def test_failed_swap_rolls_back_every_applied_chunk() -> None:
+    model, placement, _ = make()
+    target = other_placement(placement, 2)
+    before = [{k: v.clone() for k, v in d.items()} for d in model.slots_L]
+    swaps = []
+
+    def fault(stage: str, chunk: int, bufs: list[torch.Tensor]) -> None:
+        if stage == "prepare" and chunk == 0:
+            swaps.append(1)
+            if len(swaps) == 2:  # the second layer chunk of the rebalance fails
+                raise RuntimeError("injected")
+
+    config = EplbConfig(eplb_rebalance_num_iterations=2, eplb_rebalance_layers_per_chunk=1)
+    manager = EplbManager(
+        config, model, placement, device=CPU, planner=lambda load, cur: FakePlan(target), swap_fault=fault
+    )
+    model.logical_counts_LE = manager.pass_counts_LE
+    run_passes(manager, model, 2)
+    until_idle(manager, model)
+    (record,) = manager.state().history
+    assert record.outcome == "failed" and "injected" in record.reason and "restored" in record.reason
+    assert manager.placement.same_slots(placement) and model.placement.same_slots(placement)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(model.slots_L, before, strict=True) for k in a)
+    manager.close()
+
+
+def test_prefill_only_counts_only_prefill_passes() -> None:
+    model, placement, _ = make()
+    sink = RecordingSink()
+    config = EplbConfig(eplb_rebalance_num_iterations=4, eplb_record_prefill_only=True)
+    manager = EplbManager(
+        config, model, placement, device=CPU, sink=sink, planner=lambda load, cur: FakePlan(cur, apply=False)
+    )
+    model.logical_counts_LE = manager.pass_counts_LE
+    run_passes(manager, model, 5, prefill=False)
+    assert manager.state().counted_passes == 0 and manager.state().window_passes == 0
+    run_passes(manager, model, 3, prefill=True)
+    assert manager.state().counted_passes == 3 and manager.state().passes == 8
+    assert [e["recorded"] for e in sink.of("pass")] == [False] * 5 + [True] * 3
+    assert [e["kind"] for e in sink.of("pass")][-1] == "prefill"
+    manager.close()
+
+
+def test_window_keeps_the_last_passes() -> None:
+    model, placement, _ = make()
+    config = EplbConfig(eplb_rebalance_num_iterations=100, expert_distribution_recorder_buffer_size=3)
+    manager = EplbManager(config, model, placement, device=CPU, planner=lambda load, cur: FakePlan(cur))
+    for i in range(5):
+        manager.pass_counts_LE[0, 0] = i + 1
+        manager.on_forward_pass_end()
+    window = manager.window.window_WLE()
+    assert window[:, 0, 0].tolist() == [3, 4, 5] and int(manager.pass_counts_LE.sum()) == 0
+    manager.close()
+
+
+# ---- two ranks ---------------------------------------------------------------------------------
+def two_rank_run(ctx: RankContext) -> dict[str, Any]:
+    w = logical_weights(CFG)
+    placement = Placement.trivial(CFG.num_layers, CFG.num_experts, 2, num_redundant=2)
+    model = MoEModel(CFG, placement, rank=ctx.rank, device=ctx.device, weights=w, remap_backend="torch")
+    sink = RecordingSink()
+    config = EplbConfig(
+        enable_eplb=True,
+        ep_size=2,
+        eplb_rebalance_num_iterations=6,
+        eplb_rebalance_layers_per_chunk=2,
+        eplb_record_prefill_only=True,
+    )
+    manager = EplbManager(config, model, placement, device=ctx.device, sink=sink)
+    model.logical_counts_LE = manager.pass_counts_LE
+    bias = torch.zeros(CFG.num_layers, CFG.num_experts)
+    bias[:, :2] = 4.0  # experts 0 and 1 (both on rank 0) take most tokens
+    g = torch.Generator().manual_seed(ctx.rank)
+    phases = []
+    for step in range(40):
+        model(torch.randn(8, CFG.hidden, generator=g), bias)
+        # Only rank 0 ever has prefill, and only on even steps: rank 1 must count the same passes.
+        manager.on_forward_pass_end(is_prefill=ctx.rank == 0 and step % 2 == 0)
+        phases.append(manager.state().phase)
+        time.sleep(0.002)
+    x = torch.randn(5, CFG.hidden, generator=g)
+    err = float((model(x, bias) - reference_forward(CFG, w, x, bias)).abs().max())
+    state = manager.state()
+    manager.close()
+    return {
+        "phases": phases,
+        "counted": state.counted_passes,
+        "history": [
+            (r.at_pass, r.outcome, r.balancedness_before, r.balancedness_after) for r in state.history
+        ],
+        "phy2log": state.placement.phy2log_LP.tolist(),
+        "err": err,
+        "recorded": [e["recorded"] for e in sink.of("pass")],
+    }
+
+
+def test_two_ranks_adopt_the_same_plan_on_the_same_pass() -> None:
+    r0, r1 = run_ranks(two_rank_run, 2, timeout_s=120)
+    assert r0["phases"] == r1["phases"] and r0["counted"] == r1["counted"] == 20
+    assert r0["recorded"] == r1["recorded"] == [step % 2 == 0 for step in range(40)]
+    assert r0["history"] == r1["history"] and r0["phy2log"] == r1["phy2log"]
+    applied = [h for h in r0["history"] if h[1] == "applied"]
+    assert applied and applied[0][3] > applied[0][2]  # the skewed window balances better afterwards
+    assert "applying" in r0["phases"]
+    assert r0["err"] < 1e-5 and r1["err"] < 1e-5
