@@ -1,18 +1,23 @@
-"""A throwaway local Prometheus that scrapes an eplb exporter, and the dashboard's queries run through it.
+"""A live ``eplb demo`` exporting metrics, and a throwaway local Prometheus scraping it.
 
 Used by tests/test_prometheus.py (every panel query must return data) and dashboards/snapshot.py
 (the PNG in docs/observability.md). Prometheus binds 127.0.0.1 on a free port, keeps its TSDB in
 a temporary folder, scrapes with the committed dashboards/prometheus.yml (target and interval
-substituted), and is always stopped and cleaned up by ``close()`` / the context manager.
+substituted). Both are always stopped and cleaned up by ``close()`` / the context managers.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.parse
@@ -146,6 +151,74 @@ class LocalPrometheus:
             self._tmp = None
 
     def __enter__(self) -> LocalPrometheus:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class LiveDemo:
+    """``eplb demo --metrics-port 0 <args>`` in its own process group; ``port`` is the one it bound."""
+
+    def __init__(self, *args: str) -> None:
+        self.args = [sys.executable, "-m", "eplb", "demo", "--metrics-port", "0", *args]
+        self.port = 0
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self, timeout_s: float = 120.0) -> LiveDemo:
+        self._tmp = tempfile.TemporaryDirectory(prefix="eplb-demo-")
+        log_path = Path(self._tmp.name) / "demo.log"
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
+        # A session of its own: close() ends the demo and the rank processes it spawned, nothing else.
+        self._proc = subprocess.Popen(
+            self.args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            found = re.search(r"metrics on http://[^\s]+:(\d+)/metrics", log_path.read_text(errors="replace"))
+            if found:
+                self.port = int(found.group(1))
+                return self
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"eplb demo exited with {self._proc.returncode}:\n{self.log_tail()}")
+            time.sleep(0.2)
+        self.close()
+        raise TimeoutError(f"eplb demo did not report its metrics port after {timeout_s} s")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        if self._tmp is None:
+            return ""
+        path = Path(self._tmp.name) / "demo.log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # rank processes the demo left behind, if any
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> LiveDemo:
         return self.start()
 
     def __exit__(
