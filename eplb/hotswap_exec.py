@@ -180,13 +180,13 @@ class SwapRuntime:
         for j, v in enumerate(
             v for i in sends for v in self.views(plan.transfers[i].layer, plan.transfers[i].src_slot)
         ):
-            ops.append(dist.P2POp(dist.isend, v, peer, self.group, base | (j & 0x7FFF)))
+            ops.append(dist.P2POp(dist.isend, as_bytes(v), peer, self.group, base | (j & 0x7FFF)))
         if self.verify and sends:
             out = torch.stack([expert_checksum(self._src_views(plan.transfers[i])) for i in sends])
             ops.append(dist.P2POp(dist.isend, out, peer, self.group, base | 0x7FFF))
         recvs = run.recvs_from.get(peer, [])
         for j, v in enumerate(v for i in recvs for v in run.primary[i]):
-            ops.append(dist.P2POp(dist.irecv, v, peer, self.group, base | (j & 0x7FFF)))
+            ops.append(dist.P2POp(dist.irecv, as_bytes(v), peer, self.group, base | (j & 0x7FFF)))
         if self.verify and recvs:
             width = 2 * len(run.primary[recvs[0]])
             run.checksum_in[peer] = torch.empty(len(recvs), width, dtype=torch.int64, device=self.device)
@@ -296,6 +296,11 @@ class SwapRuntime:
                 work.wait()
             except Exception as exc:
                 run.errors.append(f"chunk {run.index} drain: {type(exc).__name__}: {exc}")
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A uint8 view of contiguous ``t`` (same storage): fp8 and other dtypes travel as raw bytes."""
+    return t.reshape(-1).view(torch.uint8)
 
 
 def _wait_works(run: ChunkRun) -> None:

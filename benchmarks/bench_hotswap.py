@@ -1,0 +1,361 @@
+"""Hot-swap on two ranks: correctness (CUDA-graph replay after a swap), bandwidth vs raw NCCL, layer time.
+
+Shape legend: S slots per GPU, E logical experts, P physical slots, H hidden, I expert width, T tokens.
+
+Three parts, one process per GPU (NCCL) or per CPU rank (Gloo, ``--device cpu``, small sizes):
+
+1. ``check``: a 2-layer MoE model with the fixed-shape exchange; on CUDA its decode step is
+   captured in a CUDA graph. Hot-swap to a random placement, replay the same graph (no recapture):
+   the output must equal the dense reference and the eager output; slot storage must not move.
+   A swap with an injected checksum mismatch must roll back exactly.
+2. ``bandwidth``: one layer of DeepSeek-V3-sized fp8 experts (w13 [S, 4096, 7168] + w2 [S, 7168, 2048],
+   44 MB each). "one-way": 32 experts copied from GPU 0 into GPU 1's redundant slots; "swap": 16
+   experts of each GPU trade places. Each hot-swap variant (verify on/off, staging budget) is timed
+   against a raw NCCL send/recv of the same bytes (one contiguous buffer per direction, same
+   batch_isend_irecv call) in the same run; medians of ``--reps``, directions alternating.
+3. ``layer``: one MoE layer at DeepSeek-V3 dims (bf16, E=32 + 4 redundant, top-8) under a router
+   skewed onto GPU 0's experts, timed before and after one rebalance (eplb.solver + hot-swap).
+
+    python benchmarks/bench_hotswap.py --json out.json                  # 2 GPUs
+    python benchmarks/bench_hotswap.py --device cpu --small             # Gloo, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eplb.hotswap import HotSwapOptions, hot_swap
+from eplb.moe.spawn import RankContext, run_ranks
+from eplb.placement import Placement
+
+GB = 1e9
+
+
+def sync(ctx: RankContext) -> None:
+    if ctx.device.type == "cuda":
+        torch.cuda.synchronize()
+    dist.barrier()
+
+
+# ---- 1. correctness ---------------------------------------------------------------------------
+def check(ctx: RankContext, small: bool) -> dict[str, Any]:
+    from eplb.moe.model import MoEModel, MoEModelConfig, logical_weights
+    from eplb.moe.reference import reference_forward
+
+    cuda = ctx.device.type == "cuda"
+    cfg = MoEModelConfig(
+        num_layers=2,
+        num_experts=8,
+        top_k=2,
+        hidden=64 if small else 256,
+        intermediate=32 if small else 128,
+        dtype="bfloat16" if cuda else "float32",
+    )
+    G, T = ctx.world_size, 16
+    w = logical_weights(cfg)
+    old = Placement.trivial(cfg.num_layers, cfg.num_experts, G, num_redundant=2 * G)
+    rng = np.random.default_rng(7)
+    new_p2l = np.stack([rng.permutation(old.phy2log_LP[layer]) for layer in range(cfg.num_layers)])
+    new = Placement.from_phy2log(new_p2l, G, max_replicas=old.max_replicas)
+    model = MoEModel(cfg, old, rank=ctx.rank, device=ctx.device, weights=w, capacity=T * cfg.top_k)
+    g = torch.Generator().manual_seed(ctx.rank)
+    x_static = torch.randn(T, cfg.hidden, generator=g).to(ctx.device, cfg.torch_dtype)
+    ref = reference_forward(
+        cfg, {k: v.to(ctx.device) for k, v in w.items()}, x_static.float().to(cfg.torch_dtype)
+    )
+    if cuda:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                model(x_static)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y_static = model(x_static)
+        step = graph.replay
+    else:
+        y_static = torch.empty(T, cfg.hidden, dtype=cfg.torch_dtype)
+
+        def step() -> None:
+            y_static.copy_(model(x_static))
+
+    step()
+    sync(ctx)
+    before = y_static.clone()
+    ptrs = [t.data_ptr() for d in model.slots_L for t in d.values()] + [model.tables.static_LE.data_ptr()]
+    res = hot_swap(model.slots_L, old, new, update_maps=lambda: model.set_placement(new))
+    step()
+    sync(ctx)
+    after = y_static.clone()
+    eager = model(x_static)
+    tol = 2e-2 if cuda else 1e-5
+    out = {
+        "swap_ok": res.ok,
+        "experts_moved": res.experts_moved,
+        "graph_vs_reference_before": float((before.float() - ref.float()).abs().max()),
+        "graph_vs_reference_after": float((after.float() - ref.float()).abs().max()),
+        "graph_after_vs_eager_after": float((after.float() - eager.float()).abs().max()),
+        "ptrs_same": ptrs
+        == [t.data_ptr() for d in model.slots_L for t in d.values()] + [model.tables.static_LE.data_ptr()],
+    }
+    snapshot = [{k: v.clone() for k, v in d.items()} for d in model.slots_L]
+
+    def corrupt(stage: str, k: int, bufs: list[torch.Tensor]) -> None:
+        if stage == "received" and ctx.rank == 1 and bufs:
+            bufs[0].view(torch.uint8).view(-1)[0] ^= 1
+
+    bad = hot_swap(
+        model.slots_L, new, old, fault=corrupt, options=HotSwapOptions(staging_budget_bytes=1 << 16)
+    )
+    out["rollback_ok"] = (not bad.ok) and all(
+        torch.equal(a[k], b[k]) for a, b in zip(model.slots_L, snapshot, strict=True) for k in a
+    )
+    out["passed"] = bool(
+        res.ok
+        and out["ptrs_same"]
+        and out["rollback_ok"]
+        and out["graph_vs_reference_after"] < tol
+        and out["graph_vs_reference_before"] < tol
+        and out["graph_after_vs_eager_after"] <= (0.0 if not cuda else tol)
+    )
+    return out
+
+
+# ---- 2. bandwidth -----------------------------------------------------------------------------
+def expert_slots(ctx: RankContext, S: int, small: bool) -> dict[str, torch.Tensor]:
+    H, inter = (256, 128) if small else (7168, 2048)
+    dtype = torch.float8_e4m3fn if ctx.device.type == "cuda" else torch.uint8
+    g = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randint(0, 256, shape, dtype=torch.uint8, device=ctx.device, generator=g).view(dtype)
+
+    return {"w13": rand(S, 2 * inter, H), "w2": rand(S, H, inter)}
+
+
+def raw_transfer(ctx: RankContext, send_bytes: int, recv_bytes: int, reps: int) -> list[float]:
+    """Seconds per raw send/recv of contiguous buffers (rank 0 <-> rank 1), same API as the swap."""
+    send = torch.empty(max(send_bytes, 1), dtype=torch.uint8, device=ctx.device)
+    recv = torch.empty(max(recv_bytes, 1), dtype=torch.uint8, device=ctx.device)
+    peer = 1 - ctx.rank
+    times = []
+    for _ in range(reps + 1):
+        ops = []
+        if send_bytes:
+            ops.append(dist.P2POp(dist.isend, send, peer))
+        if recv_bytes:
+            ops.append(dist.P2POp(dist.irecv, recv, peer))
+        sync(ctx)
+        start = time.perf_counter()
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        sync(ctx)
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def bandwidth(ctx: RankContext, reps: int, small: bool) -> list[dict[str, Any]]:
+    S, moved = (10, 8) if small else (40, 32)
+    slots = expert_slots(ctx, S, small)
+    per_expert = sum(t[0].numel() * t.element_size() for t in slots.values())
+    rows = []
+    # one-way: GPU 0 holds experts 0..S-1; GPU 1 holds S..S+extra-1 and redundant copies of them.
+    extra = S - moved
+    base = np.concatenate([np.arange(S), S + np.arange(S) % extra])[None].astype(np.int32)
+    one_way = base.copy()
+    one_way[0, S + extra : S + extra + moved] = np.arange(
+        moved
+    )  # GPU 1's redundant slots take GPU 0's experts
+    # swap: 2S experts, the first `moved // 2` slots of each GPU trade places.
+    half = moved // 2
+    swap_old = np.arange(2 * S, dtype=np.int32)[None]
+    swap_new = swap_old.copy()
+    swap_new[0, :half], swap_new[0, S : S + half] = swap_old[0, S : S + half], swap_old[0, :half]
+    scenarios = {
+        "one-way": (base, one_way, (moved, 0) if ctx.rank == 0 else (0, moved)),
+        "swap": (swap_old, swap_new, (half, half)),
+    }
+    variants = {
+        "verify, 2 GB staging": HotSwapOptions(),
+        "verify, 512 MB staging": HotSwapOptions(staging_budget_bytes=512 << 20),
+        "no verify, 2 GB staging": HotSwapOptions(verify=False),
+    }
+    for name, (p_old, p_new, (n_send, n_recv)) in scenarios.items():
+        old = Placement.from_phy2log(p_old, 2)
+        new = Placement.from_phy2log(p_new, 2, max_replicas=old.max_replicas)
+        raw = raw_transfer(ctx, n_send * per_expert, n_recv * per_expert, reps)
+        row: dict[str, Any] = {
+            "scenario": name,
+            "experts_each_way": max(n_send, n_recv),
+            "bytes_one_way": max(n_send, n_recv) * per_expert,
+        }
+        row["raw_s"] = statistics.median(raw)
+        for label, options in variants.items():
+            times = []
+            for rep in range(reps + 1):
+                a, b = (old, new) if rep % 2 == 0 else (new, old)
+                sync(ctx)
+                start = time.perf_counter()
+                res = hot_swap([slots], a, b, options=options)
+                sync(ctx)
+                assert res.ok, res.error
+                times.append(time.perf_counter() - start)
+            row[f"{label}_s"] = statistics.median(times[1:])
+        if reps % 2 == 1:  # leave the slots as they started
+            hot_swap([slots], new, old)
+        rows.append(row)
+    return rows
+
+
+# ---- 3. layer time before / after one rebalance -----------------------------------------------
+def layer_time(ctx: RankContext, reps: int, small: bool) -> dict[str, Any]:
+    from eplb.balance import model_balancedness
+    from eplb.dispatch_tables import DispatchTables
+    from eplb.moe.exchange import ExactExchange
+    from eplb.moe.layer import ExpertParallelMoE
+    from eplb.solver import SolveOptions, Topology, solve
+
+    cuda = ctx.device.type == "cuda"
+    E, redundant, K = 32, 4, 8
+    H, inter = (64, 32) if small else (7168, 2048)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    G = ctx.world_size
+    placement = Placement.trivial(1, E, G, num_redundant=redundant)
+    S = placement.slots_per_gpu
+    g = torch.Generator(device=ctx.device).manual_seed(0)  # same logical weights on every rank
+    w13_E = torch.randn(E, 2 * inter, H, device=ctx.device, dtype=dtype, generator=g) / H**0.5
+    w2_E = torch.randn(E, H, inter, device=ctx.device, dtype=dtype, generator=g) / inter**0.5
+    mine = torch.from_numpy(placement.phy2log_LP[0, ctx.rank * S : (ctx.rank + 1) * S].astype(np.int64)).to(
+        ctx.device
+    )
+    slots = {"w13": w13_E[mine].contiguous(), "w2": w2_E[mine].contiguous()}
+    del w13_E, w2_E
+    tables = DispatchTables.from_placement(placement, ctx.rank, ctx.device)
+    layer = ExpertParallelMoE(layer=0, slots=slots, tables=tables, exchange=ExactExchange(G, S))
+    bias = torch.zeros(E, device=ctx.device)
+    bias[4:S] = 2.5  # experts only GPU 0 holds take most of the tokens
+    result: dict[str, Any] = {}
+    for tokens in (64, 4096) if not small else (16, 256):
+        gen = torch.Generator(device=ctx.device).manual_seed(10 + ctx.rank)
+        x = torch.randn(tokens, H, device=ctx.device, dtype=dtype, generator=gen)
+        logits = torch.randn(tokens, E, device=ctx.device, generator=gen) + bias
+        weights, ids = torch.topk(torch.softmax(logits, -1), K, dim=-1)
+        ids = ids.to(torch.int32)
+        result[f"T{tokens}"] = {"ids": ids, "x": x, "weights": weights}
+
+    def timed(batch: dict[str, torch.Tensor]) -> float:
+        times = []
+        for _ in range(reps + 2):
+            sync(ctx)
+            start = time.perf_counter()
+            layer(batch["x"], batch["ids"], batch["weights"])
+            sync(ctx)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times[2:])
+
+    counts = torch.zeros(E, dtype=torch.int32, device=ctx.device)
+    big = result[f"T{4096 if not small else 256}"]
+    layer(big["x"], big["ids"], big["weights"], logical_counts_E=counts)
+    dist.all_reduce(counts)
+    load_LE = counts.cpu().numpy()[None].astype(np.float64)
+    out: dict[str, Any] = {"balancedness_before": float(model_balancedness(load_LE, placement))}
+    for key, batch in result.items():
+        out[f"{key}_before_ms"] = timed(batch) * 1e3
+    plan = solve(
+        load_LE,
+        Topology(num_gpus=G, num_physical=placement.num_physical),
+        placement,
+        SolveOptions(algorithm="deepseek"),
+    )
+    swap = hot_swap([slots], placement, plan.placement, update_maps=lambda: tables.update_(plan.placement))
+    assert swap.ok, swap.error
+    out["balancedness_after"] = float(model_balancedness(load_LE, plan.placement))
+    out["rebalance_experts_moved"] = swap.experts_moved
+    out["rebalance_seconds"] = swap.seconds
+    for key, batch in result.items():
+        out[f"{key}_after_ms"] = timed(batch) * 1e3
+    return out
+
+
+def rank_main(ctx: RankContext, parts: list[str], reps: int, small: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+    }
+    if "check" in parts:
+        out["check"] = check(ctx, small)
+    if "bandwidth" in parts:
+        out["bandwidth"] = bandwidth(ctx, reps, small)
+    if "layer" in parts:
+        out["layer"] = layer_time(ctx, reps, small)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--parts", nargs="+", default=["check", "bandwidth", "layer"])
+    parser.add_argument("--reps", type=int, default=7)
+    parser.add_argument("--small", action="store_true", help="small shapes (for CPU runs)")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args()
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    results = run_ranks(
+        rank_main, 2, args=(args.parts, args.reps, args.small), backend=backend, timeout_s=540
+    )
+    print_tables(results)
+    if args.json:
+        args.json.write_text(json.dumps({"torch": torch.__version__, "ranks": results}, indent=2) + "\n")
+    ok = all(r.get("check", {}).get("passed", True) for r in results)
+    return 0 if ok else 1
+
+
+def print_tables(results: list[dict[str, Any]]) -> None:
+    r0 = results[0]
+    print(f"device: {r0['device']}, torch {torch.__version__}")
+    if "check" in r0:
+        for rank, r in enumerate(results):
+            print(f"check rank {rank}: {r['check']}")
+    if "bandwidth" in r0:
+        print("\n| scenario | experts each way | GB one way | variant | ms | GB/s | vs raw NCCL |")
+        print("|---|---|---|---|---|---|---|")
+        for row in r0["bandwidth"]:
+            # Both ranks time the same collective; the slower rank's median is the figure.
+            rows = [r["bandwidth"][r0["bandwidth"].index(row)] for r in results]
+            gb = row["bytes_one_way"] / GB
+            raw = max(r["raw_s"] for r in rows)
+            print(
+                f"| {row['scenario']} | {row['experts_each_way']} | {gb:.2f} | raw NCCL send/recv | {raw * 1e3:.2f} | {gb / raw:.0f} | 1.00 |"
+            )
+            for key in row:
+                if key.endswith("_s") and key != "raw_s":
+                    t = max(r[key] for r in rows)
+                    print(
+                        f"| {row['scenario']} | {row['experts_each_way']} | {gb:.2f} | {key[:-2]} | {t * 1e3:.2f} | {gb / t:.0f} | {raw / t:.2f} |"
+                    )
+    if "layer" in r0:
+        print("\nlayer time (max over ranks of the median), before -> after one rebalance:")
+        for key in r0["layer"]:
+            print(
+                f"  {key}: "
+                + ", ".join(
+                    f"{r['layer'][key]:.4g}" if isinstance(r["layer"][key], float) else str(r["layer"][key])
+                    for r in results
+                )
+            )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
