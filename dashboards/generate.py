@@ -75,6 +75,15 @@ def _timeseries(
 ) -> dict:
     panel = _panel("timeseries", title, description, grid, targets)
     bars = defaults.pop("bars", False)
+    right_axis: dict[str, str] = defaults.pop("right_axis", {})
+    # Series named here get their own unit on a right-hand axis.
+    panel["fieldConfig"]["overrides"] = [
+        {
+            "matcher": {"id": "byName", "options": name},
+            "properties": [{"id": "unit", "value": unit}, {"id": "custom.axisPlacement", "value": "right"}],
+        }
+        for name, unit in right_axis.items()
+    ]
     panel["fieldConfig"]["defaults"] = {
         "custom": {
             "drawStyle": "bars" if bars else "line",
@@ -266,6 +275,7 @@ def _rebalance_panels(y: int) -> list[dict]:
             ],
             unit="Bps",
             min=0,
+            right_axis={"experts moved": "short"},
         ),
         _timeseries(
             "Solve and transfer time",
@@ -315,6 +325,7 @@ def _recorder_panels(y: int) -> list[dict]:
             ],
             unit="short",
             min=0,
+            right_axis={"recorded share": "percentunit"},
         ),
         _stat(
             "Window age",
