@@ -193,6 +193,7 @@ def bandwidth(ctx: RankContext, reps: int, small: bool) -> list[dict[str, Any]]:
         "verify, 512 MB staging": HotSwapOptions(staging_budget_bytes=512 << 20),
         "no verify, 2 GB staging": HotSwapOptions(verify=False),
     }
+    pairs = {"one-way": [(s, extra + s) for s in range(moved)], "swap": [(s, s) for s in range(half)]}
     for name, (p_old, p_new, (n_send, n_recv)) in scenarios.items():
         old = Placement.from_phy2log(p_old, 2)
         new = Placement.from_phy2log(p_new, 2, max_replicas=old.max_replicas)
@@ -203,21 +204,58 @@ def bandwidth(ctx: RankContext, reps: int, small: bool) -> list[dict[str, Any]]:
             "bytes_one_way": max(n_send, n_recv) * per_expert,
         }
         row["raw_s"] = statistics.median(raw)
+        row["raw, one op per tensor_s"] = statistics.median(
+            raw_per_tensor(ctx, slots, pairs[name], name, reps)
+        )
         for label, options in variants.items():
             times = []
             for rep in range(reps + 1):
-                a, b = (old, new) if rep % 2 == 0 else (new, old)
+                # one-way moves only from old to new (new -> old is local copies): reset untimed.
+                a, b = (old, new) if rep % 2 == 0 or name == "one-way" else (new, old)
                 sync(ctx)
                 start = time.perf_counter()
                 res = hot_swap([slots], a, b, options=options)
                 sync(ctx)
                 assert res.ok, res.error
                 times.append(time.perf_counter() - start)
+                if name == "one-way":
+                    hot_swap([slots], b, a, options=options)
             row[f"{label}_s"] = statistics.median(times[1:])
-        if reps % 2 == 1:  # leave the slots as they started
+            row[f"{label}_phases"] = {k: round(v * 1e3, 3) for k, v in res.phase_seconds.items()}
+            row[f"{label}_chunks"] = res.chunks
+        if name == "swap" and reps % 2 == 1:  # leave the slots as they started
             hot_swap([slots], new, old)
         rows.append(row)
     return rows
+
+
+def raw_per_tensor(
+    ctx: RankContext, slots: dict[str, torch.Tensor], pairs: list[tuple[int, int]], scenario: str, reps: int
+) -> list[float]:
+    """The swap's messages without the swap: each expert's tensors as separate ops in one batch."""
+    names = sorted(slots)
+    peer = 1 - ctx.rank
+    sending = scenario == "swap" or ctx.rank == 0
+    receiving = scenario == "swap" or ctx.rank == 1
+    landing = [[torch.empty_like(slots[n][0]) for n in names] for _ in pairs] if receiving else []
+    times = []
+    for _ in range(reps + 1):
+        ops = []
+        if sending:
+            ops += [
+                dist.P2POp(dist.isend, slots[n][src].view(torch.uint8), peer)
+                for src, _ in pairs
+                for n in names
+            ]
+        for bufs in landing:
+            ops += [dist.P2POp(dist.irecv, b.view(torch.uint8), peer) for b in bufs]
+        sync(ctx)
+        start = time.perf_counter()
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+        sync(ctx)
+        times.append(time.perf_counter() - start)
+    return times[1:]
 
 
 # ---- 3. layer time before / after one rebalance -----------------------------------------------
@@ -343,8 +381,16 @@ def print_tables(results: list[dict[str, Any]]) -> None:
                 if key.endswith("_s") and key != "raw_s":
                     t = max(r[key] for r in rows)
                     print(
-                        f"| {row['scenario']} | {row['experts_each_way']} | {gb:.2f} | {key[:-2]} | {t * 1e3:.2f} | {gb / t:.0f} | {raw / t:.2f} |"
+                        f"| {row['scenario']} | {row['experts_each_way']} | {gb:.2f} | {key[:-2]} | {t * 1e3:.2f} "
+                        f"| {gb / t:.0f} | {raw / t:.2f} |"
                     )
+        print("\nhost time per phase of the last rep, ms (rank 0 / rank 1):")
+        for i, row in enumerate(r0["bandwidth"]):
+            for key in row:
+                if key.endswith("_phases"):
+                    per_rank = [r["bandwidth"][i][key] for r in results]
+                    chunks = row[key.replace("_phases", "_chunks")]
+                    print(f"  {row['scenario']} / {key[:-7]} ({chunks} chunks): {per_rank}")
     if "layer" in r0:
         print("\nlayer time (max over ranks of the median), before -> after one rebalance:")
         for key in r0["layer"]:

@@ -79,6 +79,8 @@ class HotSwapResult:
     """Bytes that crossed GPUs (all ranks)."""
     local_copies: int
     chunks: int
+    phase_seconds: dict[str, float]
+    """This rank's host time per phase (check, plan, start, wait, verify, agree, commit), rollback included."""
 
 
 class HotSwapError(RuntimeError):
@@ -119,15 +121,16 @@ def hot_swap(
     tgt_LP[list(layer_list)] = new.phy2log_LP[list(layer_list)]
     runtime.check_same_plan_input(_fingerprint(cur_LP, tgt_LP, layer_list))
     chunk_bytes = options.staging_budget_bytes // (2 if options.overlap_chunks else 1)
-    plan = plan_swap(
-        cur_LP,
-        tgt_LP,
-        num_gpus=old.num_gpus,
-        num_nodes=old.num_nodes,
-        bytes_per_expert=runtime.bytes_per_expert,
-        chunk_bytes=max(chunk_bytes, 1),
-        layers=layer_list,
-    )
+    with runtime.timed("plan"):
+        plan = plan_swap(
+            cur_LP,
+            tgt_LP,
+            num_gpus=old.num_gpus,
+            num_nodes=old.num_nodes,
+            bytes_per_expert=runtime.bytes_per_expert,
+            chunk_bytes=max(chunk_bytes, 1),
+            layers=layer_list,
+        )
     outcome = _execute(runtime, plan, options.overlap_chunks, fault, epoch=0)
     error = None
     if outcome is not None:
@@ -159,6 +162,7 @@ def hot_swap(
         bytes_moved=plan.cross_gpu_transfers * plan.bytes_per_expert,
         local_copies=plan.local_copies,
         chunks=len(plan.chunks),
+        phase_seconds=dict(runtime.phase_seconds),
     )
 
 
@@ -189,7 +193,7 @@ def _execute(
         run = runs[k]
         runtime.finish_chunk(run, fault)
         runtime.write_direct(plan, run)
-        failed, commit_failed = runtime.agree(run.failed, run.mismatch_1, commit_error is not None)
+        failed, commit_failed = runtime.agree(plan, run, commit_error is not None)
         if commit_failed:
             raise HotSwapError(
                 f"a staged write of chunk {k - 1} failed on some rank: {commit_error or 'elsewhere'}"
@@ -198,12 +202,10 @@ def _execute(
             posted = tuple(sorted(i for i in runs if i >= k))
             for i in posted:
                 runtime.drain(runs[i])
-            if run.mismatch_1 is not None and bool(run.mismatch_1):
-                run.errors.append(f"chunk {k} verify: checksum mismatch")
             errors = "; ".join(e for i in posted for e in runs[i].errors) or "another rank failed"
             return _Failure(errors, k, posted)
         commit_error = runtime.commit(plan, run)
-    if runtime.agree(False, None, commit_error is not None)[1]:
+    if runtime.agree(None, None, commit_error is not None)[1]:
         raise HotSwapError(
             f"a staged write of chunk {n - 1} failed on some rank: {commit_error or 'elsewhere'}"
         )

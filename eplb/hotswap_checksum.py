@@ -1,10 +1,13 @@
 """Checksums of expert weights in transit: exact integer sums over the raw bytes, on the device.
 
+Shape legend: n experts, V tensors per expert (views of one slot), W = 2 * V checksum words.
+
 Each tensor's bytes are read as int32 words (int16 or uint8 when its row size demands), grouped in
-rows (its first dimension). The checksum is two int64 numbers: the sum of all words and the sum of
+rows (its first dimension). Its checksum is two int64 numbers: the sum of all words and the sum of
 each row's sum times (row index + 1). Integer sums wrap modulo 2**64 and do not depend on
 summation order, so sender and receiver agree bit for bit; any changed word changes the first
-number, a swapped pair of rows the second. One pass over the data, no host synchronisation.
+number, a swapped pair of rows the second. One pass over the data, no host synchronisation, and
+one reduction kernel per tensor plus three per batch (the batch form is what hot-swap uses).
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+
+MASK31 = 0x7FFFFFFF
+"""Checksums are compared as 31-bit values, so +sender and -receiver sum without overflow."""
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -27,15 +33,28 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(rows, row_bytes)
 
 
+def expert_checksums(experts: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
+    """int64 [n, 2V]: (sum, row-weighted sum) of each expert's V tensors, in order.
+
+    Every expert must list tensors of the same shapes and dtypes (slot views of the same buffers).
+    """
+    if not experts or not experts[0]:
+        raise ValueError("expert_checksums needs at least one expert with one tensor")
+    device = experts[0][0].device
+    parts = []
+    for v in range(len(experts[0])):
+        first = _words(experts[0][v])
+        rows_nR = torch.empty(len(experts), first.shape[0], dtype=torch.int64, device=device)
+        for j, views in enumerate(experts):
+            torch.sum(_words(views[v]), dim=1, dtype=torch.int64, out=rows_nR[j])
+        weight_R = torch.arange(1, first.shape[0] + 1, dtype=torch.int64, device=device)
+        parts.append(rows_nR.sum(dim=1))
+        parts.append((rows_nR * weight_R).sum(dim=1))
+    return torch.stack(parts, dim=1)
+
+
 def expert_checksum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """int64 [2 * len(tensors)]: (sum, row-weighted sum) of each tensor's words, in order."""
+    """int64 [2V]: the checksum of one expert's tensors."""
     if not tensors:
         raise ValueError("expert_checksum needs at least one tensor")
-    parts = []
-    for t in tensors:
-        words = _words(t)
-        row_sums = words.sum(dim=1, dtype=torch.int64)
-        weight = torch.arange(1, words.shape[0] + 1, dtype=torch.int64, device=t.device)
-        parts.append(row_sums.sum().reshape(1))
-        parts.append((row_sums * weight).sum().reshape(1))
-    return torch.cat(parts)
+    return expert_checksums([tensors])[0]

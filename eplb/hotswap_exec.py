@@ -1,28 +1,38 @@
 """One rank's side of a hot-swap chunk: post, wait, verify, agree, commit (used by eplb.hotswap).
 
-Shape legend: S slots per GPU; a slot's data is the list of views ``layout.slot_views`` returns.
+Shape legend: S slots per GPU, W checksum words per expert; a slot's data is the list of views
+``layout.slot_views`` returns.
 
-Messages between two ranks follow the chunk's transfer order (each transfer's views, then one
-checksum tensor), so NCCL matches them by order and Gloo by tag. Nothing here raises on a
-transfer failure: errors are recorded in the :class:`ChunkRun` and settled by :meth:`SwapRuntime.agree`,
-so every rank keeps taking part in every collective and no rank waits forever.
+Data moves over ``group`` (NCCL on GPUs) as raw bytes, in the chunk's transfer order, so NCCL
+matches messages by order and Gloo by tag. Everything else goes over a CPU control group (Gloo;
+the data group itself when it is Gloo): one all_reduce per chunk of [failure flags, and for every
+cross-GPU transfer +sender checksum - receiver checksum]. All zero means the chunk arrived intact
+everywhere. Keeping control off the data stream lets chunk k be agreed while chunk k+1 is still on
+the wire, and the sender computes its checksums after posting, while the bytes travel.
+
+Nothing here raises on a transfer failure: errors are recorded in the :class:`ChunkRun` and settled
+by :meth:`SwapRuntime.agree`, so every rank keeps taking part in every collective.
 """
 
 from __future__ import annotations
 
+import datetime
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from eplb.hotswap_checksum import expert_checksum
+from eplb.hotswap_checksum import MASK31, expert_checksums
 from eplb.hotswap_layout import SlotLayout
-from eplb.hotswap_plan import SwapPlan, Transfer
+from eplb.hotswap_plan import SwapPlan
 from eplb.placement import Placement
+
+_CONTROL_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
 @dataclass
@@ -33,15 +43,15 @@ class ChunkRun:
     works: list[Any] = field(default_factory=list)
     primary: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     """transfer -> buffers the expert lands in first (its first slot, or staging)."""
-    recvs_from: dict[int, list[int]] = field(default_factory=dict)
+    sends: list[int] = field(default_factory=list)
+    recvs: list[int] = field(default_factory=list)
     local: list[int] = field(default_factory=list)
-    src_checksum: dict[int, torch.Tensor] = field(default_factory=dict)
-    checksum_in: dict[int, torch.Tensor] = field(default_factory=dict)
-    mismatch_1: torch.Tensor | None = None
+    checksums: dict[str, torch.Tensor] = field(default_factory=dict)
+    """send / recv / src / dst -> int64 [n, W] for those transfers, in list order."""
     failed: bool = False
     finished: bool = False
-    errors: list[str] = field(default_factory=list)
     completed: bool = False
+    errors: list[str] = field(default_factory=list)
     waiter: threading.Thread | None = None
     wait_error: Exception | None = None
 
@@ -52,10 +62,11 @@ class ChunkRun:
 
 @dataclass
 class SwapRuntime:
-    """This rank's slot buffers and process group, for one hot-swap call."""
+    """This rank's slot buffers and process groups, for one hot-swap call."""
 
     slots_L: Sequence[Mapping[str, torch.Tensor]]
     group: dist.ProcessGroup | None
+    control: dist.ProcessGroup | None
     layout: SlotLayout
     rank: int
     world_size: int
@@ -64,6 +75,8 @@ class SwapRuntime:
     timeout_s: float
     verify: bool
     bytes_per_expert: int
+    checksum_width: int
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def create(
@@ -91,6 +104,7 @@ class SwapRuntime:
         return cls(
             slots_L,
             group,
+            control_group(group) if world > 1 else None,
             layout,
             rank,
             world,
@@ -99,6 +113,7 @@ class SwapRuntime:
             timeout_s,
             verify,
             sum(v.numel() * v.element_size() for v in views),
+            2 * len(views),
         )
 
     def views(self, layer: int, slot: int) -> list[torch.Tensor]:
@@ -106,154 +121,196 @@ class SwapRuntime:
         assert 0 <= local < self.slots_per_gpu, "slot belongs to another rank"
         return self.layout.slot_views(self.slots_L[layer], local)
 
-    # ---- collectives -----------------------------------------------------------------------
-    def _all_reduce_max(self, t: torch.Tensor) -> torch.Tensor:
+    @contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    # ---- control ---------------------------------------------------------------------------
+    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            # The group's own (long) timeout: a slow rank is waited for, a dead one ends the swap.
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
+            # The control group's own (long) timeout: a slow rank is waited for, a dead one ends the swap.
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.control)
         return t
 
     def check_same_plan_input(self, fingerprint: int) -> None:
-        """Raise ValueError on every rank unless all ranks are about to run the same swap."""
-        t = torch.tensor([fingerprint, -fingerprint], dtype=torch.int64, device=self.device)
-        lo_hi = self._all_reduce_max(t).tolist()
-        if lo_hi[0] != -lo_hi[1]:
+        """Raise ValueError on every rank unless all ranks are about to run the same swap.
+
+        Sums of the fingerprint's two 16-bit halves and of their squares: all ranks agree exactly
+        when each half has zero variance over ranks.
+        """
+        hi, lo = (fingerprint >> 16) & 0xFFFF, fingerprint & 0xFFFF
+        with self.timed("check"):
+            got = self._all_reduce_sum(torch.tensor([hi, lo, hi * hi, lo * lo], dtype=torch.int64)).tolist()
+        n = self.world_size
+        if got != [n * hi, n * lo, n * hi * hi, n * lo * lo]:
             raise ValueError("ranks disagree on the placements or layers of this hot-swap")
 
-    def agree(self, failed: bool, mismatch_1: torch.Tensor | None, commit_failed: bool) -> tuple[bool, bool]:
-        """(some rank failed this chunk, some rank failed a staged write of the previous one)."""
-        status = torch.tensor([int(failed), int(commit_failed)], dtype=torch.int32, device=self.device)
-        if mismatch_1 is not None:
-            status[0] = torch.maximum(status[0], mismatch_1.to(torch.int32).reshape(()))
-        flags = self._all_reduce_max(status).tolist()
-        return bool(flags[0]), bool(flags[1])
+    def agree(self, plan: SwapPlan | None, run: ChunkRun | None, commit_failed: bool) -> tuple[bool, bool]:
+        """(chunk failed on some rank or arrived changed, a staged write of the previous chunk failed)."""
+        with self.timed("agree"):
+            position = (
+                {}
+                if run is None or plan is None
+                else {i: j for j, i in enumerate(plan.chunks[run.index].transfers)}
+            )
+            width = self.checksum_width if self.verify else 0
+            vec = torch.zeros(2 + len(position) * width, dtype=torch.int64)
+            vec[0] = int(run is not None and run.failed)
+            vec[1] = int(commit_failed)
+            if run is not None and self.verify and not run.failed:
+                try:
+                    self._fill_checksums(run, position, width, vec)
+                except Exception as exc:
+                    run.fail("verify", exc)
+                    vec[0] = 1
+            self._all_reduce_sum(vec)
+        mismatch = bool((vec[2:] != 0).any())
+        if mismatch and run is not None:
+            run.errors.append(f"chunk {run.index} verify: checksum mismatch")
+        return bool(vec[0] > 0) or mismatch, bool(vec[1] > 0)
+
+    def _fill_checksums(self, run: ChunkRun, position: dict[int, int], width: int, vec: torch.Tensor) -> None:
+        cs = {k: (v & MASK31).cpu() for k, v in run.checksums.items()}
+        if "src" in cs and not torch.equal(cs["src"], cs["dst"]):
+            run.fail("verify", RuntimeError("checksum mismatch in a local copy"))
+            vec[0] = 1
+        view = vec[2:].view(-1, width) if width else vec[2:].view(0, 0)
+        for key, sign, order in (("send", 1, run.sends), ("recv", -1, run.recvs)):
+            if key in cs:
+                rows = torch.tensor([position[i] for i in order], dtype=torch.int64)
+                view.index_add_(0, rows, sign * cs[key])
 
     # ---- one chunk -------------------------------------------------------------------------
     def start_chunk(self, plan: SwapPlan, k: int, epoch: int, fault: Callable[..., None] | None) -> ChunkRun:
-        """Local copies, sender checksums, staging, then post the chunk's sends and receives."""
+        """Staging, local copies, post the chunk's sends and receives, then sender checksums."""
         run = ChunkRun(k)
         chunk = plan.chunks[k]
-        if fault is not None:
+        with self.timed("start"):
+            if fault is not None:
+                try:
+                    fault("prepare", k, [])
+                except Exception as exc:  # injected: keep going so peers are not left waiting
+                    run.fail("prepare", exc)
+            for i in chunk.transfers:
+                t = plan.transfers[i]
+                if t.src_gpu == self.rank and t.dst_gpu == self.rank:
+                    run.local.append(i)
+                elif t.src_gpu == self.rank:
+                    run.sends.append(i)
+                elif t.dst_gpu == self.rank:
+                    run.recvs.append(i)
+            ops: list[dist.P2POp] = []
             try:
-                fault("prepare", k, [])
-            except Exception as exc:  # injected: keep going so peers are not left waiting
+                for i in [*run.local, *run.recvs]:
+                    t = plan.transfers[i]
+                    first = self.views(t.layer, t.dst_slots[0])
+                    staged = any((t.layer, d) in chunk.staged for d in t.dst_slots)
+                    run.primary[i] = [torch.empty_like(v) for v in first] if staged else first
+                if run.local:
+                    sources = [
+                        self.views(plan.transfers[i].layer, plan.transfers[i].src_slot) for i in run.local
+                    ]
+                    if self.verify:
+                        run.checksums["src"] = expert_checksums(sources)
+                    for i, src in zip(run.local, sources, strict=True):
+                        for dst, s in zip(run.primary[i], src, strict=True):
+                            dst.copy_(s)
+                for peer in sorted(
+                    {plan.transfers[i].dst_gpu for i in run.sends}
+                    | {plan.transfers[i].src_gpu for i in run.recvs}
+                ):
+                    ops.extend(self._peer_ops(plan, run, peer, epoch))
+            except Exception as exc:
                 run.fail("prepare", exc)
-        sends_to: dict[int, list[int]] = {}
-        for i in chunk.transfers:
-            t = plan.transfers[i]
-            if t.src_gpu == self.rank and t.dst_gpu == self.rank:
-                run.local.append(i)
-            elif t.src_gpu == self.rank:
-                sends_to.setdefault(t.dst_gpu, []).append(i)
-            elif t.dst_gpu == self.rank:
-                run.recvs_from.setdefault(t.src_gpu, []).append(i)
-        ops: list[dist.P2POp] = []
-        try:
-            for i in [*run.local, *(i for lst in run.recvs_from.values() for i in lst)]:
-                t = plan.transfers[i]
-                first = self.views(t.layer, t.dst_slots[0])
-                staged = any((t.layer, d) in chunk.staged for d in t.dst_slots)
-                run.primary[i] = [torch.empty_like(v) for v in first] if staged else first
-            for i in run.local:
-                t = plan.transfers[i]
-                src = self.views(t.layer, t.src_slot)
-                if self.verify:
-                    run.src_checksum[i] = expert_checksum(src)
-                for dst, s in zip(run.primary[i], src, strict=True):
-                    dst.copy_(s)
-            for peer in sorted(set(sends_to) | set(run.recvs_from)):
-                ops.extend(self._peer_ops(plan, run, peer, sends_to.get(peer, []), epoch))
-        except Exception as exc:
-            run.fail("prepare", exc)
-        try:
-            if ops:
-                run.works = list(dist.batch_isend_irecv(ops))
-        except Exception as exc:
-            run.fail("post", exc)
+            try:
+                if ops:
+                    run.works = list(dist.batch_isend_irecv(ops))
+            except Exception as exc:
+                run.fail("post", exc)
+            try:
+                if self.verify and run.sends:  # computed while the bytes travel (both only read them)
+                    sources = [
+                        self.views(plan.transfers[i].layer, plan.transfers[i].src_slot) for i in run.sends
+                    ]
+                    run.checksums["send"] = expert_checksums(sources)
+            except Exception as exc:
+                run.fail("prepare", exc)
         return run
 
-    def _peer_ops(
-        self, plan: SwapPlan, run: ChunkRun, peer: int, sends: list[int], epoch: int
-    ) -> list[dist.P2POp]:
+    def _peer_ops(self, plan: SwapPlan, run: ChunkRun, peer: int, epoch: int) -> list[dist.P2POp]:
         base = (epoch << 29) | ((run.index & 0x3FFF) << 15)
         ops = []
+        sends = [i for i in run.sends if plan.transfers[i].dst_gpu == peer]
         for j, v in enumerate(
             v for i in sends for v in self.views(plan.transfers[i].layer, plan.transfers[i].src_slot)
         ):
             ops.append(dist.P2POp(dist.isend, as_bytes(v), peer, self.group, base | (j & 0x7FFF)))
-        if self.verify and sends:
-            out = torch.stack([expert_checksum(self._src_views(plan.transfers[i])) for i in sends])
-            ops.append(dist.P2POp(dist.isend, out, peer, self.group, base | 0x7FFF))
-        recvs = run.recvs_from.get(peer, [])
+        recvs = [i for i in run.recvs if plan.transfers[i].src_gpu == peer]
         for j, v in enumerate(v for i in recvs for v in run.primary[i]):
             ops.append(dist.P2POp(dist.irecv, as_bytes(v), peer, self.group, base | (j & 0x7FFF)))
-        if self.verify and recvs:
-            width = 2 * len(run.primary[recvs[0]])
-            run.checksum_in[peer] = torch.empty(len(recvs), width, dtype=torch.int64, device=self.device)
-            ops.append(dist.P2POp(dist.irecv, run.checksum_in[peer], peer, self.group, base | 0x7FFF))
         return ops
 
-    def _src_views(self, t: Transfer) -> list[torch.Tensor]:
-        return self.views(t.layer, t.src_slot)
-
     def finish_chunk(self, run: ChunkRun, fault: Callable[..., None] | None) -> None:
-        """Wait for the chunk, verify what arrived, and write the direct destinations."""
+        """Wait for the chunk, then checksum what arrived (compared at :meth:`agree`)."""
         if run.finished:
             return
         run.finished = True
-        try:
-            if not self._wait(run):
-                run.fail("wait", TimeoutError(f"transfers not done after {self.timeout_s} s"))
+        with self.timed("wait"):
+            try:
+                if not self._wait(run):
+                    run.fail("wait", TimeoutError(f"transfers not done after {self.timeout_s} s"))
+                    return
+                run.completed = True
+            except Exception as exc:
+                run.fail("wait", exc)
                 return
-            run.completed = True
-        except Exception as exc:
-            run.fail("wait", exc)
-            return
-        try:
-            received = [run.primary[i] for lst in run.recvs_from.values() for i in lst]
-            if fault is not None:
-                fault("received", run.index, [v for bufs in received for v in bufs])
-            if self.verify:
-                mismatch = torch.zeros((), dtype=torch.bool, device=self.device)
-                for peer, lst in run.recvs_from.items():
-                    got = torch.stack([expert_checksum(run.primary[i]) for i in lst])
-                    mismatch |= (got != run.checksum_in[peer]).any()
-                for i in run.local:
-                    mismatch |= (expert_checksum(run.primary[i]) != run.src_checksum[i]).any()
-                run.mismatch_1 = mismatch
-        except Exception as exc:
-            run.fail("verify", exc)
+        with self.timed("verify"):
+            try:
+                if fault is not None:
+                    fault("received", run.index, [v for i in run.recvs for v in run.primary[i]])
+                if self.verify and run.recvs:
+                    run.checksums["recv"] = expert_checksums([run.primary[i] for i in run.recvs])
+                if self.verify and run.local:
+                    run.checksums["dst"] = expert_checksums([run.primary[i] for i in run.local])
+            except Exception as exc:
+                run.fail("verify", exc)
 
     def write_direct(self, plan: SwapPlan, run: ChunkRun) -> None:
         """Copy each landed expert to its other destinations that are not staged."""
         if run.failed:
             return  # its destinations count as unknown anyway
         chunk = plan.chunks[run.index]
-        try:
-            for i, bufs in run.primary.items():
-                t = plan.transfers[i]
-                for d in t.dst_slots:
-                    if (t.layer, d) in chunk.staged:
-                        continue
-                    dst = self.views(t.layer, d)
-                    if dst[0].data_ptr() != bufs[0].data_ptr():
-                        for a, b in zip(dst, bufs, strict=True):
-                            a.copy_(b)
-        except Exception as exc:
-            run.fail("write", exc)
+        with self.timed("commit"):
+            try:
+                for i, bufs in run.primary.items():
+                    t = plan.transfers[i]
+                    for d in t.dst_slots:
+                        if (t.layer, d) in chunk.staged:
+                            continue
+                        dst = self.views(t.layer, d)
+                        if dst[0].data_ptr() != bufs[0].data_ptr():
+                            for a, b in zip(dst, bufs, strict=True):
+                                a.copy_(b)
+            except Exception as exc:
+                run.fail("write", exc)
 
     def commit(self, plan: SwapPlan, run: ChunkRun) -> str | None:
         """Write staged destinations (after the chunk was agreed). The error, if a copy failed."""
         chunk = plan.chunks[run.index]
-        try:
-            for i, bufs in run.primary.items():
-                t = plan.transfers[i]
-                for d in t.dst_slots:
-                    if (t.layer, d) in chunk.staged:
-                        for a, b in zip(self.views(t.layer, d), bufs, strict=True):
-                            a.copy_(b)
-        except Exception as exc:
-            return f"chunk {run.index} commit: {type(exc).__name__}: {exc}"
+        with self.timed("commit"):
+            try:
+                for i, bufs in run.primary.items():
+                    t = plan.transfers[i]
+                    for d in t.dst_slots:
+                        if (t.layer, d) in chunk.staged:
+                            for a, b in zip(self.views(t.layer, d), bufs, strict=True):
+                                a.copy_(b)
+            except Exception as exc:
+                return f"chunk {run.index} commit: {type(exc).__name__}: {exc}"
         return None
 
     def _wait(self, run: ChunkRun) -> bool:
@@ -296,6 +353,24 @@ class SwapRuntime:
                 work.wait()
             except Exception as exc:
                 run.errors.append(f"chunk {run.index} drain: {type(exc).__name__}: {exc}")
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+
+def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
+    """A CPU (Gloo) group over the same ranks: ``group`` itself when it runs Gloo, else one made once.
+
+    Creating a group is collective: every rank of ``group`` reaches here in the same hot-swap call.
+    """
+    if "gloo" in str(dist.get_backend(group)):
+        return group
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    key = (id(dist.group.WORLD), *ranks)  # a new default group (after re-init) gets new control groups
+    if key not in _CONTROL_GROUPS:
+        _CONTROL_GROUPS[key] = dist.new_group(
+            ranks, backend="gloo", timeout=datetime.timedelta(minutes=10), use_local_synchronization=True
+        )
+    return _CONTROL_GROUPS[key]
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
