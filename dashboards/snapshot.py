@@ -59,8 +59,12 @@ def fetch(prom: promstack.LocalPrometheus, dashboard: dict, start: float, end: f
     return {"start": start, "end": end, "panels": panels, "annotations": annotations}
 
 
+UNITS = {"percentunit": "ratio", "short": "", "Bps": "bytes/s", "s": "seconds", "none": ""}
+
+
 def _unit(panel: dict) -> str:
-    return str(panel.get("fieldConfig", {}).get("defaults", {}).get("unit", ""))
+    unit = str(panel.get("fieldConfig", {}).get("defaults", {}).get("unit", ""))
+    return UNITS.get(unit, unit)
 
 
 def plot(snapshot: dict, out: Path, title: str) -> None:
@@ -79,16 +83,26 @@ def plot(snapshot: dict, out: Path, title: str) -> None:
         ax.set_title(panel["title"], fontsize=10, loc="left")
         kind = panel["type"]
         if kind == "timeseries":
-            for target in panel["targets"]:
+            twin = ax.twinx() if panel.get("right") else None
+            for n, target in enumerate(panel["targets"]):
                 for series in target["result"]:
                     xs = [float(t) - t0 for t, _ in series["values"]]
                     ys = [float(v) for _, v in series["values"]]
-                    ax.plot(xs, ys, lw=1, label=_legend(target["legend"], series["metric"]))
+                    label = _legend(target["legend"], series["metric"])
+                    # Series Grafana puts on a right-hand axis (their own unit) go on a twin axis here.
+                    on = twin if twin is not None and label in panel["right"] else ax
+                    on.plot(xs, ys, lw=1, label=label, color=f"C{n}" if twin is not None else None)
+            if twin is not None:
+                twin.tick_params(labelsize=7)
+                twin.set_ylabel(", ".join(panel["right"]), fontsize=7)
             for when, outcome in snapshot["annotations"]:
                 ax.axvline(when - t0, color="orange" if outcome == "applied" else "grey", lw=0.6, alpha=0.6)
-            handles = ax.get_legend_handles_labels()[0]
+            handles, labels = ax.get_legend_handles_labels()
+            if twin is not None:
+                more = twin.get_legend_handles_labels()
+                handles, labels = handles + more[0], labels + more[1]
             if 0 < len(handles) <= 8:
-                ax.legend(fontsize=6, loc="best")
+                ax.legend(handles, labels, fontsize=6, loc="best")
             ax.set_xlabel("seconds", fontsize=7)
             ax.set_ylabel(panel["unit"], fontsize=7)
         elif kind == "stat":
@@ -133,9 +147,13 @@ def plot(snapshot: dict, out: Path, title: str) -> None:
     for ax in axes.ravel()[len(panels) :]:
         ax.set_axis_off()
     fig.suptitle(title, fontsize=12)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.97))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
+
+
+def _title(demo_args: list[str]) -> str:
+    return f"EPLB expert load: eplb demo {' '.join(demo_args)} (real Prometheus query results)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,12 +166,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", type=Path, default=REPO / "docs/img/observability-dashboard.png")
     parser.add_argument("--json", type=Path, default=None, help="also write the fetched query results here")
+    parser.add_argument("--from-json", type=Path, default=None, help="only redraw results written by --json")
     parser.add_argument(
         "--demo-args",
         default="--nproc 4 --preset mixtral-8x7b --steps 2000 --eplb-rebalance-num-iterations 30",
         help="arguments for eplb demo (default: %(default)s)",
     )
     args = parser.parse_args(argv)
+    if args.from_json is not None:
+        snapshot = json.loads(args.from_json.read_text())
+        plot(snapshot, args.out, _title(snapshot["demo_args"]))
+        print(f"wrote {args.out}")
+        return 0
     demo_args = [*args.demo_args.split(), "--duration-s", str(args.seconds + 120)]
     dashboard = generate.build_dashboard()
     with (

@@ -134,3 +134,17 @@ def test_scrape_config_is_valid_and_substitutable() -> None:
 def test_grafana_variable_expansion() -> None:
     expr = 'rate(x{layer=~"$layer"}[$__rate_interval])'
     assert promstack.expand(expr, rate_interval="5s") == 'rate(x{layer=~".*"}[5s])'
+
+
+def test_docs_metrics_table_matches_the_names_module() -> None:
+    # docs/observability.md lists every metric with the type and labels the code exports.
+    text = (REPO / "docs/observability.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`eplb_"):
+            labels = tuple(c.strip(" `") for c in cells[2].split(",")) if cells[2] != "—" else ()
+            rows[cells[0].strip("`")] = (cells[1], labels)
+    assert rows == {spec.name: (spec.kind, spec.labels) for spec in names.METRICS}
+    assert "img/observability-dashboard.png" in text
+    assert (REPO / "docs/img/observability-dashboard.png").exists()
