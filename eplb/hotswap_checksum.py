@@ -7,7 +7,7 @@ rows (its first dimension). Its checksum is two int64 numbers: the sum of all wo
 each row's sum times (row index + 1). Integer sums wrap modulo 2**64 and do not depend on
 summation order, so sender and receiver agree bit for bit; any changed word changes the first
 number, a swapped pair of rows the second. One pass over the data, no host synchronisation, and
-one reduction kernel per tensor plus three per batch (the batch form is what hot-swap uses).
+a few kernels per block of consecutive slots (what hot-swap sends as one message).
 """
 
 from __future__ import annotations
@@ -33,28 +33,34 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(rows, row_bytes)
 
 
-def expert_checksums(experts: Sequence[Sequence[torch.Tensor]]) -> torch.Tensor:
-    """int64 [n, 2V]: (sum, row-weighted sum) of each expert's V tensors, in order.
-
-    Every expert must list tensors of the same shapes and dtypes (slot views of the same buffers).
-    """
-    if not experts or not experts[0]:
-        raise ValueError("expert_checksums needs at least one expert with one tensor")
-    device = experts[0][0].device
+def block_checksums(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
+    """int64 [m, 2V]: the checksum of each of m consecutive slots held by V block views [m, ...]."""
+    if not blocks:
+        raise ValueError("block_checksums needs at least one tensor")
+    m = int(blocks[0].shape[0])
+    device = blocks[0].device
     parts = []
-    for v in range(len(experts[0])):
-        first = _words(experts[0][v])
-        rows_nR = torch.empty(len(experts), first.shape[0], dtype=torch.int64, device=device)
-        for j, views in enumerate(experts):
-            torch.sum(_words(views[v]), dim=1, dtype=torch.int64, out=rows_nR[j])
-        weight_R = torch.arange(1, first.shape[0] + 1, dtype=torch.int64, device=device)
-        parts.append(rows_nR.sum(dim=1))
-        parts.append((rows_nR * weight_R).sum(dim=1))
+    for block in blocks:
+        if not block.is_contiguous():
+            raise ValueError("checksummed tensors must be contiguous (slot views of slot-major buffers are)")
+        if m == 0:
+            parts += [torch.zeros(0, dtype=torch.int64, device=device)] * 2
+            continue
+        one = _words(block[0])
+        rows = one.shape[0]
+        words = block.reshape(-1).view(torch.uint8).view(one.dtype).view(m, rows, one.shape[1])
+        rows_mR = words.sum(dim=2, dtype=torch.int64)
+        weight_R = torch.arange(1, rows + 1, dtype=torch.int64, device=device)
+        parts.append(rows_mR.sum(dim=1))
+        parts.append((rows_mR * weight_R).sum(dim=1))
     return torch.stack(parts, dim=1)
 
 
 def expert_checksum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """int64 [2V]: the checksum of one expert's tensors."""
+    """int64 [2V]: the checksum of one expert's tensors (one slot's views)."""
     if not tensors:
         raise ValueError("expert_checksum needs at least one tensor")
-    return expert_checksums([tensors])[0]
+    for t in tensors:
+        if not t.is_contiguous():
+            raise ValueError("checksummed tensors must be contiguous (slot views of slot-major buffers are)")
+    return block_checksums([t.unsqueeze(0) for t in tensors])[0]

@@ -27,12 +27,89 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from eplb.hotswap_checksum import MASK31, expert_checksums
+from eplb.hotswap_checksum import MASK31, block_checksums
 from eplb.hotswap_layout import SlotLayout
 from eplb.hotswap_plan import SwapPlan
 from eplb.placement import Placement
 
 _CONTROL_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+
+@dataclass(frozen=True)
+class Block:
+    """Consecutive transfers of one chunk that move as one message per tensor (consecutive slots)."""
+
+    index: int
+    """Position in the chunk's block list (the same on every rank)."""
+    transfers: tuple[int, ...]
+    layer: int
+    src_gpu: int
+    dst_gpu: int
+    src_slot: int
+    dst_slot: int
+    """First primary destination (global slot); block m holds dst_slot + m."""
+    staged: bool
+
+    @property
+    def count(self) -> int:
+        return len(self.transfers)
+
+
+def chunk_blocks(plan: SwapPlan, k: int) -> list[Block]:
+    """Group chunk k's transfers into maximal runs of consecutive source and destination slots.
+
+    Only transfers with one destination join a run (fan-out transfers stay alone). Pure function of
+    the plan, so sender and receiver cut the same messages.
+    """
+    chunk = plan.chunks[k]
+
+    def staged(i: int) -> bool:
+        t = plan.transfers[i]
+        return any((t.layer, d) in chunk.staged for d in t.dst_slots)
+
+    order = sorted(
+        chunk.transfers,
+        key=lambda i: (
+            plan.transfers[i].layer,
+            plan.transfers[i].src_gpu,
+            plan.transfers[i].dst_gpu,
+            plan.transfers[i].src_slot,
+            i,
+        ),
+    )
+    groups: list[list[int]] = []
+    for i in order:
+        t = plan.transfers[i]
+        if groups:
+            prev = plan.transfers[groups[-1][-1]]
+            head = plan.transfers[groups[-1][0]]
+            if (
+                len(t.dst_slots) == 1
+                and len(head.dst_slots) == 1
+                and (t.layer, t.src_gpu, t.dst_gpu) == (prev.layer, prev.src_gpu, prev.dst_gpu)
+                and t.src_slot == prev.src_slot + 1
+                and t.dst_slots[0] == prev.dst_slots[0] + 1
+                and staged(i) == staged(groups[-1][0])
+            ):
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    blocks = []
+    for index, group in enumerate(groups):
+        t = plan.transfers[group[0]]
+        blocks.append(
+            Block(
+                index,
+                tuple(group),
+                t.layer,
+                t.src_gpu,
+                t.dst_gpu,
+                t.src_slot,
+                t.dst_slots[0],
+                staged(group[0]),
+            )
+        )
+    return blocks
 
 
 @dataclass
@@ -42,12 +119,12 @@ class ChunkRun:
     index: int
     works: list[Any] = field(default_factory=list)
     primary: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    """transfer -> buffers the expert lands in first (its first slot, or staging)."""
-    sends: list[int] = field(default_factory=list)
-    recvs: list[int] = field(default_factory=list)
-    local: list[int] = field(default_factory=list)
-    checksums: dict[str, torch.Tensor] = field(default_factory=dict)
-    """send / recv / src / dst -> int64 [n, W] for those transfers, in list order."""
+    """block index -> views [m, ...] the block lands in first (its first slots, or staging)."""
+    sends: list[Block] = field(default_factory=list)
+    recvs: list[Block] = field(default_factory=list)
+    local: list[Block] = field(default_factory=list)
+    checksums: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    """send / recv / src / dst -> int64 [m, W] per block of that list."""
     failed: bool = False
     finished: bool = False
     completed: bool = False
@@ -121,6 +198,11 @@ class SwapRuntime:
         assert 0 <= local < self.slots_per_gpu, "slot belongs to another rank"
         return self.layout.slot_views(self.slots_L[layer], local)
 
+    def block(self, layer: int, slot: int, count: int) -> list[torch.Tensor]:
+        local = slot - self.rank * self.slots_per_gpu
+        assert local >= 0 and local + count <= self.slots_per_gpu, "slots belong to another rank"
+        return self.layout.block_views(self.slots_L[layer], local, count)
+
     @contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
@@ -174,56 +256,48 @@ class SwapRuntime:
         return bool(vec[0] > 0) or mismatch, bool(vec[1] > 0)
 
     def _fill_checksums(self, run: ChunkRun, position: dict[int, int], width: int, vec: torch.Tensor) -> None:
-        cs = {k: (v & MASK31).cpu() for k, v in run.checksums.items()}
-        if "src" in cs and not torch.equal(cs["src"], cs["dst"]):
+        cs = {k: [(c & MASK31).cpu() for c in v] for k, v in run.checksums.items()}
+        if "src" in cs and not all(torch.equal(a, b) for a, b in zip(cs["src"], cs["dst"], strict=True)):
             run.fail("verify", RuntimeError("checksum mismatch in a local copy"))
             vec[0] = 1
         view = vec[2:].view(-1, width) if width else vec[2:].view(0, 0)
-        for key, sign, order in (("send", 1, run.sends), ("recv", -1, run.recvs)):
-            if key in cs:
-                rows = torch.tensor([position[i] for i in order], dtype=torch.int64)
-                view.index_add_(0, rows, sign * cs[key])
+        for key, sign, blocks in (("send", 1, run.sends), ("recv", -1, run.recvs)):
+            for block, c in zip(blocks, cs.get(key, []), strict=False):
+                rows = torch.tensor([position[i] for i in block.transfers], dtype=torch.int64)
+                view.index_add_(0, rows, sign * c)
 
     # ---- one chunk -------------------------------------------------------------------------
     def start_chunk(self, plan: SwapPlan, k: int, epoch: int, fault: Callable[..., None] | None) -> ChunkRun:
         """Staging, local copies, post the chunk's sends and receives, then sender checksums."""
         run = ChunkRun(k)
-        chunk = plan.chunks[k]
         with self.timed("start"):
             if fault is not None:
                 try:
                     fault("prepare", k, [])
                 except Exception as exc:  # injected: keep going so peers are not left waiting
                     run.fail("prepare", exc)
-            for i in chunk.transfers:
-                t = plan.transfers[i]
-                if t.src_gpu == self.rank and t.dst_gpu == self.rank:
-                    run.local.append(i)
-                elif t.src_gpu == self.rank:
-                    run.sends.append(i)
-                elif t.dst_gpu == self.rank:
-                    run.recvs.append(i)
+            for b in chunk_blocks(plan, k):
+                if b.src_gpu == self.rank and b.dst_gpu == self.rank:
+                    run.local.append(b)
+                elif b.src_gpu == self.rank:
+                    run.sends.append(b)
+                elif b.dst_gpu == self.rank:
+                    run.recvs.append(b)
             ops: list[dist.P2POp] = []
             try:
-                for i in [*run.local, *run.recvs]:
-                    t = plan.transfers[i]
-                    first = self.views(t.layer, t.dst_slots[0])
-                    staged = any((t.layer, d) in chunk.staged for d in t.dst_slots)
-                    run.primary[i] = [torch.empty_like(v) for v in first] if staged else first
+                for b in [*run.local, *run.recvs]:
+                    first = self.block(b.layer, b.dst_slot, b.count)
+                    run.primary[b.index] = [torch.empty_like(v) for v in first] if b.staged else first
                 if run.local:
-                    sources = [
-                        self.views(plan.transfers[i].layer, plan.transfers[i].src_slot) for i in run.local
-                    ]
+                    sources = [self.block(b.layer, b.src_slot, b.count) for b in run.local]
                     if self.verify:
-                        run.checksums["src"] = expert_checksums(sources)
-                    for i, src in zip(run.local, sources, strict=True):
-                        for dst, s in zip(run.primary[i], src, strict=True):
+                        run.checksums["src"] = [block_checksums(src) for src in sources]
+                    for b, src in zip(run.local, sources, strict=True):
+                        for dst, s in zip(run.primary[b.index], src, strict=True):
                             dst.copy_(s)
-                for peer in sorted(
-                    {plan.transfers[i].dst_gpu for i in run.sends}
-                    | {plan.transfers[i].src_gpu for i in run.recvs}
-                ):
-                    ops.extend(self._peer_ops(plan, run, peer, epoch))
+                peers = sorted({b.dst_gpu for b in run.sends} | {b.src_gpu for b in run.recvs})
+                for peer in peers:
+                    ops.extend(self._peer_ops(run, peer, epoch))
             except Exception as exc:
                 run.fail("prepare", exc)
             try:
@@ -233,24 +307,21 @@ class SwapRuntime:
                 run.fail("post", exc)
             try:
                 if self.verify and run.sends:  # computed while the bytes travel (both only read them)
-                    sources = [
-                        self.views(plan.transfers[i].layer, plan.transfers[i].src_slot) for i in run.sends
+                    run.checksums["send"] = [
+                        block_checksums(self.block(b.layer, b.src_slot, b.count)) for b in run.sends
                     ]
-                    run.checksums["send"] = expert_checksums(sources)
             except Exception as exc:
                 run.fail("prepare", exc)
         return run
 
-    def _peer_ops(self, plan: SwapPlan, run: ChunkRun, peer: int, epoch: int) -> list[dist.P2POp]:
+    def _peer_ops(self, run: ChunkRun, peer: int, epoch: int) -> list[dist.P2POp]:
         base = (epoch << 29) | ((run.index & 0x3FFF) << 15)
         ops = []
-        sends = [i for i in run.sends if plan.transfers[i].dst_gpu == peer]
-        for j, v in enumerate(
-            v for i in sends for v in self.views(plan.transfers[i].layer, plan.transfers[i].src_slot)
-        ):
+        sends = [b for b in run.sends if b.dst_gpu == peer]
+        for j, v in enumerate(v for b in sends for v in self.block(b.layer, b.src_slot, b.count)):
             ops.append(dist.P2POp(dist.isend, as_bytes(v), peer, self.group, base | (j & 0x7FFF)))
-        recvs = [i for i in run.recvs if plan.transfers[i].src_gpu == peer]
-        for j, v in enumerate(v for i in recvs for v in run.primary[i]):
+        recvs = [b for b in run.recvs if b.src_gpu == peer]
+        for j, v in enumerate(v for b in recvs for v in run.primary[b.index]):
             ops.append(dist.P2POp(dist.irecv, as_bytes(v), peer, self.group, base | (j & 0x7FFF)))
         return ops
 
@@ -271,30 +342,31 @@ class SwapRuntime:
         with self.timed("verify"):
             try:
                 if fault is not None:
-                    fault("received", run.index, [v for i in run.recvs for v in run.primary[i]])
-                if self.verify and run.recvs:
-                    run.checksums["recv"] = expert_checksums([run.primary[i] for i in run.recvs])
-                if self.verify and run.local:
-                    run.checksums["dst"] = expert_checksums([run.primary[i] for i in run.local])
+                    fault("received", run.index, [v for b in run.recvs for v in run.primary[b.index]])
+                if self.verify:
+                    run.checksums["recv"] = [block_checksums(run.primary[b.index]) for b in run.recvs]
+                    run.checksums["dst"] = [block_checksums(run.primary[b.index]) for b in run.local]
             except Exception as exc:
                 run.fail("verify", exc)
 
     def write_direct(self, plan: SwapPlan, run: ChunkRun) -> None:
-        """Copy each landed expert to its other destinations that are not staged."""
+        """Copy each landed block to its destinations that are not staged (fan-out of one expert)."""
         if run.failed:
             return  # its destinations count as unknown anyway
         chunk = plan.chunks[run.index]
         with self.timed("commit"):
             try:
-                for i, bufs in run.primary.items():
-                    t = plan.transfers[i]
-                    for d in t.dst_slots:
-                        if (t.layer, d) in chunk.staged:
-                            continue
-                        dst = self.views(t.layer, d)
-                        if dst[0].data_ptr() != bufs[0].data_ptr():
-                            for a, b in zip(dst, bufs, strict=True):
-                                a.copy_(b)
+                for b in [*run.local, *run.recvs]:
+                    bufs = run.primary[b.index]
+                    if b.staged:  # direct destinations of a staged fan-out still take their copy now
+                        t = plan.transfers[b.transfers[0]]
+                        for d in t.dst_slots:
+                            if (t.layer, d) not in chunk.staged:
+                                _copy_all(self.block(t.layer, d, 1), bufs)
+                    elif b.count == 1:
+                        t = plan.transfers[b.transfers[0]]
+                        for d in t.dst_slots[1:]:
+                            _copy_all(self.block(t.layer, d, 1), bufs)
             except Exception as exc:
                 run.fail("write", exc)
 
@@ -303,12 +375,17 @@ class SwapRuntime:
         chunk = plan.chunks[run.index]
         with self.timed("commit"):
             try:
-                for i, bufs in run.primary.items():
-                    t = plan.transfers[i]
+                for b in [*run.local, *run.recvs]:
+                    if not b.staged:
+                        continue
+                    bufs = run.primary[b.index]
+                    if b.count > 1:
+                        _copy_all(self.block(b.layer, b.dst_slot, b.count), bufs)
+                        continue
+                    t = plan.transfers[b.transfers[0]]
                     for d in t.dst_slots:
                         if (t.layer, d) in chunk.staged:
-                            for a, b in zip(self.views(t.layer, d), bufs, strict=True):
-                                a.copy_(b)
+                            _copy_all(self.block(t.layer, d, 1), bufs)
             except Exception as exc:
                 return f"chunk {run.index} commit: {type(exc).__name__}: {exc}"
         return None
@@ -371,6 +448,11 @@ def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
             ranks, backend="gloo", timeout=datetime.timedelta(minutes=10), use_local_synchronization=True
         )
     return _CONTROL_GROUPS[key]
+
+
+def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    for a, b in zip(dst, src, strict=True):
+        a.copy_(b)
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -39,10 +39,19 @@ class SlotLayout(Protocol):
         """Contiguous views holding slot ``slot`` (local index) in the engine layout, in a fixed order."""
         ...
 
+    def block_views(self, tensors: Mapping[str, torch.Tensor], start: int, count: int) -> list[torch.Tensor]:
+        """Contiguous views [count, ...] holding slots ``start .. start+count-1``, in the same order."""
+        ...
+
 
 def slot_major_views(tensors: Mapping[str, torch.Tensor], slot: int) -> list[torch.Tensor]:
     """``[tensors[name][slot] for name in sorted order]``: the views of a slot-major layout."""
     return [tensors[name][slot] for name in sorted(tensors)]
+
+
+def slot_major_blocks(tensors: Mapping[str, torch.Tensor], start: int, count: int) -> list[torch.Tensor]:
+    """``[tensors[name][start:start+count] ...]``: consecutive slots of a slot-major layout."""
+    return [tensors[name][start : start + count] for name in sorted(tensors)]
 
 
 class PlainLayout:
@@ -58,6 +67,9 @@ class PlainLayout:
 
     def slot_views(self, tensors: Mapping[str, torch.Tensor], slot: int) -> list[torch.Tensor]:
         return slot_major_views(tensors, slot)
+
+    def block_views(self, tensors: Mapping[str, torch.Tensor], start: int, count: int) -> list[torch.Tensor]:
+        return slot_major_blocks(tensors, start, count)
 
 
 def shuffle_weight_tiles(w: torch.Tensor, tile_n: int = 16, tile_k: int = 16) -> torch.Tensor:
@@ -114,6 +126,9 @@ class BlockShuffleLayout:
     def slot_views(self, tensors: Mapping[str, torch.Tensor], slot: int) -> list[torch.Tensor]:
         # Each slot is shuffled on its own, so a slot is still one contiguous block per tensor.
         return slot_major_views(tensors, slot)
+
+    def block_views(self, tensors: Mapping[str, torch.Tensor], start: int, count: int) -> list[torch.Tensor]:
+        return slot_major_blocks(tensors, start, count)
 
 
 class AiterMegaMoELayout(BlockShuffleLayout):

@@ -131,7 +131,7 @@ def test_local_copy_corruption_is_caught_by_checksum(monkeypatch: pytest.MonkeyP
 
     def corrupting_finish(self: SwapRuntime, run: ChunkRun, fault: object) -> None:
         if not done and run.local:
-            run.primary[run.local[0]][0].view(-1)[0] += 1.0
+            run.primary[run.local[0].index][0].view(-1)[0] += 1.0
             done.append(True)
         original(self, run, None)
 
@@ -214,3 +214,43 @@ def test_layout_registry() -> None:
         get_layout("aiter")  # this machine has no ROCm torch
     with pytest.raises(ValueError, match="unknown slot layout"):
         get_layout("nope")
+
+
+def test_consecutive_slots_move_as_one_block() -> None:
+    from eplb.hotswap_exec import chunk_blocks
+    from eplb.hotswap_plan import plan_swap
+
+    # GPU 0 holds experts 0..5 and 0..1 again; GPU 1 holds 6..11 and 6..7 (S = 8).
+    cur = np.array([[0, 1, 2, 3, 4, 5, 0, 1, 6, 7, 8, 9, 10, 11, 6, 7]], dtype=np.int32)
+    tgt = cur.copy()
+    tgt[0, 14:16] = [2, 3]  # GPU 1's redundant slots take experts 2, 3 from GPU 0: one block of 2
+    tgt[0, 6] = 8  # one expert from GPU 1 to GPU 0: a block of 1
+    tgt[0, 0], tgt[0, 1] = 1, 0  # a local swap of two slots: staged
+    plan = plan_swap(cur, tgt, num_gpus=2, bytes_per_expert=1, chunk_bytes=100)
+    blocks = chunk_blocks(plan, 0)
+    cross = sorted(
+        (b.src_gpu, b.dst_gpu, b.count, b.src_slot, b.dst_slot) for b in blocks if b.src_gpu != b.dst_gpu
+    )
+    assert cross == [(0, 1, 2, 2, 14), (1, 0, 1, 10, 6)]
+    local = [b for b in blocks if b.src_gpu == b.dst_gpu]
+    # Slot 0 is read (expert 0 for slot 1) and written (expert 1, from the unchanged slot 7): staged.
+    assert {(b.dst_slot, b.staged) for b in local} == {(0, True), (1, False)}
+    assert sorted(i for b in blocks for i in b.transfers) == list(range(len(plan.transfers)))
+
+
+def test_block_moves_on_one_rank() -> None:
+    g = torch.Generator().manual_seed(5)
+    w = {"w13": torch.randn(1, 8, 64, 32, generator=g), "w2": torch.randn(1, 8, 32, 32, generator=g)}
+    old = Placement.from_phy2log(
+        np.array([[0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]], dtype=np.int32), 1, max_replicas=5
+    )
+    # Slots 8..11 take experts 4..7 (one block), slots 0..3 rotate (a staged cycle).
+    new = Placement.from_phy2log(
+        np.array([[1, 2, 3, 0, 4, 5, 6, 7, 4, 5, 6, 7]], dtype=np.int32), 1, max_replicas=5
+    )
+    slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
+    res = hot_swap(slots_L, old, new)
+    assert res.ok
+    for name in ("w13", "w2"):
+        expected = w[name][0][torch.from_numpy(new.phy2log_LP[0].astype(np.int64))]
+        assert torch.equal(slots_L[0][name], expected)

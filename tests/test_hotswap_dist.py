@@ -101,9 +101,15 @@ def scenario(ctx: RankContext, seed: int) -> dict[str, Any]:
     out["moved"] = res.experts_moved
     out["exact_after"], out["padded_after"] = err(exact(x, bias)), err(padded(x, bias))
     out["layer_after"] = max_diff(exact.layers[0](x, ids, wts), layer_ref)
+    # Contiguous runs of slots trade places between ranks: multi-slot messages and staged blocks.
+    shifted = np.roll(new.phy2log_LP, new.slots_per_gpu // 2, axis=1)
+    block_target = Placement.from_phy2log(shifted, G, max_replicas=old.max_replicas)
+    res = hot_swap(exact.slots_L, new, block_target, update_maps=lambda: exact.set_placement(block_target))
+    out["block_swap_ok"] = res.ok
+    out["block_after"] = err(exact(x, bias))
     out["ptrs_same"] = ptrs == [t.data_ptr() for d in exact.slots_L for t in d.values()]
     S = new.slots_per_gpu
-    mine = torch.from_numpy(new.phy2log_LP[:, rank * S : (rank + 1) * S].astype(np.int64))
+    mine = torch.from_numpy(block_target.phy2log_LP[:, rank * S : (rank + 1) * S].astype(np.int64))
     out["slots_hold_new"] = all(
         torch.equal(exact.slots_L[layer]["w13"], w["w13"][layer][mine[layer]])
         for layer in range(cfg.num_layers)
