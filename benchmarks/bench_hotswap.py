@@ -9,8 +9,8 @@ Three parts, one process per GPU (NCCL) or per CPU rank (Gloo, ``--device cpu``,
    the output must equal the dense reference and the eager output; slot storage must not move.
    A swap with an injected checksum mismatch must roll back exactly.
 2. ``bandwidth``: one layer of DeepSeek-V3-sized fp8 experts (w13 [S, 4096, 7168] + w2 [S, 7168, 2048],
-   44 MB each). "one-way": 32 experts copied from GPU 0 into GPU 1's redundant slots; "swap": 16
-   experts of each GPU trade places. Each hot-swap variant (verify on/off, staging budget) is timed
+   44 MB each, S = 72). "one-way N": N experts copied from GPU 0 into GPU 1's redundant slots;
+   "swap N+N": N experts of each GPU trade places. Each hot-swap variant (verify on/off, staging budget) is timed
    against a raw NCCL send/recv of the same bytes (one contiguous buffer per direction, same
    batch_isend_irecv call) in the same run; medians of ``--reps``, directions alternating.
 3. ``layer``: one MoE layer at DeepSeek-V3 dims (bf16, E=32 + 4 redundant, top-8) under a router
@@ -168,32 +168,35 @@ def raw_transfer(ctx: RankContext, send_bytes: int, recv_bytes: int, reps: int) 
 
 
 def bandwidth(ctx: RankContext, reps: int, small: bool) -> list[dict[str, Any]]:
-    S, moved = (10, 8) if small else (40, 32)
+    S = 10 if small else 72
     slots = expert_slots(ctx, S, small)
     per_expert = sum(t[0].numel() * t.element_size() for t in slots.values())
     rows = []
-    # one-way: GPU 0 holds experts 0..S-1; GPU 1 holds S..S+extra-1 and redundant copies of them.
-    extra = S - moved
-    base = np.concatenate([np.arange(S), S + np.arange(S) % extra])[None].astype(np.int32)
-    one_way = base.copy()
-    one_way[0, S + extra : S + extra + moved] = np.arange(
-        moved
-    )  # GPU 1's redundant slots take GPU 0's experts
-    # swap: 2S experts, the first `moved // 2` slots of each GPU trade places.
-    half = moved // 2
-    swap_old = np.arange(2 * S, dtype=np.int32)[None]
-    swap_new = swap_old.copy()
-    swap_new[0, :half], swap_new[0, S : S + half] = swap_old[0, S : S + half], swap_old[0, :half]
-    scenarios = {
-        "one-way": (base, one_way, (moved, 0) if ctx.rank == 0 else (0, moved)),
-        "swap": (swap_old, swap_new, (half, half)),
-    }
+    scenarios: dict[str, tuple[np.ndarray, np.ndarray, tuple[int, int]]] = {}
+    pairs: dict[str, list[tuple[int, int]]] = {}
+    for moved in (8,) if small else (32, 64):
+        # one-way: GPU 0 holds experts 0..S-1; GPU 1 holds S..S+extra-1 and redundant copies of them,
+        # whose slots then take `moved` of GPU 0's experts.
+        extra = S - moved
+        base = np.concatenate([np.arange(S), S + np.arange(S) % extra])[None].astype(np.int32)
+        one_way = base.copy()
+        one_way[0, S + extra : S + extra + moved] = np.arange(moved)
+        name = f"one-way {moved}"
+        scenarios[name] = (base, one_way, (moved, 0) if ctx.rank == 0 else (0, moved))
+        pairs[name] = [(s, extra + s) for s in range(moved)]
+    for half in (4,) if small else (16, 32):
+        # swap: 2S experts; the first `half` slots of each GPU trade places.
+        swap_old = np.arange(2 * S, dtype=np.int32)[None]
+        swap_new = swap_old.copy()
+        swap_new[0, :half], swap_new[0, S : S + half] = swap_old[0, S : S + half], swap_old[0, :half]
+        name = f"swap {half}+{half}"
+        scenarios[name] = (swap_old, swap_new, (half, half))
+        pairs[name] = [(s, s) for s in range(half)]
     variants = {
         "verify, 2 GB staging": HotSwapOptions(),
         "verify, 512 MB staging": HotSwapOptions(staging_budget_bytes=512 << 20),
         "no verify, 2 GB staging": HotSwapOptions(verify=False),
     }
-    pairs = {"one-way": [(s, extra + s) for s in range(moved)], "swap": [(s, s) for s in range(half)]}
     for name, (p_old, p_new, (n_send, n_recv)) in scenarios.items():
         old = Placement.from_phy2log(p_old, 2)
         new = Placement.from_phy2log(p_new, 2, max_replicas=old.max_replicas)
@@ -211,19 +214,20 @@ def bandwidth(ctx: RankContext, reps: int, small: bool) -> list[dict[str, Any]]:
             times = []
             for rep in range(reps + 1):
                 # one-way moves only from old to new (new -> old is local copies): reset untimed.
-                a, b = (old, new) if rep % 2 == 0 or name == "one-way" else (new, old)
+                one_way = name.startswith("one-way")
+                a, b = (old, new) if rep % 2 == 0 or one_way else (new, old)
                 sync(ctx)
                 start = time.perf_counter()
                 res = hot_swap([slots], a, b, options=options)
                 sync(ctx)
                 assert res.ok, res.error
                 times.append(time.perf_counter() - start)
-                if name == "one-way":
+                if one_way:
                     hot_swap([slots], b, a, options=options)
             row[f"{label}_s"] = statistics.median(times[1:])
             row[f"{label}_phases"] = {k: round(v * 1e3, 3) for k, v in res.phase_seconds.items()}
             row[f"{label}_chunks"] = res.chunks
-        if name == "swap" and reps % 2 == 1:  # leave the slots as they started
+        if name.startswith("swap") and reps % 2 == 1:  # leave the slots as they started
             hot_swap([slots], new, old)
         rows.append(row)
     return rows
@@ -235,8 +239,8 @@ def raw_per_tensor(
     """The swap's messages without the swap: each expert's tensors as separate ops in one batch."""
     names = sorted(slots)
     peer = 1 - ctx.rank
-    sending = scenario == "swap" or ctx.rank == 0
-    receiving = scenario == "swap" or ctx.rank == 1
+    sending = scenario.startswith("swap") or ctx.rank == 0
+    receiving = scenario.startswith("swap") or ctx.rank == 1
     landing = [[torch.empty_like(slots[n][0]) for n in names] for _ in pairs] if receiving else []
     times = []
     for _ in range(reps + 1):

@@ -156,30 +156,35 @@ def _layer_transfers(
     bytes_per_expert: int,
 ) -> list[Transfer]:
     G = cur_P.shape[0] // S
-    changed = cur_P != tgt_P
+    cur, tgt = cur_P.tolist(), tgt_P.tolist()
+    changed = [c != t for c, t in zip(cur, tgt, strict=True)]
+    holders: dict[int, list[int]] = {}
+    for s, e in enumerate(cur):
+        if e >= 0:
+            holders.setdefault(e, []).append(s)
     out: list[Transfer] = []
     for g in range(G):
         lo, hi = g * S, (g + 1) * S
-        need = sorted((int(tgt_P[d]), d) for d in range(lo, hi) if changed[d])
+        need = sorted((tgt[d], d) for d in range(lo, hi) if changed[d])
         for e in sorted({e for e, _ in need}):
             dsts = tuple(d for x, d in need if x == e)
-            local = [s for s in range(lo, hi) if cur_P[s] == e]
+            held = holders.get(e, [])
+            local = [s for s in held if lo <= s < hi]
             if local:
                 src, src_gpu = _prefer_unchanged(local, changed), g
             else:
-                holders = np.flatnonzero(cur_P == e)
-                if holders.size == 0:
+                if not held:
                     raise ValueError(f"expert {e} of layer {layer} is in no slot with known content")
-                holder_gpus = sorted({int(s) // S for s in holders})
+                holder_gpus = sorted({s // S for s in held})
                 near = [h for h in holder_gpus if h // gpus_per_node == g // gpus_per_node]
                 src_gpu = min(near or holder_gpus, key=lambda h: (send_load[h], (h - g) % G))
-                src = _prefer_unchanged([int(s) for s in holders if s // S == src_gpu], changed)
+                src = _prefer_unchanged([s for s in held if s // S == src_gpu], changed)
                 send_load[src_gpu] += bytes_per_expert
             out.append(Transfer(layer, e, src, dsts, src_gpu, g))
     return out
 
 
-def _prefer_unchanged(slots: list[int], changed: np.ndarray) -> int:
+def _prefer_unchanged(slots: list[int], changed: list[bool]) -> int:
     """The first slot that keeps its content, else the first slot."""
     return next((s for s in slots if not changed[s]), slots[0])
 
@@ -196,6 +201,8 @@ def _ordered_units(transfers: list[Transfer], first: int, stop: int) -> list[lis
         if transfers[first + u].src_slot in writer
     ]
     edges = [(u, t) for u, t in edges if u != t]
+    if not edges:  # nothing reads a slot another transfer writes: any order, one transfer per unit
+        return [[first + i] for i in range(n)]
     rows = np.array([u for u, _ in edges], dtype=np.int64)
     cols = np.array([t for _, t in edges], dtype=np.int64)
     graph = coo_matrix((np.ones(len(edges)), (rows, cols)), shape=(n, n)).tocsr()
