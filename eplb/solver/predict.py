@@ -7,10 +7,11 @@ one starts (design.md §5: fitting the past harder does not help). The predictor
 
 - ``sum``: the window's total (what DeepSeek's EPLB plans on);
 - ``recent``: the total of the last ``recent_fraction`` of the window;
-- ``decay``: a weighted total whose pass weights halve every ``decay_half_life`` of the window;
-- ``robust``: the decayed total as the point forecast, plus the window's sub-windows as scenarios
-  (each scaled to the same total per layer) so that the solver can minimise the expected busiest
-  GPU over plausible futures rather than the busiest GPU of one guess.
+- ``decay``: a weighted total whose pass weights halve every ``decay_half_life`` passes;
+- ``robust``: the decayed total as the point forecast and as one scenario (weight 1/2), plus one
+  scenario per sub-window: the forecast times the sub-window's relative deviation from the
+  window's mean shape (weight 1/(2K) each), so that the solver maximises the expected
+  balancedness over plausible futures rather than the balancedness of one guess.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def pass_weights(num_passes: int, options: SolveOptions) -> np.ndarray:
         weights[W - keep :] = 1.0
     else:  # decay, robust
         age = np.arange(W - 1, -1, -1, dtype=np.float64)
-        weights = 0.5 ** (age / max(options.decay_half_life * W, 1e-9))
+        weights = 0.5 ** (age / options.decay_half_life)
     return weights * (W / weights.sum())
 
 
@@ -59,14 +60,15 @@ def predict(load_WLE: np.ndarray, options: SolveOptions) -> Prediction:
     K = min(options.num_scenarios, W)
     bounds = np.linspace(0, W, K + 1).round().astype(int)
     sums_KLE = np.add.reduceat(load_WLE, bounds[:-1], axis=0)
-    scale_KL = _safe_ratio(point_LE.sum(axis=-1)[None], sums_KLE.sum(axis=-1))
-    scenarios_KLE = sums_KLE * scale_KL[:, :, None]
-    # The forecast is itself a scenario; recent sub-windows are likelier than old ones.
+    shape_KLE = sums_KLE * _safe_ratio(np.ones(1), sums_KLE.sum(axis=-1))[:, :, None]
+    mean_shape_LE = shape_KLE.mean(axis=0)
+    deviation_KLE = _safe_ratio(shape_KLE, mean_shape_LE[None])
+    deviation_KLE = np.where(mean_shape_LE[None] > 0, deviation_KLE, 1.0)
+    scenarios_KLE = point_LE[None] * deviation_KLE
+    scenarios_KLE *= _safe_ratio(point_LE.sum(axis=-1)[None], scenarios_KLE.sum(axis=-1))[:, :, None]
     scenarios_KLE = np.concatenate([point_LE[None], scenarios_KLE])
-    centre_age = W - (bounds[:-1] + bounds[1:]) / 2.0
-    sub_weights = 0.5 ** (centre_age / max(options.decay_half_life * W, 1e-9))
-    weights_K = np.concatenate([[sub_weights.sum()], sub_weights])
-    return Prediction(point_LE, scenarios_KLE, weights_K / weights_K.sum())
+    weights_K = np.concatenate([[0.5], np.full(K, 0.5 / K)])
+    return Prediction(point_LE, scenarios_KLE, weights_K)
 
 
 def _safe_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:

@@ -25,19 +25,13 @@ from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check
 
 
 def resolve_algorithm(algorithm: str, topology: Topology, num_logical: int) -> str:
-    """The concrete algorithm ``algorithm`` stands for (auto -> deepseek until scipy exists)."""
+    """The concrete algorithm ``algorithm`` stands for (auto -> scipy)."""
     if algorithm == "deepseek_hierarchical" and not topology.hierarchical_ok(num_logical):
         raise ValueError(
             f"deepseek_hierarchical needs num_groups ({topology.num_groups}) to divide the experts "
             f"({num_logical}) and to be divisible by num_nodes ({topology.num_nodes})"
         )
-    if algorithm == "auto":
-        return "deepseek_hierarchical" if _hierarchy_helps(topology, num_logical) else "deepseek"
-    return algorithm
-
-
-def _hierarchy_helps(topology: Topology, num_logical: int) -> bool:
-    return topology.num_nodes > 1 and topology.hierarchical_ok(num_logical)
+    return "scipy" if algorithm == "auto" else algorithm
 
 
 def deepseek_phy2log(

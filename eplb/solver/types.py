@@ -62,20 +62,21 @@ class SolveOptions:
     """deepseek | deepseek_hierarchical | scipy | auto (auto: scipy; see docs/solver.md)."""
     prediction: str = "decay"
     """How a window [W, L, E] becomes the load to plan for: sum | decay | recent | robust."""
-    decay_half_life: float = 0.25
-    """decay/robust: half-life of a pass's weight, as a fraction of the window (recent passes weigh more)."""
+    decay_half_life: float = 8.0
+    """decay/robust: half-life of a pass's weight, in recorded passes (recent passes weigh more)."""
     recent_fraction: float = 0.25
     """recent: plan on the sum of this last fraction of the window."""
     num_scenarios: int = 4
-    """robust: split the window into this many sub-windows and minimise the expected busiest GPU."""
+    """robust: sub-windows of the window used as scenarios of the next window's load shape."""
     weighted: bool = False
     """Also return LP per-replica dispatch weights [L, E, R] (for weighted dispatch)."""
-    time_budget_s: float = 0.5
-    """Wall-clock budget of the MILP packing improvement for the whole model (0 disables it)."""
+    time_budget_s: float = 0.2
+    """Wall-clock budget of the MILP repacking for the whole model, in seconds (0 disables it)."""
     incremental: bool = True
     """scipy with ``current``: change the current placement only where it pays, instead of repacking."""
     copy_cost: float = 0.002
-    """Incremental search: predicted layer balancedness an expert copy across GPUs must buy."""
+    """scipy with ``current``: predicted balancedness of its layer that one expert copy across GPUs
+    must buy (0: move freely; larger: fewer moves, see docs/benchmarks.md)."""
     bytes_per_expert: int = 0
     """Bytes of one expert's weights in one layer, for byte counts and ``max_bytes_moved``."""
     max_bytes_moved: int | None = None
@@ -83,15 +84,16 @@ class SolveOptions:
     min_gain: float = 0.002
     """Skip (apply=False) when predicted model balancedness improves less than this over ``current``."""
     seed: int = 0
-    """Seed of any randomised tie-breaking, so the same input always gives the same plan."""
+    """Seed for randomised steps. Every algorithm here is deterministic today, so the same input
+    gives the same plan whatever the seed; the field keeps callers stable if one is added."""
 
     def __post_init__(self) -> None:
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {self.algorithm!r}; choose from {ALGORITHMS}")
         if self.prediction not in PREDICTIONS:
             raise ValueError(f"unknown prediction {self.prediction!r}; choose from {PREDICTIONS}")
-        if not 0 < self.decay_half_life <= 100:
-            raise ValueError(f"decay_half_life must lie in (0, 100], got {self.decay_half_life}")
+        if not self.decay_half_life > 0:
+            raise ValueError(f"decay_half_life must be > 0 passes, got {self.decay_half_life}")
         if not 0 < self.recent_fraction <= 1:
             raise ValueError(f"recent_fraction must lie in (0, 1], got {self.recent_fraction}")
         if self.num_scenarios < 1:
@@ -132,7 +134,10 @@ class Plan:
     reason: str
     """Why the plan is applied or skipped, in words."""
     stats: dict[str, float] = field(default_factory=dict)
-    """solve_seconds, milp_improved_layers, copies_moved, current_balancedness, ..."""
+    """Numbers about the solve. Always: solve_seconds, algorithm_scipy (1.0 or 0.0). With current:
+    current_balancedness (predicted, under current), copies_moved, changed_slots. scipy: fresh_swaps,
+    milp_improved_layers / milp_solves / milp_seconds (when the budget is > 0); incremental also
+    retarget_copies, swaps, fresh_layers (layers where the fresh plan won)."""
 
 
 def as_load_array(load: Any) -> np.ndarray:

@@ -1,0 +1,264 @@
+"""Solver quality and speed against SGLang 0.5.23's DeepSeek EPLB, plan on window i, score on window i+1.
+
+Shape legend: T steps, W window (passes), L layers, E logical experts, P physical slots, G GPUs, N nodes.
+
+For every EP size (DeepSeek-V3 shape: 58 layers x 256 experts, 32 redundant slots; EP 8/16/32/64 on
+1/2/4/8 nodes) a synthetic deepseek-v3 trace (eplb.workloads: drift and workload shifts) is cut
+into windows of W passes. Each planner sees window i and its own current placement, plans, and is
+scored on window i+1:
+
+- balancedness per prefill pass of window i+1 (mean over those passes of the model balancedness,
+  mean/max GPU load averaged over layers), the headline;
+- balancedness of window i+1's prefill passes summed (the figure design.md §5 quotes);
+- expert copies moved across GPUs per rebalance (eplb.placement_diff), counted from the second
+  rebalance on (the first one starts from the trivial placement for everyone);
+- whole-model solve time (median over rebalances).
+
+Peers (same run, same windows): SGLang's ``rebalance_experts`` on the window's sum, hierarchical
+(what SGLang's ``--eplb-algorithm auto`` picks for DeepSeek-V3: 8 groups divisible by the nodes)
+and global. Ours: ``eplb.solver.solve`` variants (see VARIANTS).
+
+    python benchmarks/bench_solver.py                      # the full table (about 10 min on 2 cores)
+    python benchmarks/bench_solver.py --quick              # EP32 only, fewer windows
+    python benchmarks/bench_solver.py --timing             # solve time vs EP and layers
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for benchmarks.peers as a script
+
+from eplb.balance import model_balancedness
+from eplb.placement import Placement
+from eplb.placement_diff import diff_placements
+from eplb.solver import SolveOptions, Topology, solve
+from eplb.workloads import PRESETS, WorkloadConfig, generate
+
+NODES_FOR_EP = {8: 1, 16: 2, 32: 4, 64: 8}
+VARIANTS: dict[str, dict[str, Any]] = {
+    # The default: incremental from the current placement, decayed forecast.
+    "scipy": {},
+    # A fresh plan each time (GPUs relabelled to the current placement): best balance, more moves.
+    "scipy fresh": {"incremental": False},
+    # The default, planning on the plain window sum (isolates the forecast's contribution).
+    "scipy sum": {"prediction": "sum"},
+    "scipy robust": {"prediction": "robust"},
+    # Dispatch weights from the LP split, scored with those weights.
+    "scipy weighted": {"weighted": True},
+}
+
+Planner = Callable[[np.ndarray, Placement], tuple[Placement, np.ndarray | None, bool]]
+
+
+def peer_planner(topology: Topology, hierarchical: bool) -> Planner:
+    """SGLang 0.5.23's DeepSeek ``rebalance_experts`` on the window's summed load."""
+    import torch
+
+    from benchmarks.peers import load_sglang_deepseek
+
+    module = load_sglang_deepseek()
+
+    def plan(window_WLE: np.ndarray, current: Placement) -> tuple[Placement, np.ndarray | None, bool]:
+        weight = torch.from_numpy(window_WLE.sum(axis=0).astype(np.float32))
+        phy2log, log2phy, logcnt = module.rebalance_experts(
+            weight,
+            topology.num_physical,
+            topology.num_groups,
+            topology.num_nodes,
+            topology.num_gpus,
+            hierarchical,
+        )
+        placement = Placement.from_deepseek(phy2log, log2phy, logcnt, topology.num_gpus, topology.num_nodes)
+        return placement, None, True
+
+    return plan
+
+
+def our_planner(topology: Topology, bytes_per_expert: int, **fields: Any) -> Planner:
+    options = SolveOptions(bytes_per_expert=bytes_per_expert, **fields)
+
+    def plan(window_WLE: np.ndarray, current: Placement) -> tuple[Placement, np.ndarray | None, bool]:
+        result = solve(window_WLE, topology, current, options)
+        return result.placement, result.dispatch_weights_LER, result.apply
+
+    return plan
+
+
+def evaluate(
+    planner: Planner, counts_TLE: np.ndarray, is_prefill_T: np.ndarray, window: int, start: Placement
+) -> dict[str, float]:
+    """Roll ``planner`` over the windows; mean scores over rebalances (moves from the second one on)."""
+    current, weights = start, None
+    per_pass, summed, moved, seconds, applied = [], [], [], [], []
+    for i in range(counts_TLE.shape[0] // window - 1):
+        window_WLE = counts_TLE[i * window : (i + 1) * window]
+        t0 = time.perf_counter()
+        placement, new_weights, apply = planner(window_WLE, current)
+        seconds.append(time.perf_counter() - t0)
+        if apply:
+            if i > 0:
+                moved.append(diff_placements(current, placement).experts_moved_across_gpus)
+            current, weights = placement, new_weights
+        elif i > 0:
+            moved.append(0)
+        applied.append(apply)
+        nxt = slice((i + 1) * window, (i + 2) * window)
+        prefill = counts_TLE[nxt][is_prefill_T[nxt]]
+        per_pass.append(float(model_balancedness(prefill, current, weights).mean()))
+        summed.append(float(model_balancedness(prefill.sum(axis=0), current, weights)))
+    return {
+        "per_pass": float(np.mean(per_pass)),
+        "summed": float(np.mean(summed)),
+        "copies_moved": float(np.mean(moved)) if moved else 0.0,
+        "solve_s": float(np.median(seconds)),
+        "applied": float(np.mean(applied)),
+        "rebalances": float(len(per_pass)),
+    }
+
+
+def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
+    preset = PRESETS["deepseek-v3"]
+    rows = []
+    for seed in args.seeds:
+        for window in args.windows:
+            steps = window * (args.rebalances + 1)
+            trace = generate(WorkloadConfig(num_steps=steps, seed=seed))
+            counts = trace.counts_TLE.astype(np.float64)
+            for ep in args.ep:
+                topology = Topology(
+                    num_gpus=ep,
+                    num_nodes=NODES_FOR_EP[ep],
+                    num_physical=preset.num_experts + args.redundant,
+                    num_groups=preset.num_groups,
+                )
+                start = Placement.trivial(
+                    preset.num_layers, preset.num_experts, ep, args.redundant, NODES_FOR_EP[ep]
+                )
+                planners: dict[str, Planner] = {
+                    "peer sglang (hierarchical = auto)": peer_planner(topology, True),
+                    "peer sglang (global)": peer_planner(topology, False),
+                }
+                for name in args.variants:
+                    planners[name] = our_planner(topology, preset.bytes_per_expert, **VARIANTS[name])
+                for name, planner in planners.items():
+                    result = evaluate(planner, counts, trace.is_prefill_T, window, start)
+                    row = {
+                        "seed": seed,
+                        "window": window,
+                        "ep": ep,
+                        "nodes": NODES_FOR_EP[ep],
+                        "planner": name,
+                    }
+                    rows.append({**row, **result})
+                    print(_format_row(rows[-1]), flush=True)
+    return rows
+
+
+def run_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Whole-model solve time of one fresh and one incremental solve vs EP and layer count."""
+    import torch
+
+    from benchmarks.peers import load_sglang_deepseek
+
+    module = load_sglang_deepseek()
+    preset = PRESETS["deepseek-v3"]
+    trace = generate(WorkloadConfig(num_steps=2 * args.timing_window, seed=0))
+    counts = trace.counts_TLE.astype(np.float64)
+    rows = []
+    for layers in args.timing_layers:
+        for ep in args.ep:
+            topology = Topology(
+                num_gpus=ep,
+                num_nodes=NODES_FOR_EP[ep],
+                num_physical=preset.num_experts + args.redundant,
+                num_groups=8,
+            )
+            w0 = counts[: args.timing_window, :layers]
+            w1 = counts[args.timing_window :, :layers]
+            weight = torch.from_numpy(w0.sum(axis=0).astype(np.float32))
+            t0 = time.perf_counter()
+            module.rebalance_experts(weight, topology.num_physical, 8, topology.num_nodes, ep, True)
+            peer_s = time.perf_counter() - t0
+            first = solve(w0, topology, None, SolveOptions())
+            second = solve(w1, topology, first.placement, SolveOptions())
+            row = {
+                "layers": layers,
+                "ep": ep,
+                "peer_s": peer_s,
+                "fresh_s": first.stats["solve_seconds"],
+                "incremental_s": second.stats["solve_seconds"],
+                "milp_s": first.stats.get("milp_seconds", 0.0),
+            }
+            rows.append(row)
+            print(
+                json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
+    return rows
+
+
+def _format_row(row: dict[str, Any]) -> str:
+    return (
+        f"seed {row['seed']} W {row['window']:5d} EP{row['ep']:<3d} {row['planner']:36s} "
+        f"per-pass {row['per_pass']:.4f} summed {row['summed']:.4f} "
+        f"copies {row['copies_moved']:8.1f} solve {row['solve_s']:.3f}s applied {row['applied']:.2f}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--ep", type=int, nargs="+", default=[8, 16, 32, 64], choices=sorted(NODES_FOR_EP))
+    parser.add_argument(
+        "--windows", type=int, nargs="+", default=[200, 1000], help="window = interval, passes"
+    )
+    parser.add_argument("--rebalances", type=int, default=10, help="windows scored per run")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--redundant", type=int, default=32)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--quick", action="store_true", help="EP32, window 200, 6 rebalances")
+    parser.add_argument("--timing", action="store_true", help="only the solve-time sweep")
+    parser.add_argument("--timing-layers", type=int, nargs="+", default=[15, 29, 58])
+    parser.add_argument("--timing-window", type=int, default=200)
+    parser.add_argument("--json", type=Path, default=None, help="write all rows here")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.ep, args.windows, args.rebalances = [32], [200], 6
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "host": platform.node(),
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+    import scipy
+
+    meta["scipy"] = scipy.__version__
+    print(json.dumps(meta), flush=True)
+    result: dict[str, Any] = {"meta": meta, "args": vars(args) | {"json": str(args.json)}}
+    if args.timing:
+        result["timing"] = run_timing(args)
+    else:
+        result["quality"] = run_quality(args)
+    result["meta"]["load_average_end"] = os.getloadavg()
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,301 @@
+"""Swap local search on the expected balancedness over load scenarios, all layers at once.
+
+Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU.
+
+A layer's score is the expected balancedness ``sum_k pi_k mean_k / max_k`` of its GPU loads over
+the scenarios (one scenario: the plain balancedness). Replica counts are fixed here, so an item's
+load (expert load / replicas) is fixed and a move exchanges the contents of two slots on different
+GPUs. Each round, every layer takes its best swap between its critical GPU (the one that is the
+busiest in the most weight of scenarios) and any slot of another GPU, if the score gain exceeds
+``copy_cost`` times the expert copies across GPUs it adds relative to ``origin``. Rounds are numpy
+operations over all layers; a layer leaves the search when no swap pays.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+_TOL = 1e-12
+
+
+@dataclass
+class SearchState:
+    """Mutable search state (all arrays are updated in place)."""
+
+    phy2log_LP: np.ndarray
+    """int64 [L, P]: expert in each slot."""
+    item_KLP: np.ndarray
+    """float64 [K, L, P]: load each slot carries in each scenario."""
+    holds_LGE: np.ndarray
+    """int64 [L, G, E]: replicas of expert e on GPU g."""
+    origin_LGE: np.ndarray | None
+    """bool [L, G, E]: GPU g held expert e before the rebalance (None: moves are free)."""
+    copies_L: np.ndarray
+    """int64 [L]: expert copies across GPUs so far, relative to ``origin``."""
+
+
+def make_state(
+    phy2log_LP: np.ndarray,
+    scenarios_KLE: np.ndarray,
+    logcnt_LE: np.ndarray,
+    num_gpus: int,
+    origin_LGE: np.ndarray | None,
+) -> SearchState:
+    """Search state for a placement ``phy2log_LP`` with replica counts ``logcnt_LE``."""
+    L = phy2log_LP.shape[0]
+    E = logcnt_LE.shape[1]
+    layer = np.arange(L)[:, None]
+    item_KLP = scenarios_KLE[:, layer, phy2log_LP] / logcnt_LE[layer, phy2log_LP]
+    holds_LGE = holds_per_gpu(phy2log_LP, num_gpus, E)
+    copies_L = np.zeros(L, dtype=np.int64)
+    if origin_LGE is not None:
+        copies_L = ((holds_LGE > 0) & ~origin_LGE).sum(axis=(1, 2))
+    return SearchState(phy2log_LP.astype(np.int64), item_KLP, holds_LGE, origin_LGE, copies_L)
+
+
+def holds_per_gpu(phy2log_LP: np.ndarray, num_gpus: int, num_logical: int) -> np.ndarray:
+    """int64 [L, G, E]: number of replicas of each expert on each GPU."""
+    L, P = phy2log_LP.shape
+    gpu_P = np.arange(P) // (P // num_gpus)
+    flat = (np.arange(L)[:, None] * num_gpus + gpu_P[None, :]) * num_logical + phy2log_LP
+    return np.bincount(flat.ravel(), minlength=L * num_gpus * num_logical).reshape(L, num_gpus, num_logical)
+
+
+def expected_balancedness(gpu_KLG: np.ndarray, weights_K: np.ndarray) -> np.ndarray:
+    """float64 [L]: sum_k pi_k mean_k / max_k (1 where a scenario has no load)."""
+    peak = gpu_KLG.max(axis=-1)
+    mean = gpu_KLG.mean(axis=-1)
+    ratio = np.where(peak > 0, mean / np.where(peak > 0, peak, 1.0), 1.0)
+    return np.tensordot(weights_K, ratio, axes=1)
+
+
+def swap_search(
+    state: SearchState,
+    weights_K: np.ndarray,
+    num_gpus: int,
+    copy_cost: float = 0.0,
+    max_copies: int | None = None,
+    deadline: float | None = None,
+    max_rounds: int = 10_000,
+    min_gain: float = 1e-5,
+    target_KL: np.ndarray | None = None,
+) -> int:
+    """Improve ``state`` in place by single swaps; returns the number of swaps made.
+
+    Objective: without ``target_KL``, the expected balancedness (the busiest GPU); with it, the
+    expected excess of every GPU over its target load ``target_KL`` [K, L] (relative to the mean),
+    which credits fixing any overloaded GPU, not only the busiest (the incremental search's
+    objective: after drift several GPUs are overloaded at once, and fixing one alone barely moves
+    the maximum). ``max_copies`` caps the total copies across GPUs (all layers); ``deadline`` is a
+    ``time.perf_counter()`` value after which the search stops; a swap must gain more than
+    ``min_gain`` after its copy cost.
+    """
+    _, L, P = state.item_KLP.shape
+    G, S = num_gpus, P // num_gpus
+    active = np.ones(L, dtype=bool)
+    gpu_P = np.arange(P) // S
+    swaps = 0
+    for _ in range(max_rounds):
+        layers = np.flatnonzero(active)
+        if layers.size == 0 or (deadline is not None and time.perf_counter() > deadline):
+            break
+        target = None if target_KL is None else target_KL[:, layers]
+        found, gain, slot_a, slot_b, dcost = _best_swaps(
+            state, layers, weights_K, G, S, gpu_P, copy_cost, min_gain, target
+        )
+        if max_copies is not None:
+            found &= _within_cap(state, layers, found, gain, dcost, max_copies)
+        active[layers[~found]] = False
+        for layer, a, b, dc in zip(layers[found], slot_a[found], slot_b[found], dcost[found], strict=True):
+            _apply_swap(state, int(layer), int(a), int(b), int(dc), S)
+            swaps += 1
+    return swaps
+
+
+def _best_swaps(
+    state: SearchState,
+    layers: np.ndarray,
+    weights_K: np.ndarray,
+    G: int,
+    S: int,
+    gpu_P: np.ndarray,
+    copy_cost: float,
+    min_gain: float,
+    target_Kl: np.ndarray | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """For each layer in ``layers``: whether a paying swap exists, its gain, slots and copy delta."""
+    item = state.item_KLP[:, layers]  # [K, l, P]
+    K, nl, P = item.shape
+    rows = np.arange(nl)
+    gpu_KlG = item.reshape(K, nl, G, S).sum(axis=-1)
+    mean_Kl = np.maximum(gpu_KlG.mean(axis=-1), 1e-300)
+    if target_Kl is None:
+        hot_l = _critical_gpu(gpu_KlG, mean_Kl, weights_K)
+    else:
+        excess_KlG = np.maximum(gpu_KlG - target_Kl[..., None], 0.0) / mean_Kl[..., None]
+        hot_l = np.tensordot(weights_K, excess_KlG, axes=1).argmax(axis=1)
+    hot_slots_lS = hot_l[:, None] * S + np.arange(S)
+    a_KlS = np.take_along_axis(item, np.broadcast_to(hot_slots_lS, (K, nl, S)), axis=-1)
+    hot_load_Kl = gpu_KlG[:, rows, hot_l]
+    other_load_KlP = gpu_KlG[:, :, gpu_P]
+    new_hot = hot_load_Kl[:, :, None, None] - a_KlS[..., None] + item[:, :, None, :]
+    new_other = other_load_KlP[:, :, None, :] - item[:, :, None, :] + a_KlS[..., None]
+    if target_Kl is None:
+        gain_lSP = _peak_gain(gpu_KlG, mean_Kl, hot_l, gpu_P, new_hot, new_other, weights_K)
+    else:
+        t = target_Kl[..., None, None]
+        before = np.maximum(hot_load_Kl[..., None, None] - t, 0) + np.maximum(
+            other_load_KlP[:, :, None, :] - t, 0
+        )
+        after = np.maximum(new_hot - t, 0) + np.maximum(new_other - t, 0)
+        gain_lSP = _expect(weights_K, (before - after) / mean_Kl[..., None, None])
+
+    p2l = state.phy2log_LP[layers]
+    expert_a_lS = np.take_along_axis(p2l, hot_slots_lS, axis=1)
+    invalid = (gpu_P[None, None, :] == hot_l[:, None, None]) | (expert_a_lS[:, :, None] == p2l[:, None, :])
+    dcost = _copy_delta(state, layers, hot_l, expert_a_lS, p2l, gpu_P)
+    net = np.where(invalid, -np.inf, gain_lSP - copy_cost * dcost)
+    flat = net.reshape(nl, -1).argmax(axis=1)
+    best = net.reshape(nl, -1)[rows, flat]
+    s_idx, p_idx = np.divmod(flat, P)
+    found = best > max(min_gain, _TOL)
+    return (
+        found,
+        gain_lSP.reshape(nl, -1)[rows, flat],
+        hot_slots_lS[rows, s_idx],
+        p_idx,
+        dcost.reshape(nl, -1)[rows, flat],
+    )
+
+
+def _critical_gpu(gpu_KlG: np.ndarray, mean_Kl: np.ndarray, weights_K: np.ndarray) -> np.ndarray:
+    """int [l]: the GPU whose reduction gains the most expected balancedness to first order."""
+    K, nl, G = gpu_KlG.shape
+    peak_Kl = np.maximum(gpu_KlG.max(axis=-1), 1e-300)
+    urgency_lG = np.zeros((nl, G))
+    np.add.at(
+        urgency_lG,
+        (np.broadcast_to(np.arange(nl), (K, nl)), gpu_KlG.argmax(axis=-1)),
+        weights_K[:, None] * mean_Kl / peak_Kl**2,
+    )
+    return np.asarray(urgency_lG.argmax(axis=1))
+
+
+def _peak_gain(
+    gpu_KlG: np.ndarray,
+    mean_Kl: np.ndarray,
+    hot_l: np.ndarray,
+    gpu_P: np.ndarray,
+    new_hot: np.ndarray,
+    new_other: np.ndarray,
+    weights_K: np.ndarray,
+) -> np.ndarray:
+    """float64 [l, S, P]: change in expected balancedness of each candidate swap."""
+    G = gpu_KlG.shape[-1]
+    order = np.argsort(-gpu_KlG, axis=-1)[..., : min(3, G)]
+    top_val = np.take_along_axis(gpu_KlG, order, axis=-1)
+    peak_Kl = top_val[..., 0]
+    # Busiest GPU other than the hot one and the partner's GPU, per partner slot.
+    other_max_KlP = _max_excluding(top_val, order, hot_l, gpu_P)
+    new_peak = np.maximum(np.maximum(new_hot, new_other), other_max_KlP[:, :, None, :])
+    ratio_new = np.where(new_peak > 0, mean_Kl[..., None, None] / np.where(new_peak > 0, new_peak, 1.0), 1.0)
+    ratio_old = np.where(peak_Kl > 0, mean_Kl / np.where(peak_Kl > 0, peak_Kl, 1.0), 1.0)
+    return _expect(weights_K, ratio_new - ratio_old[..., None, None])
+
+
+def _expect(weights_K: np.ndarray, values_K: np.ndarray) -> np.ndarray:
+    """sum_k pi_k values[k] (no tensordot copy for the one-scenario case)."""
+    if weights_K.shape[0] == 1:
+        return np.asarray(values_K[0] * weights_K[0])
+    return np.tensordot(weights_K, values_K, axes=1)
+
+
+def _max_excluding(
+    top_val: np.ndarray, order: np.ndarray, hot_l: np.ndarray, gpu_P: np.ndarray
+) -> np.ndarray:
+    """float64 [K, l, P]: largest GPU load among GPUs other than the hot GPU and slot p's GPU."""
+    K, nl, T = top_val.shape
+    P = gpu_P.shape[0]
+    result = np.zeros((K, nl, P))
+    done = np.zeros((K, nl, P), dtype=bool)
+    for t in range(T):
+        idx = order[..., t][..., None]
+        ok = (idx != hot_l[None, :, None]) & (idx != gpu_P[None, None, :]) & ~done
+        result = np.where(ok, top_val[..., t][..., None], result)
+        done |= ok
+    return result
+
+
+def _copy_delta(
+    state: SearchState,
+    layers: np.ndarray,
+    hot_l: np.ndarray,
+    expert_a_lS: np.ndarray,
+    p2l_lP: np.ndarray,
+    gpu_P: np.ndarray,
+) -> np.ndarray:
+    """int64 [l, S, P]: change in expert copies across GPUs (vs origin) if hot slot s and slot p swap.
+
+    Arrivals created: b on the hot GPU and a on p's GPU, unless already there; arrivals removed: the
+    last a leaving the hot GPU and the last b leaving p's GPU, when those were arrivals themselves.
+    """
+    nl, S = expert_a_lS.shape
+    P = p2l_lP.shape[1]
+    if state.origin_LGE is None:
+        return np.zeros((nl, S, P), dtype=np.int64)
+    rows = np.arange(nl)
+    holds = state.holds_LGE[layers]
+    stranger = ~state.origin_LGE[layers]
+    hot_holds_lE = holds[rows, hot_l]
+    hot_stranger_lE = stranger[rows, hot_l]
+    ea, eb = expert_a_lS, p2l_lP
+    add_hot_lP = (np.take_along_axis(hot_holds_lE, eb, 1) == 0) & np.take_along_axis(hot_stranger_lE, eb, 1)
+    rem_hot_lS = (np.take_along_axis(hot_holds_lE, ea, 1) == 1) & np.take_along_axis(hot_stranger_lE, ea, 1)
+    # a arriving on GPU g: [l, G, S], then spread over g's slots.
+    idx_lGS = np.broadcast_to(ea[:, None, :], (nl, holds.shape[1], S))
+    add_a_lGS = (np.take_along_axis(holds, idx_lGS, 2) == 0) & np.take_along_axis(stranger, idx_lGS, 2)
+    add_other_lSP = add_a_lGS.transpose(0, 2, 1)[:, :, gpu_P]
+    own_lP = holds[rows[:, None], gpu_P[None, :], eb]
+    rem_other_lP = (own_lP == 1) & stranger[rows[:, None], gpu_P[None, :], eb]
+    delta = add_other_lSP.astype(np.int64)
+    delta += (add_hot_lP.astype(np.int64) - rem_other_lP)[:, None, :]
+    delta -= rem_hot_lS[:, :, None]
+    return delta
+
+
+def _within_cap(
+    state: SearchState,
+    layers: np.ndarray,
+    found: np.ndarray,
+    gain: np.ndarray,
+    dcost: np.ndarray,
+    max_copies: int,
+) -> np.ndarray:
+    """bool [l]: the found swaps that fit under the copy cap, best gain per copy first."""
+    room = max_copies - int(state.copies_L.sum())
+    keep = np.zeros_like(found)
+    for i in np.argsort(-gain / np.maximum(dcost, 0.5)):
+        if not found[i]:
+            continue
+        if dcost[i] <= room:
+            keep[i] = True
+            room -= max(int(dcost[i]), 0)
+    return keep
+
+
+def _apply_swap(state: SearchState, layer: int, a: int, b: int, dcost: int, S: int) -> None:
+    p2l = state.phy2log_LP[layer]
+    ea, eb = int(p2l[a]), int(p2l[b])
+    ga, gb = a // S, b // S
+    p2l[a], p2l[b] = eb, ea
+    items = state.item_KLP[:, layer]
+    items[:, [a, b]] = items[:, [b, a]]
+    holds = state.holds_LGE[layer]
+    holds[ga, ea] -= 1
+    holds[ga, eb] += 1
+    holds[gb, eb] -= 1
+    holds[gb, ea] += 1
+    state.copies_L[layer] += dcost

@@ -1,0 +1,109 @@
+"""Migration awareness: keep experts where they are unless moving them pays.
+
+Shape legend: L layers, E logical experts, P physical slots, G GPUs, N nodes, S slots per GPU.
+
+Two tools:
+
+- :func:`relabel`: a fresh placement's GPUs are interchangeable, so map them onto the current GPUs
+  with ``scipy.optimize.linear_sum_assignment`` (nodes first, then GPUs within matched nodes) to
+  keep the most expert replicas in place, and give each expert that stays on a GPU its old slot.
+- :func:`retarget_replicas`: change the current placement's replica counts to the target counts
+  with one slot rewrite per change (the incremental path; swaps then polish, see local_search).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scipy.optimize import linear_sum_assignment
+
+from eplb.solver.local_search import holds_per_gpu
+
+
+def relabel(
+    new_phy2log_LP: np.ndarray, current_phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int
+) -> np.ndarray:
+    """int64 [L, P]: ``new_phy2log_LP`` with GPUs permuted and slots reordered to match the current one.
+
+    The GPU loads and replica counts are those of the new placement; only labels change.
+    """
+    L, P = new_phy2log_LP.shape
+    G, N = num_gpus, num_nodes
+    S, gpn = P // G, G // N
+    E = int(max(new_phy2log_LP.max(), current_phy2log_LP.max())) + 1
+    new_holds = holds_per_gpu(new_phy2log_LP, G, E)
+    cur_holds = holds_per_gpu(current_phy2log_LP, G, E)
+    out = np.empty((L, P), dtype=np.int64)
+    for layer in range(L):
+        # overlap[a, b]: replicas new GPU a would keep if it took current GPU b's place.
+        overlap = np.minimum(new_holds[layer][:, None, :], cur_holds[layer][None, :, :]).sum(axis=-1)
+        target_of_new = np.empty(G, dtype=np.int64)
+        if N > 1:
+            cur_node_holds = cur_holds[layer].reshape(N, gpn, E).sum(axis=1)
+            new_node_holds = new_holds[layer].reshape(N, gpn, E).sum(axis=1)
+            node_overlap = np.minimum(new_node_holds[:, None, :], cur_node_holds[None, :, :]).sum(axis=-1)
+            new_nodes, cur_nodes = linear_sum_assignment(node_overlap, maximize=True)
+        else:
+            new_nodes, cur_nodes = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        for a_node, b_node in zip(new_nodes, cur_nodes, strict=True):
+            a_gpus = np.arange(a_node * gpn, (a_node + 1) * gpn)
+            b_gpus = np.arange(b_node * gpn, (b_node + 1) * gpn)
+            rows, cols = linear_sum_assignment(overlap[np.ix_(a_gpus, b_gpus)], maximize=True)
+            target_of_new[a_gpus[rows]] = b_gpus[cols]
+        for a in range(G):
+            b = target_of_new[a]
+            out[layer, b * S : (b + 1) * S] = _align_slots(
+                new_phy2log_LP[layer, a * S : (a + 1) * S], current_phy2log_LP[layer, b * S : (b + 1) * S]
+            )
+    return out
+
+
+def _align_slots(new_experts_S: np.ndarray, current_S: np.ndarray) -> np.ndarray:
+    """int64 [S]: the experts ``new_experts_S`` ordered so that those already present keep their slot."""
+    remaining = list(new_experts_S.tolist())
+    out = np.full(current_S.shape, -1, dtype=np.int64)
+    for slot, expert in enumerate(current_S.tolist()):
+        if expert in remaining:
+            remaining.remove(expert)
+            out[slot] = expert
+    out[out < 0] = remaining
+    return out
+
+
+def retarget_replicas(
+    phy2log_LP: np.ndarray, target_cnt_LE: np.ndarray, load_LE: np.ndarray, num_gpus: int
+) -> np.ndarray:
+    """int64 [L, P]: ``phy2log_LP`` rewritten in as few slots as possible to reach ``target_cnt_LE``.
+
+    An expert with surplus replicas gives up those on its busiest GPUs; experts short of replicas
+    take the freed slots, heaviest new replica first onto the least loaded GPU among the free slots.
+    """
+    L, P = phy2log_LP.shape
+    E = target_cnt_LE.shape[1]
+    S = P // num_gpus
+    out = phy2log_LP.astype(np.int64).copy()
+    layer_idx = np.arange(L)[:, None]
+    cur_cnt = np.zeros((L, E), dtype=np.int64)
+    np.add.at(cur_cnt, (np.broadcast_to(layer_idx, (L, P)), out), 1)
+    delta = target_cnt_LE - cur_cnt
+    for layer in np.flatnonzero((delta != 0).any(axis=1)):
+        row = out[layer]
+        item = load_LE[layer, row] / cur_cnt[layer, row]
+        gpu_load = item.reshape(num_gpus, S).sum(axis=1)
+        freed: list[int] = []
+        for expert in np.flatnonzero(delta[layer] < 0):
+            slots = np.flatnonzero(row == expert)
+            busiest = slots[np.argsort(-gpu_load[slots // S], kind="stable")]
+            freed.extend(busiest[: -delta[layer, expert]].tolist())
+        for slot in freed:
+            gpu_load[slot // S] -= item[slot]
+        new_cnt = target_cnt_LE[layer]
+        takers = np.repeat(np.flatnonzero(delta[layer] > 0), delta[layer][delta[layer] > 0])
+        takers = takers[np.argsort(-load_LE[layer, takers] / new_cnt[takers], kind="stable")]
+        free = np.array(freed, dtype=np.int64)
+        open_ = np.ones(free.size, dtype=bool)
+        for expert in takers:
+            choice = np.flatnonzero(open_)[np.argmin(gpu_load[free[open_] // S])]
+            row[free[choice]] = expert
+            gpu_load[free[choice] // S] += load_LE[layer, expert] / new_cnt[expert]
+            open_[choice] = False
+    return out

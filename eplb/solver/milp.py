@@ -1,0 +1,147 @@
+"""Exact repacking of a layer's critical GPUs with ``scipy.optimize.milp`` (HiGHS), under a time budget.
+
+Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU,
+I items (replicas) on the chosen GPUs, B chosen GPUs.
+
+Single swaps (local_search) stop at a local optimum; a MILP over the items of the critical GPU and
+the least loaded GPUs finds exchanges of several items at once. Per subproblem: binary x[i, b]
+(item i on chosen GPU b), every item on one GPU, S items per GPU, and z_k >= load of every chosen
+GPU in scenario k (z_k is bounded below by the busiest unchosen GPU). The objective is
+sum_k pi_k z_k / mean_k, the busiest GPU in balancedness units. HiGHS has no warm start here, so a
+solution is kept only when its exact expected balancedness beats the incumbent: never worse.
+Layers are visited worst first until the budget is spent.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import scipy.sparse as sp
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+from eplb.solver import local_search as ls
+from eplb.solver.predict import Prediction
+
+
+def milp_polish(
+    phy2log_LP: np.ndarray,
+    cnt_LE: np.ndarray,
+    prediction: Prediction,
+    num_gpus: int,
+    time_budget_s: float,
+    stats: dict[str, float],
+    gpus_per_subproblem: int = 4,
+) -> np.ndarray:
+    """int64 [L, P]: ``phy2log_LP`` with critical GPUs repacked exactly where that helps."""
+    start = time.perf_counter()
+    deadline = start + time_budget_s
+    G = num_gpus
+    L, P = phy2log_LP.shape
+    S = P // G
+    weights_K = prediction.scenario_weights_K
+    out = phy2log_LP.copy()
+    layer_idx = np.arange(L)[:, None]
+    item_KLP = prediction.scenarios_KLE[:, layer_idx, out] / cnt_LE[layer_idx, out]
+    score_L = ls.expected_balancedness(item_KLP.reshape(-1, L, G, S).sum(axis=-1), weights_K)
+    improved_layers = 0
+    solves = 0
+    for layer in np.argsort(score_L, kind="stable"):
+        if score_L[layer] >= 1.0 - 1e-9:
+            break
+        layer_improved = False
+        for _ in range(G):
+            if time.perf_counter() > deadline:
+                break
+            items_KP = item_KLP[:, layer]
+            gpu_KG = items_KP.reshape(-1, G, S).sum(axis=-1)
+            chosen = _choose_gpus(gpu_KG, weights_K, min(gpus_per_subproblem, G))
+            perm = _solve_subproblem(items_KP, gpu_KG, chosen, S, weights_K, deadline)
+            solves += 1
+            if perm is None:
+                break
+            slots = (chosen[:, None] * S + np.arange(S)).ravel()
+            trial = items_KP.copy()
+            trial[:, slots] = items_KP[:, slots[perm]]
+            new_score = ls.expected_balancedness(trial.reshape(-1, 1, G, S).sum(axis=-1), weights_K)[0]
+            if new_score <= score_L[layer] + 1e-12:
+                break
+            out[layer, slots] = out[layer, slots[perm]]
+            item_KLP[:, layer] = trial
+            score_L[layer] = new_score
+            layer_improved = True
+        improved_layers += int(layer_improved)
+        if time.perf_counter() > deadline:
+            break
+    stats["milp_improved_layers"] = float(improved_layers)
+    stats["milp_solves"] = float(solves)
+    stats["milp_seconds"] = time.perf_counter() - start
+    return out
+
+
+def _choose_gpus(gpu_KG: np.ndarray, weights_K: np.ndarray, count: int) -> np.ndarray:
+    """int [B]: the critical GPU (busiest in the most scenario weight) and the least loaded others."""
+    urgency_G = np.zeros(gpu_KG.shape[1])
+    np.add.at(urgency_G, gpu_KG.argmax(axis=1), weights_K)
+    hot = int(urgency_G.argmax())
+    expected_G = weights_K @ gpu_KG
+    others = [g for g in np.argsort(expected_G, kind="stable") if g != hot][: count - 1]
+    return np.array([hot, *others], dtype=np.int64)
+
+
+def _solve_subproblem(
+    items_KP: np.ndarray,
+    gpu_KG: np.ndarray,
+    chosen_B: np.ndarray,
+    S: int,
+    weights_K: np.ndarray,
+    deadline: float,
+) -> np.ndarray | None:
+    """int [I]: for each position of the chosen GPUs' slots, which of their items goes there; None if no solution."""
+    K = items_KP.shape[0]
+    B = chosen_B.shape[0]
+    slots = (chosen_B[:, None] * S + np.arange(S)).ravel()
+    a_KI = items_KP[:, slots]
+    num_items = slots.size
+    mean_K = np.maximum(gpu_KG.mean(axis=1), 1e-300)
+    rest = np.delete(gpu_KG, chosen_B, axis=1)
+    floor_K = rest.max(axis=1) if rest.shape[1] else np.zeros(K)
+    # Variables: x[i, b] (I*B binaries, item-major), then z[k].
+    n_x = num_items * B
+    item_of = np.repeat(np.arange(num_items), B)
+    gpu_of = np.tile(np.arange(B), num_items)
+    one_gpu = sp.csr_matrix((np.ones(n_x), (item_of, np.arange(n_x))), shape=(num_items, n_x))
+    s_per_gpu = sp.csr_matrix((np.ones(n_x), (gpu_of, np.arange(n_x))), shape=(B, n_x))
+    rows = (np.arange(K)[:, None] * B + gpu_of[None, :]).ravel()
+    cols = np.tile(np.arange(n_x), K)
+    load = sp.csr_matrix((a_KI[:, item_of].ravel(), (rows, cols)), shape=(K * B, n_x))
+    z_part = sp.csr_matrix(
+        (-np.ones(K * B), (np.arange(K * B), np.repeat(np.arange(K), B))), shape=(K * B, K)
+    )
+    constraints = [
+        LinearConstraint(sp.hstack([one_gpu, sp.csr_matrix((num_items, K))]), 1, 1),
+        LinearConstraint(sp.hstack([s_per_gpu, sp.csr_matrix((B, K))]), S, S),
+        LinearConstraint(sp.hstack([load, z_part]), -np.inf, 0),
+    ]
+    cost = np.concatenate([np.zeros(n_x), weights_K / mean_K])
+    integrality = np.concatenate([np.ones(n_x), np.zeros(K)])
+    bounds = Bounds(
+        np.concatenate([np.zeros(n_x), floor_K]), np.concatenate([np.ones(n_x), np.full(K, np.inf)])
+    )
+    remaining = deadline - time.perf_counter()
+    if remaining <= 0.001:
+        return None
+    res = milp(
+        cost,
+        constraints=constraints,
+        integrality=integrality,
+        bounds=bounds,
+        options={"time_limit": remaining, "disp": False},
+    )
+    if res.x is None:
+        return None
+    x_IB = np.asarray(res.x[:n_x]).reshape(num_items, B) > 0.5
+    if not (x_IB.sum(axis=1) == 1).all() or not (x_IB.sum(axis=0) == S).all():
+        return None
+    # Position p (GPU p // S of the chosen ones) receives the items assigned to that GPU.
+    return np.concatenate([np.flatnonzero(x_IB[:, b]) for b in range(B)])

@@ -1,0 +1,167 @@
+"""The ``scipy`` algorithm: replica counts, packing, polishing and migration-aware placement.
+
+Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU.
+
+Fresh plan (no current placement, or ``incremental=False``):
+    replica counts by the largest-load-per-replica greedy on the forecast; greedy packing of all
+    replicas over all GPUs (no node constraint: groups-onto-nodes packing costs balance, see
+    docs/solver.md); swap local search on the expected balancedness over the scenarios; MILP
+    repacking of the worst layers' critical GPUs within the time budget (never worse); with a
+    current placement, GPUs and slots relabelled to keep replicas in place.
+Incremental plan (current placement given, ``incremental=True``, the default):
+    start from the current placement; change replica counts only where the pair (take a replica
+    from one expert, give it to another) pays; then swaps that bring overloaded GPUs down towards
+    the fresh plan's busiest GPU, each paying more than ``copy_cost`` per expert copy. Per layer,
+    the fresh plan replaces the incremental one where its extra balancedness pays for its extra
+    copies (so a placement far from good, such as the trivial one, is replaced outright).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from eplb.placement import Placement
+from eplb.solver import local_search as ls
+from eplb.solver.greedy import deepseek_rebalance
+from eplb.solver.migration import relabel, retarget_replicas
+from eplb.solver.predict import Prediction
+from eplb.solver.types import SolveOptions, Topology
+
+SEARCH_SECONDS = 1.0
+"""Wall-clock cap of each swap search (they usually converge in a fraction of it)."""
+
+
+def scipy_phy2log(
+    prediction: Prediction,
+    topology: Topology,
+    current: Placement | None,
+    options: SolveOptions,
+    stats: dict[str, float],
+) -> np.ndarray:
+    """int64 [L, P]: the placement the scipy algorithm proposes; fills ``stats``."""
+    start = time.perf_counter()
+    G, P = topology.num_gpus, topology.num_physical
+    point_LE = prediction.point_LE
+    weights_K = prediction.scenario_weights_K
+
+    fresh_LP, _, fresh_cnt_LE = deepseek_rebalance(point_LE, P, 1, 1, G)
+    state = ls.make_state(fresh_LP, prediction.scenarios_KLE, fresh_cnt_LE, G, None)
+    stats["fresh_swaps"] = ls.swap_search(state, weights_K, G, deadline=start + SEARCH_SECONDS)
+    fresh_LP = state.phy2log_LP
+    if options.time_budget_s > 0:
+        from eplb.solver.milp import milp_polish
+
+        fresh_LP = milp_polish(fresh_LP, fresh_cnt_LE, prediction, G, options.time_budget_s, stats)
+    if current is None:
+        return fresh_LP
+    fresh_LP = relabel(fresh_LP, current.phy2log_LP, G, topology.num_nodes)
+    if not options.incremental:
+        return fresh_LP
+
+    # Incremental: from the current placement, replica-count changes and swaps that pay.
+    origin_LGE = current.gpu_has_expert()
+    cnt_LE = paying_counts(
+        current.logcnt_LE.astype(np.int64), fresh_cnt_LE, point_LE, G, options.copy_cost, options.max_copies
+    )
+    inc_LP = retarget_replicas(current.phy2log_LP, cnt_LE, point_LE, G)
+    inc = ls.make_state(inc_LP, prediction.scenarios_KLE, cnt_LE, G, origin_LGE)
+    stats["retarget_copies"] = float(inc.copies_L.sum())
+    fresh = ls.make_state(fresh_LP, prediction.scenarios_KLE, fresh_cnt_LE, G, origin_LGE)
+    # Target per GPU: the busiest GPU of the fresh plan, i.e. what repacking from scratch achieves.
+    K, L = weights_K.shape[0], point_LE.shape[0]
+    target_KL = fresh.item_KLP.reshape(K, L, G, -1).sum(axis=-1).max(axis=-1)
+    stats["swaps"] = ls.swap_search(
+        inc,
+        weights_K,
+        G,
+        copy_cost=options.copy_cost,
+        max_copies=options.max_copies,
+        deadline=time.perf_counter() + SEARCH_SECONDS,
+        target_KL=target_KL,
+    )
+    # Per layer, the fresh plan wins where its extra gain pays for its extra copies.
+    value_inc_L = _score(inc, weights_K, G) - options.copy_cost * inc.copies_L
+    value_fresh_L = _score(fresh, weights_K, G) - options.copy_cost * fresh.copies_L
+    take_fresh_L = value_fresh_L > value_inc_L
+    if options.max_copies is not None:
+        take_fresh_L = _fresh_within_cap(
+            take_fresh_L, value_fresh_L - value_inc_L, inc, fresh, options.max_copies
+        )
+    stats["fresh_layers"] = float(take_fresh_L.sum())
+    return np.where(take_fresh_L[:, None], fresh.phy2log_LP, inc.phy2log_LP)
+
+
+def _score(state: ls.SearchState, weights_K: np.ndarray, num_gpus: int) -> np.ndarray:
+    """float64 [L]: expected balancedness of each layer of ``state``."""
+    K, L, P = state.item_KLP.shape
+    return ls.expected_balancedness(
+        state.item_KLP.reshape(K, L, num_gpus, P // num_gpus).sum(axis=-1), weights_K
+    )
+
+
+def _fresh_within_cap(
+    take_fresh_L: np.ndarray,
+    advantage_L: np.ndarray,
+    inc: ls.SearchState,
+    fresh: ls.SearchState,
+    max_copies: int,
+) -> np.ndarray:
+    """bool [L]: the fresh layers that fit under the copy cap, best advantage per extra copy first."""
+    room = max_copies - int(inc.copies_L.sum())
+    extra_L = fresh.copies_L - inc.copies_L
+    keep = np.zeros_like(take_fresh_L)
+    for layer in np.argsort(-advantage_L / np.maximum(extra_L, 1)):
+        if take_fresh_L[layer] and extra_L[layer] <= room:
+            keep[layer] = True
+            room -= max(int(extra_L[layer]), 0)
+    return keep
+
+
+def paying_counts(
+    cur_cnt_LE: np.ndarray,
+    target_cnt_LE: np.ndarray,
+    load_LE: np.ndarray,
+    num_gpus: int,
+    copy_cost: float,
+    max_copies: int | None,
+) -> np.ndarray:
+    """int64 [L, E]: the current replica counts moved towards the target by the changes that pay.
+
+    One change moves a replica from an expert with a surplus to one with a deficit (one expert
+    copy). Changes are ranked by how much they lower the larger of the two per-replica loads
+    involved, relative to the layer's mean GPU load (a first-order balancedness gain), and taken
+    while that gain exceeds ``copy_cost`` and the copy cap allows.
+    """
+    cnt = cur_cnt_LE.copy()
+    mean_gpu_L = np.maximum(load_LE.sum(axis=1) / num_gpus, 1e-300)
+    candidates: list[tuple[float, int, int, int]] = []
+    for layer in np.flatnonzero((cur_cnt_LE != target_cnt_LE).any(axis=1)):
+        w, c = load_LE[layer], cur_cnt_LE[layer]
+        give = np.flatnonzero(c > target_cnt_LE[layer])
+        take = np.flatnonzero(c < target_cnt_LE[layer])
+        # Units in order: the takers' first extra replicas help most; the givers' last replicas cost least.
+        take_units = sorted(
+            (
+                (w[e] / (c[e] + k) - w[e] / (c[e] + k + 1), int(e))
+                for e in take
+                for k in range(target_cnt_LE[layer, e] - c[e])
+            ),
+            reverse=True,
+        )
+        give_units = sorted(
+            (w[e] / (c[e] - k - 1) - w[e] / (c[e] - k), int(e))
+            for e in give
+            for k in range(c[e] - target_cnt_LE[layer, e])
+        )
+        for (gain, taker), (loss, giver) in zip(take_units, give_units, strict=False):
+            candidates.append(((gain - loss) / mean_gpu_L[layer], int(layer), taker, giver))
+    budget = float("inf") if max_copies is None else float(max_copies)
+    for value, row, taker, giver in sorted(candidates, reverse=True):
+        if value <= copy_cost or budget < 1:
+            break
+        cnt[row, taker] += 1
+        cnt[row, giver] -= 1
+        budget -= 1
+    return cnt
