@@ -3,11 +3,17 @@
 Shape legend: W window (passes), L layers, E logical experts, P physical slots, G GPUs (ranks),
 R max replicas.
 
-The engine calls :meth:`EplbManager.on_forward_pass_end` on every rank after every forward pass.
+The engine calls, on every rank and for every forward pass::
+
+    manager.on_forward_pass_begin(is_prefill=..., num_tokens=T)   # sets the recorder's device flag
+    model(...)   # each MoE layer: remap_and_record(..., **manager.recorder.layer_kwargs(layer))
+    manager.on_forward_pass_end()
+
 All ranks run the same control logic on agreed inputs, so they take the same steps on the same pass:
 
-1. The pass's counts go to the window (eplb.manager_window) when it counts: every pass, or with
-   ``--eplb-record-prefill-only`` only passes where some rank had prefill (one all_reduce of a flag).
+1. The recorder (eplb.recorder, stat or per_pass mode) keeps the window; with
+   ``--eplb-record-prefill-only`` it records prefill passes and counts only passes where some
+   rank had prefill (an all_reduce of a flag, on a CPU group when the data group is NCCL).
 2. Every ``--eplb-rebalance-num-iterations`` counted passes the window is summed over ranks
    (all_reduce), its balancedness logged and reported; above
    ``--eplb-min-rebalancing-utilization-threshold`` the rebalance is skipped. Otherwise rank 0
@@ -28,7 +34,6 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +42,7 @@ import torch.distributed as dist
 from eplb.balance import gpu_load, model_balancedness
 from eplb.config import EplbConfig
 from eplb.hotswap import FaultHook, HotSwapOptions, hot_swap
+from eplb.hotswap_exec import control_group
 from eplb.manager_types import (
     APPLY,
     FAILED,
@@ -51,9 +57,9 @@ from eplb.manager_types import (
     timed_plan,
     with_layers,
 )
-from eplb.manager_window import PassWindow
 from eplb.metrics_sink import MetricsSink, NullSink, RebalanceOutcome
 from eplb.placement import Placement
+from eplb.recorder import ExpertDistributionRecorder, RecorderConfig
 
 __all__ = [
     "EplbManager",
@@ -102,7 +108,22 @@ class EplbManager:
         self._placement = placement
         self._weights_LER: np.ndarray | None = None
         L, E = placement.num_layers, placement.num_logical
-        self.window = PassWindow(L, E, config.recorder_buffer_size, device)
+        if (config.recorder_mode or "stat") not in ("stat", "per_pass"):
+            raise ValueError(
+                f"--expert-distribution-recorder-mode {config.recorder_mode} keeps token ids, not a load "
+                "window: the rebalancer needs stat or per_pass"
+            )
+        # Per-pass flags travel on a CPU group, so NCCL ranks do not sync the device for them.
+        self._control = control_group(group) if self.world_size > 1 else None
+        self.recorder = ExpertDistributionRecorder(
+            RecorderConfig.from_eplb_config(config),
+            placement,
+            device=device,
+            group=group,
+            flag_group=self._control,
+        )
+        self.recorder.start()
+        self._kind: str = "decode"
         views = engine.slot_tensors(0)
         bytes_per_expert = sum(t[0].numel() * t.element_size() for t in views.values())
         self._planner = planner or solver_planner(
@@ -127,26 +148,22 @@ class EplbManager:
             num_nodes=placement.num_nodes,
         )
 
-    # ---- the hook ----------------------------------------------------------------------------
-    @property
-    def pass_counts_LE(self) -> torch.Tensor:
-        """int32 [L, E] on the device: the MoE layers add this pass's logical counts here."""
-        return self.window.pass_counts_LE
+    # ---- the hooks ---------------------------------------------------------------------------
+    def on_forward_pass_begin(self, *, is_prefill: bool, num_tokens: int = 0) -> None:
+        """Call on every rank before every forward pass (``is_prefill``: this rank's batch has prefill)."""
+        self._kind = "prefill" if is_prefill else "decode"
+        self.recorder.begin_pass(has_prefill=is_prefill, num_tokens=num_tokens)
 
-    def on_forward_pass_end(self, *, is_prefill: bool = False) -> None:
-        """Call on every rank after every forward pass (``is_prefill``: this rank's pass had prefill)."""
+    def on_forward_pass_end(self) -> None:
+        """Call on every rank after every forward pass: count, and maybe solve, adopt or swap."""
         self._passes += 1
-        any_prefill, plan_ready = is_prefill, False
-        if self.config.eplb_record_prefill_only or self._phase == "solving":
+        counted = self.recorder.end_pass()
+        plan_ready = False
+        if self._phase == "solving":
             ready = self.rank == 0 and self._future is not None and self._future.done()
-            flags = self._all_reduce(
-                torch.tensor([int(is_prefill), int(ready)], dtype=torch.int32), dist.ReduceOp.MAX
-            )
-            any_prefill, plan_ready = bool(flags[0]), bool(flags[1])
-        recorded = any_prefill if self.config.eplb_record_prefill_only else True
-        self.window.end_pass(commit=recorded)
-        self.sink.on_forward_pass(kind="prefill" if is_prefill else "decode", recorded=recorded)
-        if recorded:
+            plan_ready = self._any_rank(ready)
+        self.sink.on_forward_pass(kind="prefill" if self._kind == "prefill" else "decode", recorded=counted)
+        if counted:
             self._counted += 1
         if self._phase == "applying":
             self._apply_next_chunk()
@@ -162,7 +179,7 @@ class EplbManager:
             passes=self._passes,
             counted_passes=self._counted,
             next_rebalance_at=self._next_at,
-            window_passes=self.window.num_passes,
+            window_passes=self.recorder.num_window_passes,
             layers_pending=() if self._job is None else tuple(self._job.pending),
             placement=self._placement,
             history=tuple(self._history),
@@ -179,17 +196,14 @@ class EplbManager:
             self._executor = None
 
     # ---- steps -------------------------------------------------------------------------------
-    def _all_reduce(self, t: torch.Tensor, op: Any) -> list[Any]:
-        t = t.to(self.device)
+    def _any_rank(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)], dtype=torch.int32)
         if self.world_size > 1:
-            dist.all_reduce(t, op=op, group=self.group)
-        return list(t.cpu().tolist())
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
+        return bool(t.item())
 
     def _trigger(self) -> None:
-        window_WLE = self.window.window_WLE().to(torch.int64)
-        if self.world_size > 1:
-            dist.all_reduce(window_WLE, op=dist.ReduceOp.SUM, group=self.group)
-        load_WLE = window_WLE.cpu().numpy().astype(np.float64)
+        load_WLE = self.recorder.window_logical_counts(reduce=True).astype(np.float64)
         load_LE = load_WLE.sum(axis=0)
         before = float(model_balancedness(load_LE, self._placement))
         self._windows.append((self._passes, before))
@@ -272,6 +286,7 @@ class EplbManager:
         job.transfer_seconds += result.seconds
         if result.ok:
             self._placement, self._weights_LER = mixed, mixed_w
+            self.recorder.set_placement(mixed)  # passes from now on count through the new map
             job.done.extend(chunk)
             job.experts_moved += result.experts_moved
             job.bytes_moved += result.bytes_moved
@@ -294,6 +309,7 @@ class EplbManager:
             )
             if back.ok:
                 self._placement, self._weights_LER = job.original, job.original_weights_LER
+                self.recorder.set_placement(job.original)
             reason += f"; layers {job.done} {'restored' if back.ok else 'NOT restored: ' + str(back.error)}"
         self._finish("failed", reason, self._before, self._before, job.predicted, job.solve_seconds, job)
 

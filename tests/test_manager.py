@@ -83,8 +83,9 @@ def run_passes(
 ) -> None:
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
+        manager.on_forward_pass_begin(is_prefill=prefill, num_tokens=6)
         model(torch.randn(6, CFG.hidden, generator=g))
-        manager.on_forward_pass_end(is_prefill=prefill)
+        manager.on_forward_pass_end()
 
 
 def until_idle(manager: EplbManager, model: MoEModel, limit_s: float = 10.0) -> None:
@@ -103,7 +104,7 @@ def test_rebalance_applies_a_chunk_of_layers_per_pass() -> None:
     manager = EplbManager(
         config, model, placement, device=CPU, sink=sink, planner=lambda load, cur: FakePlan(target)
     )
-    model.logical_counts_LE = manager.pass_counts_LE
+    model.recorder = manager.recorder
     run_passes(manager, model, 4)
     assert manager.state().phase == "idle" and manager.state().window_passes == 4
     run_passes(manager, model, 1)
@@ -143,7 +144,7 @@ def test_serving_never_waits_for_the_solve() -> None:
     manager = EplbManager(
         EplbConfig(eplb_rebalance_num_iterations=2), model, placement, device=CPU, planner=slow_planner
     )
-    model.logical_counts_LE = manager.pass_counts_LE
+    model.recorder = manager.recorder
     start = time.perf_counter()
     run_passes(manager, model, 10)  # the solve is blocked for all of these passes
     assert time.perf_counter() - start < 5 and manager.state().phase == "solving"
@@ -166,7 +167,7 @@ def test_skipped_and_failed_plans_keep_the_placement(planner: Any, outcome: str,
     manager = EplbManager(
         EplbConfig(eplb_rebalance_num_iterations=3), model, placement, device=CPU, sink=sink, planner=planner
     )
-    model.logical_counts_LE = manager.pass_counts_LE
+    model.recorder = manager.recorder
     run_passes(manager, model, 3)
     until_idle(manager, model)
     (record,) = manager.state().history
@@ -181,7 +182,7 @@ def test_threshold_skips_without_solving() -> None:
     calls = []
     config = EplbConfig(eplb_rebalance_num_iterations=3, eplb_min_rebalancing_utilization_threshold=0.0)
     manager = EplbManager(config, model, placement, device=CPU, planner=lambda load, cur: calls.append(1))
-    model.logical_counts_LE = manager.pass_counts_LE
+    model.recorder = manager.recorder
     run_passes(manager, model, 3)
     (record,) = manager.state().history
     assert record.outcome == "skipped" and "threshold" in record.reason and calls == []
@@ -204,7 +205,7 @@ def test_failed_swap_rolls_back_every_applied_chunk() -> None:
     manager = EplbManager(
         config, model, placement, device=CPU, planner=lambda load, cur: FakePlan(target), swap_fault=fault
     )
-    model.logical_counts_LE = manager.pass_counts_LE
+    model.recorder = manager.recorder
     run_passes(manager, model, 2)
     until_idle(manager, model)
     (record,) = manager.state().history
@@ -221,7 +222,7 @@ def test_prefill_only_counts_only_prefill_passes() -> None:
     manager = EplbManager(
         config, model, placement, device=CPU, sink=sink, planner=lambda load, cur: FakePlan(cur, apply=False)
     )
-    model.logical_counts_LE = manager.pass_counts_LE
+    model.recorder = manager.recorder
     run_passes(manager, model, 5, prefill=False)
     assert manager.state().counted_passes == 0 and manager.state().window_passes == 0
     run_passes(manager, model, 3, prefill=True)
@@ -236,11 +237,19 @@ def test_window_keeps_the_last_passes() -> None:
     config = EplbConfig(eplb_rebalance_num_iterations=100, expert_distribution_recorder_buffer_size=3)
     manager = EplbManager(config, model, placement, device=CPU, planner=lambda load, cur: FakePlan(cur))
     for i in range(5):
-        manager.pass_counts_LE[0, 0] = i + 1
+        manager.on_forward_pass_begin(is_prefill=False)
+        manager.recorder.pass_counts_LP[0, 0] = i + 1  # slot 0 holds expert 0
         manager.on_forward_pass_end()
-    window = manager.window.window_WLE()
-    assert window[:, 0, 0].tolist() == [3, 4, 5] and int(manager.pass_counts_LE.sum()) == 0
+    window = manager.recorder.window_logical_counts()
+    assert window[:, 0, 0].tolist() == [3, 4, 5] and int(manager.recorder.pass_counts_LP.sum()) == 0
     manager.close()
+
+
+def test_token_mode_cannot_drive_rebalancing() -> None:
+    model, placement, _ = make()
+    config = EplbConfig(expert_distribution_recorder_mode="per_token")
+    with pytest.raises(ValueError, match="stat or per_pass"):
+        EplbManager(config, model, placement, device=CPU)
 
 
 # ---- two ranks ---------------------------------------------------------------------------------
@@ -257,15 +266,16 @@ def two_rank_run(ctx: RankContext) -> dict[str, Any]:
         eplb_record_prefill_only=True,
     )
     manager = EplbManager(config, model, placement, device=ctx.device, sink=sink)
-    model.logical_counts_LE = manager.pass_counts_LE
+    model.recorder = manager.recorder
     bias = torch.zeros(CFG.num_layers, CFG.num_experts)
-    bias[:, :2] = 4.0  # experts 0 and 1 (both on rank 0) take most tokens
+    bias[:, 2:4] = 4.0  # experts 2 and 3 (only rank 0 holds them) take most tokens
     g = torch.Generator().manual_seed(ctx.rank)
     phases = []
     for step in range(40):
-        model(torch.randn(8, CFG.hidden, generator=g), bias)
         # Only rank 0 ever has prefill, and only on even steps: rank 1 must count the same passes.
-        manager.on_forward_pass_end(is_prefill=ctx.rank == 0 and step % 2 == 0)
+        manager.on_forward_pass_begin(is_prefill=ctx.rank == 0 and step % 2 == 0, num_tokens=8)
+        model(torch.randn(8, CFG.hidden, generator=g), bias)
+        manager.on_forward_pass_end()
         phases.append(manager.state().phase)
         time.sleep(0.002)
     x = torch.randn(5, CFG.hidden, generator=g)

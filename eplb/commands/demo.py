@@ -224,7 +224,7 @@ def demo_rank(
         sink=sink,
         num_groups=int(trace.meta["num_groups"]),
     )
-    model.logical_counts_LE = manager.pass_counts_LE
+    model.recorder = manager.recorder
     say = out if (rank == 0 and out is not None) else (lambda line: None)
     say(
         f"eplb demo: {G} ranks on {ctx.device.type}, model {preset} (L={model_cfg.num_layers}, "
@@ -244,8 +244,9 @@ def demo_rank(
         mine = shared + rank
         tokens = max(1, int(trace.num_tokens_T[mine]) // config.token_divisor)
         x = torch.randn(tokens, model_cfg.hidden, generator=gen).to(ctx.device, model_cfg.torch_dtype)
+        manager.on_forward_pass_begin(is_prefill=bool(trace.is_prefill_T[mine]), num_tokens=tokens)
         model(x, bias_LE.to(ctx.device))
-        manager.on_forward_pass_end(is_prefill=bool(trace.is_prefill_T[mine]))
+        manager.on_forward_pass_end()
         passes += 1
         state = manager.state()
         for at, value in state.windows[seen_windows:]:

@@ -23,6 +23,7 @@ from eplb.hotswap_layout import PlainLayout, SlotLayout
 from eplb.moe.exchange import ExactExchange, PaddedExchange
 from eplb.moe.layer import ExpertParallelMoE
 from eplb.placement import Placement
+from eplb.recorder import ExpertDistributionRecorder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -110,7 +111,7 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 class MoEModel:
-    """The model's layers on one rank. ``logical_counts_LE`` (int32 [L, E]), when set, receives counts."""
+    """The model's layers on one rank. ``recorder`` (eplb.recorder), when set, records every layer."""
 
     def __init__(
         self,
@@ -150,7 +151,7 @@ class MoEModel:
             )
             for layer in range(cfg.num_layers)
         ]
-        self.logical_counts_LE: torch.Tensor | None = None
+        self.recorder: ExpertDistributionRecorder | None = None
 
     def forward(
         self,
@@ -162,8 +163,8 @@ class MoEModel:
             h = rms_norm(x_TH)
             bias = None if router_bias_LE is None else router_bias_LE[layer]
             ids, weights = route(h, self.router_LEH[layer], self.cfg.top_k, bias)
-            counts = None if self.logical_counts_LE is None else self.logical_counts_LE[layer]
-            x_TH = x_TH + moe(h, ids, weights, logical_counts_E=counts, num_valid_tokens=num_valid_tokens)
+            record = {} if self.recorder is None else self.recorder.layer_kwargs(layer)
+            x_TH = x_TH + moe(h, ids, weights, num_valid_tokens=num_valid_tokens, **record)
         return x_TH
 
     __call__ = forward
