@@ -172,14 +172,19 @@ def _best_swaps(
 
 
 def _critical_gpu(gpu_KlG: np.ndarray, mean_Kl: np.ndarray, weights_K: np.ndarray) -> np.ndarray:
-    """int [l]: the GPU whose reduction gains the most expected balancedness to first order."""
+    """int [l]: the GPU whose reduction gains the most expected balancedness to first order.
+
+    d(mean/peak)/d(peak) = -mean/peak**2; scaled by the mean (scenarios share one total per layer)
+    that is (mean/peak)**2, credited to each scenario's busiest GPU.
+    """
     K, nl, G = gpu_KlG.shape
-    peak_Kl = np.maximum(gpu_KlG.max(axis=-1), 1e-300)
+    peak_Kl = gpu_KlG.max(axis=-1)
+    ratio_Kl = np.where(peak_Kl > 0, mean_Kl / np.where(peak_Kl > 0, peak_Kl, 1.0), 0.0)
     urgency_lG = np.zeros((nl, G))
     np.add.at(
         urgency_lG,
         (np.broadcast_to(np.arange(nl), (K, nl)), gpu_KlG.argmax(axis=-1)),
-        weights_K[:, None] * mean_Kl / peak_Kl**2,
+        weights_K[:, None] * ratio_Kl**2,
     )
     return np.asarray(urgency_lG.argmax(axis=1))
 

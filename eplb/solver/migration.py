@@ -5,8 +5,8 @@ Shape legend: L layers, E logical experts, P physical slots, G GPUs, N nodes, S 
 Two tools:
 
 - :func:`relabel`: a fresh placement's GPUs are interchangeable, so map them onto the current GPUs
-  with ``scipy.optimize.linear_sum_assignment`` (nodes first, then GPUs within matched nodes) to
-  keep the most expert replicas in place, and give each expert that stays on a GPU its old slot.
+  with ``scipy.optimize.linear_sum_assignment`` to copy the fewest experts across nodes, then
+  across GPUs, and give each expert that stays on a GPU its old slot.
 - :func:`retarget_replicas`: change the current placement's replica counts to the target counts
   with one slot rewrite per change (the incremental path; swaps then polish, see local_search).
 """
@@ -24,7 +24,11 @@ def relabel(
 ) -> np.ndarray:
     """int64 [L, P]: ``new_phy2log_LP`` with GPUs permuted and slots reordered to match the current one.
 
-    The GPU loads and replica counts are those of the new placement; only labels change.
+    GPU a of the new plan takes the place of current GPU b by a linear assignment whose cost counts,
+    first, the experts of a that no GPU of b's node holds now (copies across nodes), then those b
+    does not hold (copies across GPUs), then (a tie-break) the slots that would change. Both counts
+    depend only on (a, b), so one assignment per layer minimises cross-node copies and, among
+    those, cross-GPU copies. The GPU loads and replica counts are those of the new plan.
     """
     L, P = new_phy2log_LP.shape
     G, N = num_gpus, num_nodes
@@ -32,25 +36,19 @@ def relabel(
     E = int(max(new_phy2log_LP.max(), current_phy2log_LP.max())) + 1
     new_holds = holds_per_gpu(new_phy2log_LP, G, E)
     cur_holds = holds_per_gpu(current_phy2log_LP, G, E)
+    new_has = (new_holds > 0).astype(np.float64)
+    cur_has = (cur_holds > 0).astype(np.float64)
+    cur_node_has = (cur_holds.reshape(L, N, gpn, E).sum(axis=2) > 0).astype(np.float64)
+    distinct_LG = new_has.sum(axis=-1)
+    gpu_arrivals = distinct_LG[:, :, None] - np.einsum("lae,lbe->lab", new_has, cur_has)
+    node_arrivals = distinct_LG[:, :, None] - np.einsum("lae,lne->lan", new_has, cur_node_has)
+    kept_slots = np.einsum("lae,lbe->lab", new_holds.astype(np.float64), cur_has)
+    node_of_gpu = np.arange(G) // gpn
+    cost = (P + 1.0) * (S + 1.0) * node_arrivals[:, :, node_of_gpu] + (S + 1.0) * gpu_arrivals - kept_slots
     out = np.empty((L, P), dtype=np.int64)
     for layer in range(L):
-        # overlap[a, b]: replicas new GPU a would keep if it took current GPU b's place.
-        overlap = np.minimum(new_holds[layer][:, None, :], cur_holds[layer][None, :, :]).sum(axis=-1)
-        target_of_new = np.empty(G, dtype=np.int64)
-        if N > 1:
-            cur_node_holds = cur_holds[layer].reshape(N, gpn, E).sum(axis=1)
-            new_node_holds = new_holds[layer].reshape(N, gpn, E).sum(axis=1)
-            node_overlap = np.minimum(new_node_holds[:, None, :], cur_node_holds[None, :, :]).sum(axis=-1)
-            new_nodes, cur_nodes = linear_sum_assignment(node_overlap, maximize=True)
-        else:
-            new_nodes, cur_nodes = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
-        for a_node, b_node in zip(new_nodes, cur_nodes, strict=True):
-            a_gpus = np.arange(a_node * gpn, (a_node + 1) * gpn)
-            b_gpus = np.arange(b_node * gpn, (b_node + 1) * gpn)
-            rows, cols = linear_sum_assignment(overlap[np.ix_(a_gpus, b_gpus)], maximize=True)
-            target_of_new[a_gpus[rows]] = b_gpus[cols]
-        for a in range(G):
-            b = target_of_new[a]
+        rows, cols = linear_sum_assignment(cost[layer])
+        for a, b in zip(rows, cols, strict=True):
             out[layer, b * S : (b + 1) * S] = _align_slots(
                 new_phy2log_LP[layer, a * S : (a + 1) * S], current_phy2log_LP[layer, b * S : (b + 1) * S]
             )

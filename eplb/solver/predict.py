@@ -36,12 +36,12 @@ class Prediction:
     """float64 [K]: probability of each scenario (sum 1)."""
 
 
-def pass_weights(num_passes: int, options: SolveOptions) -> np.ndarray:
+def pass_weights(num_passes: int, options: SolveOptions, method: str) -> np.ndarray:
     """float64 [W]: weight of each pass of the window in the forecast (oldest first), summing to W."""
     W = num_passes
-    if options.prediction == "sum":
+    if method == "sum":
         weights = np.ones(W)
-    elif options.prediction == "recent":
+    elif method == "recent":
         keep = max(1, round(options.recent_fraction * W))
         weights = np.zeros(W)
         weights[W - keep :] = 1.0
@@ -51,11 +51,15 @@ def pass_weights(num_passes: int, options: SolveOptions) -> np.ndarray:
     return weights * (W / weights.sum())
 
 
-def predict(load_WLE: np.ndarray, options: SolveOptions) -> Prediction:
-    """Forecast the next window's load from a checked window ``load_WLE`` float64 [W, L, E]."""
+def predict(load_WLE: np.ndarray, options: SolveOptions, method: str) -> Prediction:
+    """Forecast the next window's load from a checked window ``load_WLE`` float64 [W, L, E].
+
+    ``method`` is a concrete predictor (sum | decay | recent | robust); the other settings come
+    from ``options``.
+    """
     W = load_WLE.shape[0]
-    point_LE = np.tensordot(pass_weights(W, options), load_WLE, axes=1)
-    if options.prediction != "robust" or W < 2 or options.num_scenarios < 2:
+    point_LE = np.tensordot(pass_weights(W, options, method), load_WLE, axes=1)
+    if method != "robust" or W < 2 or options.num_scenarios < 2:
         return Prediction(point_LE, point_LE[None], np.ones(1))
     K = min(options.num_scenarios, W)
     bounds = np.linspace(0, W, K + 1).round().astype(int)

@@ -58,12 +58,18 @@ def scipy_phy2log(
         return fresh_LP
     fresh_LP = relabel(fresh_LP, current.phy2log_LP, G, topology.num_nodes)
     if not options.incremental:
-        return fresh_LP
+        # Keep the current layers that the fresh plan does not beat on the forecast.
+        kept = ls.make_state(current.phy2log_LP, prediction.scenarios_KLE, current.logcnt_LE, G, None)
+        fresh = ls.make_state(fresh_LP, prediction.scenarios_KLE, fresh_cnt_LE, G, None)
+        take_fresh_L = _score(fresh, weights_K, G) > _score(kept, weights_K, G) + 1e-12
+        stats["fresh_layers"] = float(take_fresh_L.sum())
+        return np.where(take_fresh_L[:, None], fresh_LP, kept.phy2log_LP)
 
     # Incremental: from the current placement, replica-count changes and swaps that pay.
     origin_LGE = current.gpu_has_expert()
+    count_cap = None if options.max_copies is None else options.max_copies // 2
     cnt_LE = paying_counts(
-        current.logcnt_LE.astype(np.int64), fresh_cnt_LE, point_LE, G, options.copy_cost, options.max_copies
+        current.logcnt_LE.astype(np.int64), fresh_cnt_LE, point_LE, G, options.copy_cost, count_cap
     )
     inc_LP = retarget_replicas(current.phy2log_LP, cnt_LE, point_LE, G)
     inc = ls.make_state(inc_LP, prediction.scenarios_KLE, cnt_LE, G, origin_LGE)
@@ -81,16 +87,23 @@ def scipy_phy2log(
         deadline=time.perf_counter() + SEARCH_SECONDS,
         target_KL=target_KL,
     )
-    # Per layer, the fresh plan wins where its extra gain pays for its extra copies.
+    # Per layer, keep the best of: current, incremental, fresh, each charged copy_cost per copy.
+    kept = ls.make_state(current.phy2log_LP, prediction.scenarios_KLE, current.logcnt_LE, G, origin_LGE)
+    value_kept_L = _score(kept, weights_K, G)
     value_inc_L = _score(inc, weights_K, G) - options.copy_cost * inc.copies_L
+    use_inc_L = value_inc_L > value_kept_L + 1e-12
+    base_LP = np.where(use_inc_L[:, None], inc.phy2log_LP, kept.phy2log_LP)
+    base_copies_L = np.where(use_inc_L, inc.copies_L, 0)
+    value_base_L = np.where(use_inc_L, value_inc_L, value_kept_L)
     value_fresh_L = _score(fresh, weights_K, G) - options.copy_cost * fresh.copies_L
-    take_fresh_L = value_fresh_L > value_inc_L
+    take_fresh_L = value_fresh_L > value_base_L + 1e-12
     if options.max_copies is not None:
         take_fresh_L = _fresh_within_cap(
-            take_fresh_L, value_fresh_L - value_inc_L, inc, fresh, options.max_copies
+            take_fresh_L, value_fresh_L - value_base_L, base_copies_L, fresh.copies_L, options.max_copies
         )
+    stats["incremental_layers"] = float((use_inc_L & ~take_fresh_L).sum())
     stats["fresh_layers"] = float(take_fresh_L.sum())
-    return np.where(take_fresh_L[:, None], fresh.phy2log_LP, inc.phy2log_LP)
+    return np.where(take_fresh_L[:, None], fresh.phy2log_LP, base_LP)
 
 
 def _score(state: ls.SearchState, weights_K: np.ndarray, num_gpus: int) -> np.ndarray:
@@ -104,13 +117,13 @@ def _score(state: ls.SearchState, weights_K: np.ndarray, num_gpus: int) -> np.nd
 def _fresh_within_cap(
     take_fresh_L: np.ndarray,
     advantage_L: np.ndarray,
-    inc: ls.SearchState,
-    fresh: ls.SearchState,
+    base_copies_L: np.ndarray,
+    fresh_copies_L: np.ndarray,
     max_copies: int,
 ) -> np.ndarray:
     """bool [L]: the fresh layers that fit under the copy cap, best advantage per extra copy first."""
-    room = max_copies - int(inc.copies_L.sum())
-    extra_L = fresh.copies_L - inc.copies_L
+    room = max_copies - int(base_copies_L.sum())
+    extra_L = fresh_copies_L - base_copies_L
     keep = np.zeros_like(take_fresh_L)
     for layer in np.argsort(-advantage_L / np.maximum(extra_L, 1)):
         if take_fresh_L[layer] and extra_L[layer] <= room:

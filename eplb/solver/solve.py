@@ -67,7 +67,7 @@ def solve(
     _, L, E = load_WLE.shape
     check_shapes(L, E, topology, current)
     algorithm = resolve_algorithm(options.algorithm, topology, E)
-    prediction = predict(load_WLE, options)
+    prediction = predict(load_WLE, options, options.resolved_prediction(algorithm))
     stats: dict[str, float] = {}
 
     if algorithm in ("deepseek", "deepseek_hierarchical"):

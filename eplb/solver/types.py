@@ -15,7 +15,7 @@ from eplb.placement import Placement
 from eplb.placement_diff import PlacementDiff
 
 ALGORITHMS = ("deepseek", "deepseek_hierarchical", "scipy", "auto")
-PREDICTIONS = ("sum", "decay", "recent", "robust")
+PREDICTIONS = ("auto", "sum", "decay", "recent", "robust")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -60,8 +60,9 @@ class SolveOptions:
 
     algorithm: str = "auto"
     """deepseek | deepseek_hierarchical | scipy | auto (auto: scipy; see docs/solver.md)."""
-    prediction: str = "decay"
-    """How a window [W, L, E] becomes the load to plan for: sum | decay | recent | robust."""
+    prediction: str = "auto"
+    """How a window [W, L, E] becomes the load to plan for: auto | sum | decay | recent | robust.
+    auto: decay for scipy (the benchmarked best), sum for the DeepSeek algorithms (as SGLang runs them)."""
     decay_half_life: float = 8.0
     """decay/robust: half-life of a pass's weight, in recorded passes (recent passes weigh more)."""
     recent_fraction: float = 0.25
@@ -108,6 +109,12 @@ class SolveOptions:
             raise ValueError("max_bytes_moved needs bytes_per_expert > 0 and must be >= 0")
         if not np.isfinite(self.min_gain):
             raise ValueError(f"min_gain must be finite, got {self.min_gain}")
+
+    def resolved_prediction(self, algorithm: str) -> str:
+        """The predictor ``prediction`` stands for with the concrete ``algorithm``."""
+        if self.prediction != "auto":
+            return self.prediction
+        return "decay" if algorithm == "scipy" else "sum"
 
     @property
     def max_copies(self) -> int | None:

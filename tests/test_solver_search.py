@@ -1,0 +1,159 @@
+"""Packing and migration pieces of the scipy solver: MILP, swap search, relabelling, forecasts."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from conftest import random_phy2log
+
+from eplb.balance import model_balancedness
+from eplb.placement import Placement
+from eplb.placement_diff import diff_placements
+from eplb.solver import SolveOptions, Topology, solve
+from eplb.solver import local_search as ls
+from eplb.solver.greedy import deepseek_rebalance
+from eplb.solver.migration import relabel, retarget_replicas
+from eplb.solver.milp import milp_polish
+from eplb.solver.predict import Prediction, pass_weights, predict
+
+
+def _one_scenario(load_LE: np.ndarray) -> Prediction:
+    return Prediction(load_LE, load_LE[None], np.ones(1))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scipy_is_never_worse_than_the_greedy(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    G, N = [(4, 1), (8, 2), (16, 4), (6, 3)][seed]
+    E = 8 * G
+    topology = Topology(num_gpus=G, num_nodes=N, num_physical=E + 2 * G, num_groups=N)
+    load = rng.lognormal(0.0, 1.2, size=(5, E))
+    greedy = [
+        solve(load, topology, None, SolveOptions(algorithm=a)).predicted_balancedness
+        for a in ("deepseek", "deepseek_hierarchical")
+    ]
+    ours = solve(load, topology, None, SolveOptions(algorithm="scipy", prediction="sum", time_budget_s=0.3))
+    assert ours.predicted_balancedness >= max(greedy) - 1e-12
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_milp_polish_never_worse_and_exact_on_a_whole_small_layer(seed: int) -> None:
+    """With every GPU in the subproblem, one MILP solve reaches the brute-force optimum."""
+    rng = np.random.default_rng(seed)
+    G, S, E = 3, 3, 9
+    load_LE = rng.lognormal(0.0, 1.0, size=(2, E))
+    phy2log = np.stack([rng.permutation(E) for _ in range(2)]).astype(np.int64)
+    cnt = np.ones((2, E), dtype=np.int64)
+    stats: dict[str, float] = {}
+    polished = milp_polish(phy2log, cnt, _one_scenario(load_LE), G, 5.0, stats, gpus_per_subproblem=G)
+    before = model_balancedness(load_LE, Placement.from_phy2log(phy2log.astype(np.int32), G))
+    after = model_balancedness(load_LE, Placement.from_phy2log(polished.astype(np.int32), G))
+    assert after >= before - 1e-12
+    for layer in range(2):
+        best = np.inf
+        for first in itertools.combinations(range(E), S):
+            rest = [e for e in range(E) if e not in first]
+            for second in itertools.combinations(rest, S):
+                third = [e for e in rest if e not in second]
+                loads = [load_LE[layer, list(group)].sum() for group in (first, second, third)]
+                best = min(best, max(loads))
+        peak = max(load_LE[layer, polished[layer, g * S : (g + 1) * S]].sum() for g in range(G))
+        assert peak == pytest.approx(best, rel=1e-9)
+    assert stats["milp_solves"] >= 1
+
+
+def test_milp_polish_improves_a_bad_start_on_a_larger_layer() -> None:
+    rng = np.random.default_rng(9)
+    G, E, P = 8, 48, 56
+    load_LE = rng.lognormal(0.0, 1.0, size=(3, E))
+    phy2log = random_phy2log(rng, 3, E, P).astype(np.int64)
+    cnt = np.stack([np.bincount(row, minlength=E) for row in phy2log])
+    stats: dict[str, float] = {}
+    polished = milp_polish(phy2log, cnt, _one_scenario(load_LE), G, 2.0, stats)
+    np.testing.assert_array_equal(np.sort(polished, axis=1), np.sort(phy2log, axis=1))
+    before = model_balancedness(load_LE, Placement.from_phy2log(phy2log, G))
+    after = model_balancedness(load_LE, Placement.from_phy2log(polished, G))
+    assert after > before + 0.01
+    assert stats["milp_improved_layers"] >= 1
+
+
+def test_swap_search_counts_copies_like_placement_diff() -> None:
+    rng = np.random.default_rng(3)
+    G, E, P, L = 8, 40, 48, 4
+    origin = Placement.from_phy2log(random_phy2log(rng, L, E, P), G)
+    load_LE = rng.lognormal(0.0, 1.0, size=(L, E))
+    state = ls.make_state(origin.phy2log_LP, load_LE[None], origin.logcnt_LE, G, origin.gpu_has_expert())
+    swaps = ls.swap_search(state, np.ones(1), G, copy_cost=0.0)
+    assert swaps > 0
+    new = Placement.from_phy2log(state.phy2log_LP, G)
+    arrivals = diff_placements(origin, new).arrivals_LGE.sum(axis=(1, 2))
+    np.testing.assert_array_equal(state.copies_L, arrivals)
+    assert (model_balancedness(load_LE, new) >= model_balancedness(load_LE, origin) - 1e-12).all()
+
+
+def test_swap_search_respects_the_copy_cap() -> None:
+    rng = np.random.default_rng(4)
+    G, E, P, L = 8, 40, 48, 4
+    origin = Placement.from_phy2log(random_phy2log(rng, L, E, P), G)
+    load_LE = rng.lognormal(0.0, 1.0, size=(L, E))
+    state = ls.make_state(origin.phy2log_LP, load_LE[None], origin.logcnt_LE, G, origin.gpu_has_expert())
+    ls.swap_search(state, np.ones(1), G, max_copies=7)
+    assert diff_placements(origin, Placement.from_phy2log(state.phy2log_LP, G)).experts_moved_across_gpus <= 7
+
+
+def test_relabel_undoes_a_gpu_permutation_and_keeps_loads() -> None:
+    rng = np.random.default_rng(5)
+    G, N, S, E, L = 8, 2, 5, 32, 3
+    current = random_phy2log(rng, L, E, G * S).astype(np.int64)
+    # Same GPU contents, GPUs permuted and slots shuffled within each GPU.
+    blocks = current.reshape(L, G, S)[:, rng.permutation(G)]
+    shuffled = np.stack([[rng.permutation(b) for b in layer] for layer in blocks]).reshape(L, G * S)
+    np.testing.assert_array_equal(relabel(shuffled, current, G, N), current)
+    other = random_phy2log(rng, L, E, G * S).astype(np.int64)
+    mapped = relabel(other, current, G, N)
+    load = rng.random((L, E))
+    a = Placement.from_phy2log(other, G, N)
+    b = Placement.from_phy2log(mapped, G, N)
+    np.testing.assert_allclose(model_balancedness(load, a), model_balancedness(load, b))
+    cur = Placement.from_phy2log(current, G, N)
+    assert (
+        diff_placements(cur, b).experts_moved_across_gpus <= diff_placements(cur, a).experts_moved_across_gpus
+    )
+
+
+def test_retarget_changes_one_slot_per_replica_moved() -> None:
+    rng = np.random.default_rng(6)
+    load_LE = rng.lognormal(0.0, 1.0, size=(4, 24))
+    phy2log, _, _ = deepseek_rebalance(rng.random((4, 24)), 32, 1, 1, 4)
+    _, _, target = deepseek_rebalance(load_LE, 32, 1, 1, 4)
+    out = retarget_replicas(phy2log, target, load_LE, 4)
+    np.testing.assert_array_equal(np.stack([np.bincount(r, minlength=24) for r in out]), target)
+    current = np.stack([np.bincount(r, minlength=24) for r in phy2log])
+    changed = (out != phy2log).sum(axis=1)
+    np.testing.assert_array_equal(changed, np.maximum(target - current, 0).sum(axis=1))
+
+
+def test_forecasts() -> None:
+    W = 40
+    for method in ("sum", "decay", "recent", "robust"):
+        weights = pass_weights(W, SolveOptions(decay_half_life=5.0, recent_fraction=0.25), method)
+        assert weights.shape == (W,) and weights.sum() == pytest.approx(W)
+        assert (np.diff(weights) >= 0).all()
+    decay = pass_weights(W, SolveOptions(decay_half_life=5.0), "decay")
+    assert decay[-1] / decay[-6] == pytest.approx(2.0)
+    recent = pass_weights(W, SolveOptions(recent_fraction=0.25), "recent")
+    assert (recent[:30] == 0).all() and (recent[30:] > 0).all()
+
+    rng = np.random.default_rng(0)
+    load = rng.random((W, 3, 16))
+    robust = predict(load, SolveOptions(num_scenarios=4), "robust")
+    assert robust.scenarios_KLE.shape == (5, 3, 16)
+    assert robust.scenario_weights_K.sum() == pytest.approx(1.0)
+    totals = robust.scenarios_KLE.sum(axis=-1)
+    np.testing.assert_allclose(totals, np.broadcast_to(robust.point_LE.sum(axis=-1), totals.shape))
+    np.testing.assert_allclose(robust.scenarios_KLE[0], robust.point_LE)
+    plain = predict(load, SolveOptions(), "sum")
+    np.testing.assert_allclose(plain.point_LE, load.sum(axis=0))
+    assert plain.scenarios_KLE.shape == (1, 3, 16)
