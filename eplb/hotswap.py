@@ -6,13 +6,13 @@ Shape legend: L layers, P physical slots, G GPUs (ranks), S slots per GPU.
 forward passes). It plans the moves (eplb.hotswap_plan: unchanged slots untouched, same-GPU copies
 local, cross-GPU sources spread over holders), then per chunk:
 
-1. local copies and sender checksums (eplb.hotswap_checksum), then one
-   ``torch.distributed.batch_isend_irecv`` batch: each expert's slot views go straight from the
-   source slot to the destination slot (or a staging buffer when the destination is read in the
-   same chunk), followed by one checksum tensor per peer;
-2. wait (with a timeout), recompute the checksums of what arrived, copy to the other slots that
-   need the same expert;
-3. agree across ranks (one all_reduce of a status flag) and commit staged slots.
+1. local copies, then one ``torch.distributed.batch_isend_irecv`` batch: each block of consecutive
+   slots goes as one message per tensor, straight from the source slots to the destination slots
+   (or to staging when a destination is read in the same chunk); the sender checksums what it
+   sent while the bytes travel (eplb.hotswap_checksum);
+2. wait (with a deadline), checksum what arrived, copy to the other slots that need the same expert;
+3. agree across ranks: one all_reduce over a CPU control group of failure flags and
+   (+sender - receiver) checksums, zero when every expert arrived intact; then commit staged slots.
 
 Every weight tensor keeps its storage: slots are written through views with ``copy_`` or received
 into directly. When chunks do not conflict, chunk k+1 is posted before chunk k is verified, so the
