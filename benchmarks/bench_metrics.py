@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from prometheus_client import generate_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -168,11 +169,17 @@ def micro_costs(logical_LE: np.ndarray, gpu_LG: np.ndarray) -> dict[str, float]:
         sink.on_window(logical_load_LE=logical_LE, gpu_load_LG=gpu_LG)
         sink.render()
 
+    def fresh_generic() -> None:
+        sink.on_window(logical_load_LE=logical_LE, gpu_load_LG=gpu_LG)
+        generate_latest(sink.registry)
+
     return {
         "on_forward_pass_us": timed(lambda: sink.on_forward_pass(kind="decode", recorded=True), 2000),
         "on_window_us": timed(lambda: sink.on_window(logical_load_LE=logical_LE, gpu_load_LG=gpu_LG), 200),
         "on_window_plus_fresh_render_us": timed(fresh, 30),
         "cached_render_us": timed(sink.render, 200),
+        # The same samples through prometheus_client's generic writer (the registry path).
+        "on_window_plus_generate_latest_us": timed(fresh_generic, 30),
     }
 
 
@@ -347,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=None, help="also write the result here")
+    parser.add_argument(
+        "--micro-only", action="store_true", help="synthetic: only the sink and render micro-costs"
+    )
     args = parser.parse_args(argv)
     if (
         args.duration <= 0
@@ -357,6 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     ):
         parser.error("--duration, --rate, --blocks, --window-every and --rebalance-every must be positive")
     load_before = os.getloadavg()[0]
+    if args.micro_only:
+        rng = np.random.default_rng(args.seed)
+        window_LE = rng.integers(0, 10_000, size=(58, 256)).astype(np.float64)
+        placement = Placement.trivial(58, 256, num_gpus=args.num_gpus, num_redundant=args.num_redundant)
+        micro = micro_costs(window_LE, gpu_load(window_LE, placement))
+        print(json.dumps({k: round(v, 2) for k, v in micro.items()}, indent=2))
+        return 0
     result = run_demo(args) if args.mode == "demo" else run_synthetic(args)
     result.update(
         rate_hz=args.rate,
@@ -383,7 +400,8 @@ def main(argv: list[str] | None = None) -> int:
             f"CPU outside the step thread: {100 * result['exporter_cpu_share_off']:.2f}% of a core without scrapes,"
             f" {100 * result['exporter_cpu_share_on']:.2f}% with; sink calls: on_forward_pass"
             f" {result['on_forward_pass_us']:.2f} us, on_window {result['on_window_us']:.1f} us; render: fresh window"
-            f" {result['on_window_plus_fresh_render_us']:.0f} us, cached {result['cached_render_us']:.0f} us"
+            f" {result['on_window_plus_fresh_render_us']:.0f} us, cached {result['cached_render_us']:.0f} us;"
+            f" prometheus_client's writer on a fresh window {result['on_window_plus_generate_latest_us']:.0f} us"
         )
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
