@@ -150,13 +150,14 @@ def test_future_peeking_planner_is_caught() -> None:
         simulate(trace, [RunSpec("peek", "dynamic")], config, planners={"peek:dynamic": _Peeker()})
 
 
+@pytest.mark.parametrize("algorithm", ["deepseek", "deepseek_hierarchical", "scipy"])
 @pytest.mark.parametrize("dispatch", ["dynamic", "weighted"])
-def test_when_the_future_equals_the_past_the_solver_forecast_is_exact(dispatch: str) -> None:
+def test_when_the_future_equals_the_past_the_solver_forecast_is_exact(algorithm: str, dispatch: str) -> None:
     rng = np.random.default_rng(11)
     step_LE = (rng.lognormal(0, 1.0, size=(4, 16)) * 100).astype(np.int32)
     trace = Trace.from_counts(np.broadcast_to(step_LE, (40, 4, 16)).copy())
     config = SimulationConfig(num_gpus=4, num_nodes=2, num_redundant=4, interval=10, num_groups=4)
-    result = simulate(trace, parse_runs([f"deepseek:{dispatch}"], "static"), config)
+    result = simulate(trace, parse_runs([f"{algorithm}:{dispatch}"], "static"), config)
     run = result.runs[0]
     applied = [e for e in run.events if e.applied]
     assert applied and applied[0].step == 10
