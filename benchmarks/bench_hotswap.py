@@ -146,18 +146,10 @@ def expert_slots(ctx: RankContext, S: int, small: bool) -> dict[str, torch.Tenso
     return {"w13": rand(S, 2 * inter, H), "w2": rand(S, H, inter)}
 
 
-def raw_transfer(ctx: RankContext, send_bytes: int, recv_bytes: int, reps: int) -> list[float]:
-    """Seconds per raw send/recv of contiguous buffers (rank 0 <-> rank 1), same API as the swap."""
-    send = torch.empty(max(send_bytes, 1), dtype=torch.uint8, device=ctx.device)
-    recv = torch.empty(max(recv_bytes, 1), dtype=torch.uint8, device=ctx.device)
-    peer = 1 - ctx.rank
+def time_batches(ctx: RankContext, ops: list[dist.P2POp], reps: int) -> list[float]:
+    """Seconds per ``batch_isend_irecv(ops)`` between synchronised starts (the first run is a warm-up)."""
     times = []
     for _ in range(reps + 1):
-        ops = []
-        if send_bytes:
-            ops.append(dist.P2POp(dist.isend, send, peer))
-        if recv_bytes:
-            ops.append(dist.P2POp(dist.irecv, recv, peer))
         sync(ctx)
         start = time.perf_counter()
         for work in dist.batch_isend_irecv(ops):
@@ -165,6 +157,21 @@ def raw_transfer(ctx: RankContext, send_bytes: int, recv_bytes: int, reps: int) 
         sync(ctx)
         times.append(time.perf_counter() - start)
     return times[1:]
+
+
+def raw_transfer(ctx: RankContext, send_bytes: int, recv_bytes: int, reps: int) -> list[float]:
+    """Seconds per raw send/recv of contiguous buffers (rank 0 <-> rank 1), same API as the swap."""
+    peer = 1 - ctx.rank
+    ops = []
+    if send_bytes:
+        ops.append(
+            dist.P2POp(dist.isend, torch.empty(send_bytes, dtype=torch.uint8, device=ctx.device), peer)
+        )
+    if recv_bytes:
+        ops.append(
+            dist.P2POp(dist.irecv, torch.empty(recv_bytes, dtype=torch.uint8, device=ctx.device), peer)
+        )
+    return time_batches(ctx, ops, reps)
 
 
 def bandwidth(ctx: RankContext, reps: int, small: bool) -> list[dict[str, Any]]:
@@ -242,24 +249,14 @@ def raw_per_tensor(
     sending = scenario.startswith("swap") or ctx.rank == 0
     receiving = scenario.startswith("swap") or ctx.rank == 1
     landing = [[torch.empty_like(slots[n][0]) for n in names] for _ in pairs] if receiving else []
-    times = []
-    for _ in range(reps + 1):
-        ops = []
-        if sending:
-            ops += [
-                dist.P2POp(dist.isend, slots[n][src].view(torch.uint8), peer)
-                for src, _ in pairs
-                for n in names
-            ]
-        for bufs in landing:
-            ops += [dist.P2POp(dist.irecv, b.view(torch.uint8), peer) for b in bufs]
-        sync(ctx)
-        start = time.perf_counter()
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        sync(ctx)
-        times.append(time.perf_counter() - start)
-    return times[1:]
+    ops = []
+    if sending:
+        ops += [
+            dist.P2POp(dist.isend, slots[n][src].view(torch.uint8), peer) for src, _ in pairs for n in names
+        ]
+    for bufs in landing:
+        ops += [dist.P2POp(dist.irecv, b.view(torch.uint8), peer) for b in bufs]
+    return time_batches(ctx, ops, reps)
 
 
 # ---- 3. layer time before / after one rebalance -----------------------------------------------

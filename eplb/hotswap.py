@@ -120,31 +120,26 @@ def hot_swap(
     tgt_LP = cur_LP.copy()
     tgt_LP[list(layer_list)] = new.phy2log_LP[list(layer_list)]
     runtime.check_same_plan_input(_fingerprint(cur_LP, tgt_LP, layer_list))
-    chunk_bytes = options.staging_budget_bytes // (2 if options.overlap_chunks else 1)
-    with runtime.timed("plan"):
-        plan = plan_swap(
-            cur_LP,
-            tgt_LP,
-            num_gpus=old.num_gpus,
-            num_nodes=old.num_nodes,
-            bytes_per_expert=runtime.bytes_per_expert,
-            chunk_bytes=max(chunk_bytes, 1),
-            layers=layer_list,
-        )
+    chunk_bytes = max(options.staging_budget_bytes // (2 if options.overlap_chunks else 1), 1)
+
+    def plan_between(from_LP: np.ndarray, to_LP: np.ndarray) -> SwapPlan:
+        with runtime.timed("plan"):
+            return plan_swap(
+                from_LP,
+                to_LP,
+                num_gpus=old.num_gpus,
+                num_nodes=old.num_nodes,
+                bytes_per_expert=runtime.bytes_per_expert,
+                chunk_bytes=chunk_bytes,
+                layers=layer_list,
+            )
+
+    plan = plan_between(cur_LP, tgt_LP)
     outcome = _execute(runtime, plan, options.overlap_chunks, fault, epoch=0)
     error = None
     if outcome is not None:
         error = outcome.error
-        state_LP = plan.state_after(cur_LP, done=outcome.done, partial=outcome.partial)
-        rollback = plan_swap(
-            state_LP,
-            cur_LP,
-            num_gpus=old.num_gpus,
-            num_nodes=old.num_nodes,
-            bytes_per_expert=runtime.bytes_per_expert,
-            chunk_bytes=max(chunk_bytes, 1),
-            layers=layer_list,
-        )
+        rollback = plan_between(plan.state_after(cur_LP, done=outcome.done, partial=outcome.partial), cur_LP)
         try:
             again = _execute(runtime, rollback, options.overlap_chunks, None, epoch=1)
         except Exception as exc:

@@ -73,6 +73,18 @@ __all__ = [
 
 log = logging.getLogger("eplb.manager")
 
+# The RebalanceRecord fields MetricsSink.on_rebalance takes (same names).
+SINK_FIELDS = (
+    "outcome",
+    "reason",
+    "solve_seconds",
+    "transfer_seconds",
+    "experts_moved",
+    "bytes_moved",
+    "balancedness_before",
+    "balancedness_after",
+)
+
 
 class EplbManager:
     """Drives record -> solve -> hot-swap for one rank. Build one per rank with the same arguments."""
@@ -347,16 +359,7 @@ class EplbManager:
                 before,
                 after,
             )
-        self.sink.on_rebalance(
-            outcome=outcome,
-            reason=reason,
-            solve_seconds=solve_seconds,
-            transfer_seconds=record.transfer_seconds,
-            experts_moved=record.experts_moved,
-            bytes_moved=record.bytes_moved,
-            balancedness_before=before,
-            balancedness_after=after,
-        )
+        self.sink.on_rebalance(**{name: getattr(record, name) for name in SINK_FIELDS})
 
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:

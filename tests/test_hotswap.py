@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
 from conftest import random_phy2log
+from moe_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 from eplb.hotswap import HotSwapOptions, hot_swap
 from eplb.hotswap_checksum import expert_checksum
@@ -24,15 +23,6 @@ from eplb.moe.model import slot_buffers
 from eplb.placement import Placement
 
 L, E, P = 3, 6, 10
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny ops on a shared 2-core machine: intra-op threads only add spin-waiting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def logical(seed: int = 0) -> dict[str, torch.Tensor]:

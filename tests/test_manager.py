@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import random_phy2log
+from moe_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 from eplb.config import EplbConfig
 from eplb.manager import EplbManager
@@ -26,15 +26,6 @@ from eplb.placement import Placement
 
 CPU = torch.device("cpu")
 CFG = MoEModelConfig(num_layers=3, num_experts=8, top_k=2, hidden=32, intermediate=16)
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny ops on a shared 2-core machine: intra-op threads only add spin-waiting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 class RecordingSink:

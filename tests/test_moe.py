@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_phy2log
+from moe_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 from eplb.moe.experts import expert_ffn, grouped_mm_works
 from eplb.moe.model import MoEModel, MoEModelConfig, logical_weights
@@ -16,15 +15,6 @@ from eplb.moe.reference import dense_moe, reference_forward
 from eplb.placement import Placement
 
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """Tiny ops on a shared 2-core machine: intra-op threads only add spin-waiting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def per_row_ffn(x: torch.Tensor, slot: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
