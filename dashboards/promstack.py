@@ -22,9 +22,10 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 HERE = Path(__file__).resolve().parent
 SCRAPE_CONFIG = HERE / "prometheus.yml"
@@ -57,10 +58,82 @@ def expand(expr: str, *, rate_interval: str, layer: str = ".*") -> str:
     )
 
 
-class LocalPrometheus:
+_Self = TypeVar("_Self", bound="_Background")
+
+
+class _Background:
+    """A child process in a session of its own, logging into a temporary folder.
+
+    ``close()`` ends the whole session (the child and anything it spawned, nothing else: SIGTERM,
+    then SIGKILL) and removes the folder; the context manager always calls it.
+    """
+
+    name = "process"
+
+    def __init__(self) -> None:
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self: _Self) -> _Self:
+        raise NotImplementedError
+
+    def _spawn(self, argv: list[str], prepare: Callable[[Path], object] = lambda root: None) -> Path:
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"eplb-{self.name}-")
+        root = Path(self._tmp.name)
+        prepare(root)
+        self._log = open(root / "log", "wb")  # noqa: SIM115 - closed in close()
+        self._proc = subprocess.Popen(
+            argv, stdout=self._log, stderr=subprocess.STDOUT, cwd=root, start_new_session=True
+        )
+        return root
+
+    def _raise_if_exited(self) -> None:
+        if self._proc is not None and self._proc.poll() is not None:
+            raise RuntimeError(f"{self.name} exited with {self._proc.returncode}:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        if self._tmp is None:
+            return ""
+        path = Path(self._tmp.name) / "log"
+        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+    def close(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None:
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, sig)
+                try:
+                    proc.wait(timeout=10)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their parent, if any
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self: _Self) -> _Self:
+        return self.start()
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+class LocalPrometheus(_Background):
     """``prometheus`` on 127.0.0.1 scraping ``target``; ``binary`` defaults to the one on PATH."""
 
+    name = "prometheus"
+
     def __init__(self, target: str, *, interval_s: float = 1.0, binary: str | None = None) -> None:
+        super().__init__()
         found = binary or shutil.which("prometheus")
         if found is None:
             raise FileNotFoundError("prometheus is not installed (Debian: apt-get install prometheus)")
@@ -68,37 +141,28 @@ class LocalPrometheus:
         self.target = target
         self.interval_s = interval_s
         self.port = 0
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        self.ready_timeout_s = 30.0
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self, timeout_s: float = 30.0) -> LocalPrometheus:
-        self._tmp = tempfile.TemporaryDirectory(prefix="eplb-prometheus-")
-        root = Path(self._tmp.name)
-        config = root / "prometheus.yml"
-        config.write_text(scrape_config(self.target, self.interval_s))
+    def start(self) -> LocalPrometheus:
         self.port = free_port()
-        self._log = open(root / "prometheus.log", "wb")  # noqa: SIM115 - closed in close()
-        self._proc = subprocess.Popen(
+        config = scrape_config(self.target, self.interval_s)
+        self._spawn(
             [
                 self.binary,
-                f"--config.file={config}",
-                f"--storage.tsdb.path={root / 'data'}",
+                "--config.file=prometheus.yml",
+                "--storage.tsdb.path=data",
                 f"--web.listen-address=127.0.0.1:{self.port}",
                 "--storage.tsdb.retention.time=1h",
             ],
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            cwd=root,
+            prepare=lambda root: (root / "prometheus.yml").write_text(config),
         )
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"prometheus exited with {self._proc.returncode}:\n{self.log_tail()}")
+            self._raise_if_exited()
             try:
                 with urllib.request.urlopen(f"{self.url}/-/ready", timeout=1.0) as resp:
                     if resp.status == 200:
@@ -107,13 +171,7 @@ class LocalPrometheus:
                 pass
             time.sleep(0.2)
         self.close()
-        raise TimeoutError(f"prometheus not ready after {timeout_s} s")
-
-    def log_tail(self, chars: int = 3000) -> str:
-        if self._tmp is None:
-            return ""
-        path = Path(self._tmp.name) / "prometheus.log"
-        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+        raise TimeoutError(f"prometheus not ready after {self.ready_timeout_s} s")
 
     def api(self, endpoint: str, **params: str | float) -> Any:
         """GET /api/v1/<endpoint> and return its ``data``; raises on a non-success answer."""
@@ -134,97 +192,30 @@ class LocalPrometheus:
             time.sleep(self.interval_s / 2)
         raise TimeoutError(f"{metric}: fewer than {count} samples after {timeout_s} s\n{self.log_tail()}")
 
-    def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=10)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
 
-    def __enter__(self) -> LocalPrometheus:
-        return self.start()
+class LiveDemo(_Background):
+    """``eplb demo --metrics-port 0 <args>``; ``port`` is the one it bound (read from its output)."""
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
+    name = "demo"
 
-
-class LiveDemo:
-    """``eplb demo --metrics-port 0 <args>`` in its own process group; ``port`` is the one it bound."""
-
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, start_timeout_s: float = 120.0) -> None:
+        super().__init__()
         self.args = [sys.executable, "-m", "eplb", "demo", "--metrics-port", "0", *args]
         self.port = 0
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        self._proc: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
+        self.start_timeout_s = start_timeout_s
 
-    def start(self, timeout_s: float = 120.0) -> LiveDemo:
-        self._tmp = tempfile.TemporaryDirectory(prefix="eplb-demo-")
-        log_path = Path(self._tmp.name) / "demo.log"
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in close()
-        # A session of its own: close() ends the demo and the rank processes it spawned, nothing else.
-        self._proc = subprocess.Popen(
-            self.args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        deadline = time.monotonic() + timeout_s
+    def start(self) -> LiveDemo:
+        self._spawn(self.args)
+        deadline = time.monotonic() + self.start_timeout_s
         while time.monotonic() < deadline:
-            found = re.search(r"metrics on http://[^\s]+:(\d+)/metrics", log_path.read_text(errors="replace"))
+            found = re.search(r"metrics on http://[^\s]+:(\d+)/metrics", self.log_tail(chars=100_000))
             if found:
                 self.port = int(found.group(1))
                 return self
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"eplb demo exited with {self._proc.returncode}:\n{self.log_tail()}")
+            self._raise_if_exited()
             time.sleep(0.2)
         self.close()
-        raise TimeoutError(f"eplb demo did not report its metrics port after {timeout_s} s")
-
-    def log_tail(self, chars: int = 3000) -> str:
-        if self._tmp is None:
-            return ""
-        path = Path(self._tmp.name) / "demo.log"
-        return path.read_text(errors="replace")[-chars:] if path.exists() else ""
-
-    def close(self) -> None:
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        if proc is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # rank processes the demo left behind, if any
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __enter__(self) -> LiveDemo:
-        return self.start()
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.close()
+        raise TimeoutError(f"eplb demo did not report its metrics port after {self.start_timeout_s} s")
 
 
 def finite_values(result: list[dict[str, Any]]) -> list[float]:

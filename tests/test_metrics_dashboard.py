@@ -148,3 +148,12 @@ def test_docs_metrics_table_matches_the_names_module() -> None:
     assert rows == {spec.name: (spec.kind, spec.labels) for spec in names.METRICS}
     assert "img/observability-dashboard.png" in text
     assert (REPO / "docs/img/observability-dashboard.png").exists()
+
+
+def test_live_demo_that_fails_to_start_says_why_and_leaves_nothing_behind() -> None:
+    demo = promstack.LiveDemo("--nproc", "0")
+    with pytest.raises(RuntimeError, match="exited with 2") as exc:
+        demo.start()
+    assert "--nproc" in str(exc.value)
+    demo.close()
+    assert demo.log_tail() == ""  # the temporary folder is gone
