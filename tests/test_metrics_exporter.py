@@ -131,3 +131,33 @@ def test_ipv6_loopback_when_available() -> None:
         assert get(exporter.url)[0] == 200
     finally:
         exporter.stop()
+
+
+def test_demo_flags_export_the_sink_the_demo_reports_to(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # eplb demo --metrics-port/--metrics-host: the sink handed to run_demo is the one served on that
+    # address while the demo runs, and the endpoint is gone when it returns.
+    from eplb.cli import main
+    from eplb.commands import demo
+
+    seen: dict[str, object] = {}
+
+    def fake_run_demo(config: object, *, sink: object = None, **kwargs: object) -> dict[str, object]:
+        url = capsys.readouterr().out.split("metrics on ", 1)[1].split()[0]
+        assert isinstance(sink, PrometheusSink)
+        sink.on_forward_pass(kind="prefill", recorded=True)
+        status, _, body = get(url)
+        seen.update(url=url, status=status, body=body)
+        return {"ranks": 2, "passes": 1}
+
+    monkeypatch.setattr(demo, "run_demo", fake_run_demo)
+    assert main(["demo", "--nproc", "2", "--metrics-port", "0", "--metrics-host", "127.0.0.2"]) == 0
+    assert str(seen["url"]).startswith("http://127.0.0.2:") and seen["status"] == 200
+    assert b'eplb_forward_passes_total{kind="prefill",recorded="true"} 1.0' in seen["body"]  # type: ignore[operator]
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(str(seen["url"]), timeout=2)
+    # Without --metrics-port the demo reports to no exporter.
+    monkeypatch.setattr(demo, "run_demo", lambda config, *, sink=None, **kw: seen.update(sink=sink) or {})
+    assert main(["demo", "--nproc", "2"]) == 0
+    assert isinstance(seen["sink"], NullSink)
