@@ -161,3 +161,23 @@ def test_demo_flags_export_the_sink_the_demo_reports_to(
     monkeypatch.setattr(demo, "run_demo", lambda config, *, sink=None, **kw: seen.update(sink=sink) or {})
     assert main(["demo", "--nproc", "2"]) == 0
     assert isinstance(seen["sink"], NullSink)
+
+
+def test_one_kept_alive_connection_serves_many_scrapes() -> None:
+    import http.client
+
+    sink = PrometheusSink()
+    with MetricsExporter(sink) as exporter:
+        conn = http.client.HTTPConnection("127.0.0.1", exporter.port, timeout=5)
+        try:
+            for i in range(3):
+                sink.on_forward_pass(kind="decode", recorded=False)
+                conn.request("GET", "/metrics")
+                resp = conn.getresponse()
+                body = resp.read()
+                assert resp.status == 200 and not resp.will_close
+                assert (
+                    f'eplb_forward_passes_total{{kind="decode",recorded="false"}} {i + 1}.0'.encode() in body
+                )
+        finally:
+            conn.close()
