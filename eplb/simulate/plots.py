@@ -104,18 +104,12 @@ def _balance_vs_migration(plt: Any, result: SimulationResult, path: Path) -> Pat
     summaries.setdefault(baseline["name"], baseline)
     for name, s in summaries.items():
         x, y = s["experts_moved_per_rebalance"], s["balancedness_prefill_mean"]
-        ax.scatter([x], [y], s=40)
-        ax.annotate(
-            f"{name} ({s['speedup_vs_none']:.2f}x)",
-            (x, y),
-            fontsize=8,
-            xytext=(5, 4),
-            textcoords="offset points",
-        )
+        ax.scatter([x], [y], s=45, label=f"{name}: {s['speedup_vs_none']:.3f}x")
     ax.set_xlabel("expert copies moved across GPUs per rebalance")
     ax.set_ylabel("balancedness, prefill steps (mean)")
-    ax.set_title("Balance vs migration (label: modeled speed-up vs no balancing)")
+    ax.set_title("Balance vs migration")
     ax.grid(alpha=0.3)
+    ax.legend(title="modeled speed-up vs no balancing", fontsize=8, title_fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
