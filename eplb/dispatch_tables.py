@@ -20,7 +20,8 @@ Replica choice for the hashed modes (identical in every backend, so they agree b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -60,6 +61,11 @@ def as_int32_bits(x: int) -> int:
     return x - (1 << 32) if x >= 1 << 31 else x
 
 
+def hash_rank(mode: str, rank: int) -> int:
+    """The rank that salts ``mode``'s hash: -1 (rank-invariant) in weighted mode, else ``rank``."""
+    return -1 if mode == "weighted" else rank
+
+
 @dataclass(frozen=True, eq=False)
 class DispatchTables:
     """Device-side dispatch tables for every layer; update in place with :meth:`update_`."""
@@ -78,20 +84,24 @@ class DispatchTables:
     """P, physical slots."""
     rank: int
     """The EP rank these tables serve."""
+    derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
+    """Host-side facts backends derive once per tables (kernel arguments, pointers): valid because
+    the tensors keep their shape and storage for the tables' lifetime (:meth:`update_` copies)."""
 
-    @property
+    # Cached: the remap reads these on every call, and the tensors never change shape or device.
+    @cached_property
     def num_layers(self) -> int:
         return int(self.static_LE.shape[0])
 
-    @property
+    @cached_property
     def num_logical(self) -> int:
         return int(self.static_LE.shape[1])
 
-    @property
+    @cached_property
     def max_replicas(self) -> int:
         return int(self.log2phy_LER.shape[2])
 
-    @property
+    @cached_property
     def device(self) -> torch.device:
         return self.static_LE.device
 

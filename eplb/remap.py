@@ -116,19 +116,27 @@ def remap_and_record(
 
     ``counts_P`` int32 [P] and ``logical_counts_E`` int32 [E] are added to in place (contiguous,
     on the ids' device). ``num_valid_tokens`` and ``record`` are int32 tensors of one element on
-    that device. ``out_TK`` (int32 [T, K]) receives the result when given. See the module
-    docstring for the semantics of each mode.
+    that device. ``out_TK`` (int32 [T, K], contiguous) receives the result when given: pass it to
+    skip an allocation per call. See the module docstring for the semantics of each mode.
     """
-    check_remap_args(topk_ids_TK, tables, layer, mode, counts_P, logical_counts_E, num_valid_tokens, record)
+    device = check_remap_args(
+        topk_ids_TK, tables, layer, mode, counts_P, logical_counts_E, num_valid_tokens, record
+    )
     if out_TK is None:
-        out_TK = torch.empty_like(topk_ids_TK, dtype=torch.int32)
+        out_TK = torch.empty_like(topk_ids_TK)  # int32 and contiguous, as checked; the fastest allocator call
     else:
-        _check_tensor("out_TK", out_TK, torch.int32, tuple(topk_ids_TK.shape), topk_ids_TK.device)
+        _check_tensor("out_TK", out_TK, topk_ids_TK.shape, device)
     if topk_ids_TK.numel() == 0:
         return out_TK
-    fn = get_backend(backend, topk_ids_TK.device)
+    fn = _RESOLVED.get((backend, device.type)) or get_backend(backend, device)
     fn(topk_ids_TK, tables, layer, mode, out_TK, counts_P, logical_counts_E, num_valid_tokens, record)
     return out_TK
+
+
+# Every check below runs on every call of every MoE layer, mostly eagerly (prefill): attribute
+# reads and comparisons only, nothing that allocates, synchronises or formats a string unless
+# it is about to raise.
+_INT32 = torch.int32
 
 
 def check_remap_args(
@@ -140,11 +148,14 @@ def check_remap_args(
     logical_counts_E: torch.Tensor | None,
     num_valid_tokens: torch.Tensor | None,
     record: torch.Tensor | None,
-) -> None:
-    """Validate every argument of :func:`remap_and_record`; TypeError for dtypes, ValueError otherwise."""
+) -> torch.device:
+    """Validate every argument of :func:`remap_and_record`; TypeError for dtypes, ValueError otherwise.
+
+    Returns the ids' device.
+    """
     if not isinstance(topk_ids_TK, torch.Tensor):
         raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids_TK).__name__}")
-    if topk_ids_TK.dtype != torch.int32:
+    if topk_ids_TK.dtype != _INT32:
         raise TypeError(
             f"topk_ids must be int32, got {topk_ids_TK.dtype}: convert at the router "
             "(an int64 id would silently turn every map lookup into int64)"
@@ -161,28 +172,30 @@ def check_remap_args(
     if tables.device != device:
         raise ValueError(f"dispatch tables live on {tables.device} but topk_ids on {device}")
     if counts_P is not None:
-        _check_tensor("counts_P", counts_P, torch.int32, (tables.num_physical,), device)
+        _check_tensor("counts_P", counts_P, (tables.num_physical,), device)
     if logical_counts_E is not None:
-        _check_tensor("logical_counts_E", logical_counts_E, torch.int32, (tables.num_logical,), device)
-    for name, scalar in (("num_valid_tokens", num_valid_tokens), ("record", record)):
-        if scalar is not None:
-            _check_tensor(name, scalar, torch.int32, None, device)
-            if scalar.numel() != 1:
-                raise ValueError(f"{name} must hold one element, got shape {tuple(scalar.shape)}")
+        _check_tensor("logical_counts_E", logical_counts_E, (tables.num_logical,), device)
+    if num_valid_tokens is not None:
+        _check_tensor("num_valid_tokens", num_valid_tokens, None, device)
+    if record is not None:
+        _check_tensor("record", record, None, device)
+    return device
 
 
-def _check_tensor(
-    name: str, t: torch.Tensor, dtype: torch.dtype, shape: tuple[int, ...] | None, device: torch.device
-) -> None:
+def _check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None, device: torch.device) -> None:
+    """An int32 contiguous tensor on ``device`` of ``shape`` (None: one element)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must be {dtype}, got {t.dtype}")
-    if shape is not None and tuple(t.shape) != shape:
+    if t.dtype != _INT32:
+        raise TypeError(f"{name} must be {_INT32}, got {t.dtype}")
+    if shape is None:
+        if t.numel() != 1:
+            raise ValueError(f"{name} must hold one element, got shape {tuple(t.shape)}")
+    elif t.shape != shape:
         raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
     if t.device != device:
         raise ValueError(f"{name} is on {t.device} but topk_ids on {device}")
-    if not t.is_contiguous():
+    if shape is not None and not t.is_contiguous():  # one element is always contiguous
         raise ValueError(f"{name} must be contiguous")
 
 

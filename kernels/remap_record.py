@@ -23,12 +23,15 @@ from __future__ import annotations
 import functools
 import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from eplb.kernels.direct_launch import DirectLaunchCache, direct_launch_supported
+from eplb.kernels.remap_record_direct import RemapDirectLauncher
 
-from eplb.dispatch_tables import DispatchTables, as_int32_bits, salt_base
+from eplb.dispatch_tables import DispatchTables, as_int32_bits, hash_rank, salt_base
 
 MODE_IDS = {"static": 0, "dynamic": 1, "dynamic_row": 2, "fake": 3, "weighted": 4}
 
@@ -174,6 +177,9 @@ class LaunchConfig:
     """Upper bound on programs per SM (persistent grid)."""
 
 
+DEFAULT_PROGRAMS_PER_SM = 2
+
+
 @functools.lru_cache(maxsize=16)
 def _num_sms(device_index: int) -> int:
     return int(torch.cuda.get_device_properties(device_index).multi_processor_count)
@@ -187,17 +193,34 @@ def num_compute_units(device: torch.device) -> int:
     return _num_sms(index)
 
 
-def default_config(numel: int, device: torch.device) -> LaunchConfig:
-    """About one block per compute unit: blocks of 512..4096 ids, a second wave only past that.
+def default_block(numel: int, units: int) -> tuple[int, int]:
+    """(block, num_warps): about one block per compute unit, blocks of 512..4096 ids.
 
     Measured on an H200 (docs/benchmarks.md, "Remap + record"): more, smaller blocks lose to
     the flush (every program adds its histogram to the same bins, and atomics on one address
-    serialise), fewer, larger ones to idle SMs.
+    serialise), fewer, larger ones to idle SMs. Integer arithmetic only (it runs on every call).
     """
-    units = num_compute_units(device)
-    block = min(4096, max(512, triton.next_power_of_2(triton.cdiv(max(numel, 1), units))))
-    block = min(block, max(128, triton.next_power_of_2(max(numel, 1))))
-    return LaunchConfig(block=block, num_warps=4 if block <= 512 else 8, programs_per_sm=2)
+    numel = max(numel, 1)
+    block = min(4096, max(512, 1 << (-(-numel // units) - 1).bit_length()))
+    block = min(block, max(128, 1 << (numel - 1).bit_length()))
+    return block, 4 if block <= 512 else 8
+
+
+def default_config(numel: int, device: torch.device) -> LaunchConfig:
+    """The launch config used when none is given: :func:`default_block`, two programs per unit at most."""
+    block, num_warps = default_block(numel, num_compute_units(device))
+    return LaunchConfig(block=block, num_warps=num_warps, programs_per_sm=DEFAULT_PROGRAMS_PER_SM)
+
+
+def launch_shape(numel: int, units: int) -> tuple[int, int, int]:
+    """(block, num_warps, grid) of :func:`default_config` for ``numel`` ids on ``units`` compute units."""
+    block, num_warps = default_block(numel, units)
+    return block, num_warps, max(1, min(-(-numel // block), DEFAULT_PROGRAMS_PER_SM * units))
+
+
+def default_launch(numel: int, device_index: int) -> tuple[int, int, int]:
+    """:func:`launch_shape` on CUDA device ``device_index`` (the direct path's launch shape)."""
+    return launch_shape(numel, _num_sms(device_index))
 
 
 def grid_size(numel: int, config: LaunchConfig, device: torch.device) -> int:
@@ -208,11 +231,43 @@ def grid_size(numel: int, config: LaunchConfig, device: torch.device) -> int:
 
 # tl.histogram takes a mask since Triton 3.3; before, excluded ids go to a spare bin.
 HIST_MASK = "mask" in inspect.signature(tl.histogram).parameters
+MAX_NUMEL = 2**31 - 2**16
 
 
 def _num_bins(n: int) -> int:
     # At least a warp's width (tl.histogram's lowering needs it); a spare bin without mask support.
     return max(32, triton.next_power_of_2(n if HIST_MASK else n + 1))
+
+
+def constexpr_args(
+    K: int, tables: DispatchTables, mode: str, block: int, flags: tuple[bool, bool, bool, bool]
+) -> tuple[int | bool, ...]:
+    """The kernel's compile-time arguments, in order (K .. HAS_RECORD).
+
+    ``flags``: whether slot counts, logical counts, ``num_valid_tokens`` and ``record`` are given.
+    """
+    count_phys, count_logical, has_nvalid, has_record = flags
+    return (
+        K,
+        tables.max_replicas,
+        MODE_IDS[mode],
+        mode in ("dynamic", "fake"),
+        block,
+        _num_bins(tables.num_physical),
+        _num_bins(tables.num_logical),
+        count_phys,
+        count_logical,
+        count_phys and mode != "static",
+        count_logical or (count_phys and mode == "static"),
+        HIST_MASK,
+        has_nvalid,
+        has_record,
+    )
+
+
+def salt_bits(tables: DispatchTables, layer: int, mode: str) -> int:
+    """The kernel's ``salt_base_bits`` argument (rank -1 in weighted mode: rank-invariant)."""
+    return as_int32_bits(salt_base(layer, hash_rank(mode, tables.rank)))
 
 
 def remap_record_triton(
@@ -227,55 +282,92 @@ def remap_record_triton(
     record: torch.Tensor | None,
     config: LaunchConfig | None = None,
 ) -> None:
-    """Launch the fused kernel (arguments as in eplb.remap.remap_and_record, already validated)."""
+    """Launch the fused kernel (arguments as in eplb.remap.remap_and_record, already validated).
+
+    With the default config, launches after the first of each specialisation go straight to the
+    compiled kernel's launcher (eplb.kernels.remap_record_direct); otherwise through ``kernel[grid]``.
+    """
     T, K = topk_ids_TK.shape
     numel = T * K
     if numel == 0:
         return
-    if numel >= 2**31 - 2**16:
+    if numel >= MAX_NUMEL:
         raise ValueError(f"topk_ids has {numel} elements; the kernel indexes with int32 (< 2**31)")
     if topk_ids_TK.dtype != torch.int32 or out_TK.dtype != torch.int32:
         raise TypeError(f"topk_ids and out must be int32, got {topk_ids_TK.dtype} and {out_TK.dtype}")
+    args = (topk_ids_TK, tables, layer, mode, out_TK, counts_P, logical_counts_E, num_valid_tokens, record)
+    direct_key = None
+    if config is None:
+        launched, direct_key = DIRECT.launch(*args)
+        if launched:
+            return
     device = topk_ids_TK.device
     cfg = config or default_config(numel, device)
-    E, P = tables.num_logical, tables.num_physical
-    rank = -1 if mode == "weighted" else tables.rank
-    count_phys, count_logical = counts_P is not None, logical_counts_E is not None
-    dummy = out_TK  # never dereferenced: the matching constexpr flag is off
-    _remap_record_kernel[(grid_size(numel, cfg, device),)](
+    runtime, constexprs = kernel_args(*args, cfg.block)
+    grid = grid_size(numel, cfg, device)
+    compiled = _remap_record_kernel[(grid,)](*runtime, *constexprs, num_warps=cfg.num_warps)
+    if direct_key is not None:
+        DIRECT.cache.keep(direct_key, compiled, constexprs)
+
+
+def kernel_args(
+    topk_ids_TK: torch.Tensor,
+    tables: DispatchTables,
+    layer: int,
+    mode: str,
+    out_TK: torch.Tensor,
+    counts_P: torch.Tensor | None,
+    logical_counts_E: torch.Tensor | None,
+    num_valid_tokens: torch.Tensor | None,
+    record: torch.Tensor | None,
+    block: int,
+) -> tuple[tuple[Any, ...], tuple[int | bool, ...]]:
+    """The kernel's arguments in order: (runtime arguments, compile-time arguments).
+
+    Absent optional tensors are replaced by ``out_TK``, never dereferenced (their flag is off).
+    """
+    T, K = topk_ids_TK.shape
+    flags = (
+        counts_P is not None,
+        logical_counts_E is not None,
+        num_valid_tokens is not None,
+        record is not None,
+    )
+    runtime = (
         topk_ids_TK,
         out_TK,
         tables.static_LE,
         tables.log2phy_LER,
         tables.logcnt_LE,
         tables.cumweights_LER,
-        counts_P if counts_P is not None else dummy,
-        logical_counts_E if logical_counts_E is not None else dummy,
-        num_valid_tokens if num_valid_tokens is not None else dummy,
-        record if record is not None else dummy,
+        out_TK if counts_P is None else counts_P,
+        out_TK if logical_counts_E is None else logical_counts_E,
+        out_TK if num_valid_tokens is None else num_valid_tokens,
+        out_TK if record is None else record,
         tables.seed_1,
-        numel,
+        T * K,
         T,
-        E,
-        P,
+        tables.num_logical,
+        tables.num_physical,
         layer,
-        as_int32_bits(salt_base(layer, rank)),
-        K=K,
-        R=tables.max_replicas,
-        MODE=MODE_IDS[mode],
-        SEEDED=mode in ("dynamic", "fake"),
-        BLOCK=cfg.block,
-        PBINS=_num_bins(P),
-        LBINS=_num_bins(E),
-        COUNT_PHYS=count_phys,
-        COUNT_LOGICAL=count_logical,
-        PHYS_HIST=count_phys and mode != "static",
-        LOGICAL_HIST=count_logical or (count_phys and mode == "static"),
-        HIST_MASK=HIST_MASK,
-        HAS_NVALID=num_valid_tokens is not None,
-        HAS_RECORD=record is not None,
-        num_warps=cfg.num_warps,
+        salt_bits(tables, layer, mode),
     )
+    return runtime, constexpr_args(K, tables, mode, block, flags)
 
 
-__all__ = ["MODE_IDS", "LaunchConfig", "default_config", "grid_size", "remap_record_triton"]
+DIRECT = RemapDirectLauncher(default_launch, DirectLaunchCache(direct_launch_supported(_remap_record_kernel)))
+"""Direct launches of the default config (disabled under the interpreter, on ROCm, with hooks)."""
+
+__all__ = [
+    "DIRECT",
+    "MODE_IDS",
+    "LaunchConfig",
+    "constexpr_args",
+    "default_block",
+    "default_config",
+    "default_launch",
+    "grid_size",
+    "kernel_args",
+    "launch_shape",
+    "remap_record_triton",
+]

@@ -1,0 +1,171 @@
+"""The remap kernel's per-call path once a specialisation has been launched: a direct launch.
+
+Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
+
+:meth:`RemapDirectLauncher.launch` computes, with integer arithmetic and attribute reads only, the
+default launch shape and a key naming everything Triton specialises the kernel on
+(eplb.kernels.direct_launch), then launches the compiled kernel kept for that key:
+
+- device index, mode, K, block and num_warps (the constexprs and options besides the tables');
+- the tables' E, P, R and the alignment of their five tensors (computed once per tables);
+- whether ``numel`` (the one integer argument Triton may specialise) is 1 or a multiple of 16;
+- which optional tensors are given, and each pointer's address mod 16 (16-byte alignment).
+
+``HIST_MASK`` is not in the key: it is detected once at import. On a miss the caller launches
+through ``kernel[grid]`` and keeps the compiled kernel (eplb.kernels.remap_record).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import NamedTuple
+
+import torch
+from eplb.kernels.direct_launch import DirectLaunchCache
+
+from eplb.dispatch_tables import DispatchTables, as_int32_bits, hash_rank, salt_base
+
+_FACTS = "triton_direct"
+
+
+class TableFacts(NamedTuple):
+    """What the direct launch needs from one DispatchTables, as host integers."""
+
+    pointers: tuple[int, int, int, int]
+    """Addresses of static_LE, log2phy_LER, logcnt_LE, cumweights_LER."""
+    seed: int
+    """Address of seed_1."""
+    num_logical: int
+    num_physical: int
+    key: tuple[int, ...]
+    """E, P, R and each tensor's address mod 16."""
+    salts: tuple[tuple[int, ...], tuple[int, ...]]
+    """int32 salt bits per layer: (this rank's, the rank-invariant weighted mode's)."""
+
+
+def table_facts(tables: DispatchTables) -> TableFacts:
+    """The tables' facts, derived on first use and kept in ``tables.derived``."""
+    facts: TableFacts | None = tables.derived.get(_FACTS)
+    if facts is None:
+        tensors = (tables.static_LE, tables.log2phy_LER, tables.logcnt_LE, tables.cumweights_LER)
+        pointers = tuple(t.data_ptr() for t in tensors)
+        seed = tables.seed_1.data_ptr()
+        salts = tuple(
+            tuple(
+                as_int32_bits(salt_base(layer, hash_rank(mode, tables.rank)))
+                for layer in range(tables.num_layers)
+            )
+            for mode in ("static", "weighted")
+        )
+        facts = TableFacts(
+            (pointers[0], pointers[1], pointers[2], pointers[3]),
+            seed,
+            tables.num_logical,
+            tables.num_physical,
+            (
+                tables.num_logical,
+                tables.num_physical,
+                tables.max_replicas,
+                *(p & 15 for p in (*pointers, seed)),
+            ),
+            (salts[0], salts[1]),
+        )
+        tables.derived[_FACTS] = facts
+    return facts
+
+
+class RemapDirectLauncher:
+    """Direct launches of the remap kernel with the default launch config."""
+
+    def __init__(
+        self, launch_shape: Callable[[int, int], tuple[int, int, int]], cache: DirectLaunchCache
+    ) -> None:
+        """``launch_shape(numel, device_index) -> (block, num_warps, grid)``: the default config's."""
+        self.cache = cache
+        self._launch_shape = launch_shape
+
+    def launch(
+        self,
+        topk_ids_TK: torch.Tensor,
+        tables: DispatchTables,
+        layer: int,
+        mode: str,
+        out_TK: torch.Tensor,
+        counts_P: torch.Tensor | None,
+        logical_counts_E: torch.Tensor | None,
+        num_valid_tokens: torch.Tensor | None,
+        record: torch.Tensor | None,
+    ) -> tuple[bool, Hashable | None]:
+        """(launched, key): launched directly, or not, with the key to keep the compiled kernel under.
+
+        The key is None where a direct launch cannot be used now (see DirectLaunchCache.usable, or
+        ids on another device than the current one, where ``kernel[grid]`` decides what happens).
+        Arguments are validated (eplb.remap.check_remap_args, and numel > 0).
+        """
+        cache = self.cache
+        if not cache.usable():
+            return False, None
+        device, stream = cache.device_and_stream()
+        if topk_ids_TK.get_device() != device:
+            return False, None
+        facts = tables.derived.get(_FACTS) or table_facts(tables)
+        T, K = topk_ids_TK.shape
+        numel = T * K
+        block, num_warps, grid = self._launch_shape(numel, device)
+        p_ids = topk_ids_TK.data_ptr()
+        p_out = out_TK.data_ptr()
+        # Absent tensors: out_TK's address, as the kernel[grid] path passes (never dereferenced).
+        p_counts = p_out if counts_P is None else counts_P.data_ptr()
+        p_logical = p_out if logical_counts_E is None else logical_counts_E.data_ptr()
+        p_nvalid = p_out if num_valid_tokens is None else num_valid_tokens.data_ptr()
+        p_record = p_out if record is None else record.data_ptr()
+        key = (
+            device,
+            mode,
+            K,
+            block,
+            num_warps,
+            numel == 1,
+            numel & 15 == 0,
+            counts_P is None,
+            logical_counts_E is None,
+            num_valid_tokens is None,
+            record is None,
+            p_ids & 15,
+            p_out & 15,
+            p_counts & 15,
+            p_logical & 15,
+            p_nvalid & 15,
+            p_record & 15,
+            facts.key,
+        )
+        entry = cache.get(key)
+        if entry is None:
+            return False, key
+        runtime_args = (
+            p_ids,
+            p_out,
+            *facts.pointers,
+            p_counts,
+            p_logical,
+            p_nvalid,
+            p_record,
+            facts.seed,
+            numel,
+            T,
+            facts.num_logical,
+            facts.num_physical,
+            layer,
+            facts.salts[mode == "weighted"][layer],
+        )
+        try:
+            entry(grid, stream, runtime_args)
+        except TypeError:
+            # The launcher refused the arguments before launching (a Triton whose launch
+            # convention differs): use kernel[grid] from now on.
+            cache.disable()
+            return False, None
+        return True, key
+
+
+__all__ = ["RemapDirectLauncher", "TableFacts", "table_facts"]
