@@ -9,9 +9,11 @@ holding one call (replay overhead included, as in design.md §6) and a graph hol
 (the per-call cost inside a longer graph, as in a captured forward pass).
 
 Variants: ``copy`` (min of ``Tensor.copy_`` and a Triton copy kernel: read and write T*K int32),
-``eplb`` (static mode, slot counts; default launch config; ``eplb launcher`` is the same launch
-without the public function's argument checks, to split host overhead), ``eplb+logical`` (also logical
-counts), ``eplb rec=0`` (record flag off), ``eplb dynamic`` / ``eplb weighted``,
+``eplb`` (static mode, slot counts; default launch config; ``eplb alloc`` allocates the output;
+``eplb launcher`` is the same launch without the public function's argument checks, to split host
+overhead, and ``eplb launcher jit`` the launch through ``kernel[grid]`` instead of the direct
+launcher), ``eplb+logical`` (also logical counts), ``eplb rec=0`` (record flag off), ``eplb
+dynamic`` / ``eplb weighted``,
 ``sglang-fused`` (SGLang 0.5.23's Triton kernel, loaded from the PyPI wheel by benchmarks/peers.py)
 and ``sglang-unfused`` (gather through the dispatch map, then ``scatter_add_`` into the counts, as
 SGLang's recorder does). ``--sweep`` also times a grid of launch configs of this kernel.
@@ -35,60 +37,18 @@ from typing import Any
 import numpy as np
 import torch
 import triton
-import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from eplb.kernels.remap_record import LaunchConfig, default_config, remap_record_triton
 
 from benchmarks.peers import load_sglang_fused_kernel
+from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids, sglang_unfused, triton_copy
 from eplb.dispatch_tables import DispatchTables
 from eplb.placement import Placement
 from eplb.remap import remap_and_record
 
 GRAPH_CALLS = 20
-
-
-@triton.jit
-def _copy_kernel(src_ptr, dst_ptr, numel, BLOCK: tl.constexpr):  # type: ignore[no-untyped-def]
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < numel
-    tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=mask), mask=mask)
-
-
-def triton_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
-    numel = src.numel()
-    block = 1024
-    _copy_kernel[(triton.cdiv(numel, block),)](src, dst, numel, BLOCK=block, num_warps=4)
-
-
-def router_ids(T: int, K: int, E: int, device: torch.device, seed: int) -> torch.Tensor:
-    """int32 [T, K]: K distinct experts per token, drawn from a Zipf-like skew (hot experts exist)."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-    probs = 1.0 / torch.arange(1, E + 1, dtype=torch.float64) ** 0.8
-    probs = probs[torch.randperm(E, generator=gen)]
-    ids = torch.multinomial(probs.float().expand(T, E), K, replacement=False, generator=gen)
-    return ids.to(device=device, dtype=torch.int32).contiguous()
-
-
-class _SGLangDispatchInfo:
-    """The two attributes SGLang's fused kernel reads from its ExpertLocationDispatchInfo."""
-
-    def __init__(self, dispatch_map_E: torch.Tensor) -> None:
-        self.ep_dispatch_algorithm = "static"
-        self.partial_logical_to_rank_dispatch_physical_map = dispatch_map_E
-
-
-def sglang_unfused(
-    ids_TK: torch.Tensor, map_E: torch.Tensor, counts_P: torch.Tensor, nvalid_1: torch.Tensor
-) -> torch.Tensor:
-    """SGLang's unfused path: gather through the static map; scatter_add_ of the valid ones."""
-    valid = ids_TK >= 0
-    phys = torch.where(valid, map_E[ids_TK.clamp(min=0).long()], ids_TK)
-    rows = torch.arange(ids_TK.shape[0], device=ids_TK.device)[:, None]
-    counted = valid & (rows < nvalid_1)
-    counts_P.scatter_add_(0, phys.masked_fill(~counted, 0).long().flatten(), counted.int().flatten())
-    return phys
 
 
 def _timed(run: Callable[[], Any]) -> float:
@@ -191,13 +151,13 @@ def build_variants(
     o_tcopy, _ = new("copy triton")
     variants["copy triton"] = lambda: triton_copy(ids, o_tcopy)
 
-    def eplb(name: str, mode: str, logical: bool, record: torch.Tensor) -> None:
+    def eplb(name: str, mode: str, logical: bool, record: torch.Tensor, alloc: bool = False) -> None:
         o, c = new(name)
         lc = torch.zeros(E, dtype=torch.int32, device=device) if logical else None
         bufs[f"{name} logical"] = lc
 
         def run() -> None:
-            remap_and_record(
+            out[name] = remap_and_record(
                 ids,
                 tables,
                 layer,
@@ -206,16 +166,22 @@ def build_variants(
                 logical_counts_E=lc,
                 num_valid_tokens=nvalid,
                 record=record,
-                out_TK=o,
+                out_TK=None if alloc else o,
                 backend="triton",
             )
 
         variants[name] = run
 
     eplb("eplb", "static", False, rec_on)
+    eplb("eplb alloc", "static", False, rec_on, alloc=True)
     o_direct, c_direct = new("eplb launcher")
     variants["eplb launcher"] = lambda: remap_record_triton(
         ids, tables, layer, "static", o_direct, c_direct, None, nvalid, rec_on
+    )
+    o_jit, c_jit = new("eplb launcher jit")
+    jit_config = default_config(ids.numel(), device)
+    variants["eplb launcher jit"] = lambda: remap_record_triton(
+        ids, tables, layer, "static", o_jit, c_jit, None, nvalid, rec_on, config=jit_config
     )
     eplb("eplb+logical", "static", True, rec_on)
     eplb("eplb rec=0", "static", False, rec_off)
@@ -223,7 +189,7 @@ def build_variants(
     eplb("eplb weighted", "weighted", False, rec_on)
     map_E = tables.static_LE[layer].contiguous()
     if sglang is not None:
-        info = _SGLangDispatchInfo(map_E)
+        info = SGLangDispatchInfo(map_E)
         _, c_sf = new("sglang-fused")
 
         def sglang_fused() -> None:
@@ -240,16 +206,23 @@ def build_variants(
     return variants, bufs
 
 
+STATIC_CHECKED = ["eplb", "eplb alloc", "eplb launcher", "eplb launcher jit", "eplb+logical", "eplb rec=0"]
+STATIC_CHECKED += ["sglang-fused", "sglang-unfused"]
+
+
 def check(variants: dict[str, Callable[[], Any]], bufs: dict[str, Any]) -> list[str]:
-    """Run each variant once on zeroed counts; return a list of mismatches against the torch reference."""
+    """Run each variant twice on zeroed counts; return a list of mismatches against the torch reference."""
     ids, tables, layer, nvalid = bufs["ids"], bufs["tables"], bufs["layer"], bufs["nvalid"]
     P, E = tables.num_physical, tables.num_logical
     problems = []
     for name, fn in variants.items():
-        bufs["counts"][name].zero_()
-        fn()
+        for _ in range(2):  # the first call of a specialisation goes through kernel[grid], the next direct
+            bufs["counts"][name].zero_()
+            if bufs.get(f"{name} logical") is not None:
+                bufs[f"{name} logical"].zero_()
+            fn()
     for mode, names in (
-        ("static", ["eplb", "eplb launcher", "eplb+logical", "eplb rec=0", "sglang-fused", "sglang-unfused"]),
+        ("static", STATIC_CHECKED),
         ("dynamic", ["eplb dynamic"]),
         ("weighted", ["eplb weighted"]),
     ):

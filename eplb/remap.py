@@ -73,6 +73,8 @@ def _aiter_usable() -> bool:
 
 
 _RESOLVED: dict[tuple[str, str], RemapBackend] = {}
+# The same by torch.device, for the per-call lookup (device.type costs more than hashing the device).
+_BY_DEVICE: dict[tuple[str, torch.device], RemapBackend] = {}
 
 
 def get_backend(name: str, device: torch.device) -> RemapBackend:
@@ -128,7 +130,9 @@ def remap_and_record(
         _check_tensor("out_TK", out_TK, topk_ids_TK.shape, device)
     if topk_ids_TK.numel() == 0:
         return out_TK
-    fn = _RESOLVED.get((backend, device.type)) or get_backend(backend, device)
+    fn = _BY_DEVICE.get((backend, device))
+    if fn is None:
+        fn = _BY_DEVICE[backend, device] = get_backend(backend, device)
     fn(topk_ids_TK, tables, layer, mode, out_TK, counts_P, logical_counts_E, num_valid_tokens, record)
     return out_TK
 

@@ -90,10 +90,10 @@ class DirectLaunchCache:
         if self._device_and_stream is None:
             from triton.runtime import driver
 
-            current_device, current_stream = (
-                driver.active.get_current_device,
-                driver.active.get_current_stream,
-            )
+            current_stream = driver.active.get_current_stream
+            # torch.cuda.current_device() (Triton's choice) minus its lazy-init check: CUDA is
+            # initialised by now, a kernel[grid] launch preceded every direct one.
+            current_device = getattr(torch._C, "_cuda_getDevice", None) or driver.active.get_current_device
             self._device_and_stream = lambda: (d := current_device(), current_stream(d))
         return self._device_and_stream()
 

@@ -83,6 +83,9 @@ class RemapDirectLauncher:
         """``launch_shape(numel, device_index) -> (block, num_warps, grid)``: the default config's."""
         self.cache = cache
         self._launch_shape = launch_shape
+        # (numel, device) -> launch shape: every MoE layer of a pass has the same T, so all but
+        # the first layer's call find it here (a dict lookup instead of integer logarithms).
+        self._shapes: dict[tuple[int, int], tuple[int, int, int]] = {}
 
     def launch(
         self,
@@ -111,7 +114,12 @@ class RemapDirectLauncher:
         facts = tables.derived.get(_FACTS) or table_facts(tables)
         T, K = topk_ids_TK.shape
         numel = T * K
-        block, num_warps, grid = self._launch_shape(numel, device)
+        shape = self._shapes.get((numel, device))
+        if shape is None:
+            if len(self._shapes) >= 4096:
+                self._shapes.clear()
+            shape = self._shapes[numel, device] = self._launch_shape(numel, device)
+        block, num_warps, grid = shape
         p_ids = topk_ids_TK.data_ptr()
         p_out = out_TK.data_ptr()
         # Absent tensors: out_TK's address, as the kernel[grid] path passes (never dereferenced).

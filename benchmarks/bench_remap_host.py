@@ -1,0 +1,156 @@
+"""Host (CPU) time per call of the remap's Python path: what an eager prefill pays before the GPU works.
+
+Shape legend: T tokens, K top-k, E logical experts, P physical slots.
+
+Measured with the calling thread's CPU clock (``time.thread_time``), so other processes on a busy
+machine do not count; the minimum over ``--rounds`` rounds of ``--calls`` calls. Rows:
+
+- ``checks (stub backend)``: :func:`eplb.remap.remap_and_record` with a backend that does nothing
+  (argument checks, backend lookup), with ``out_TK`` given and with the output allocated;
+- ``direct path (no-op launcher)``: ``remap_record_triton``'s direct path (eplb.kernels.
+  remap_record_direct: launch shape, key, arguments) ending in a launcher that does nothing, alone
+  and behind the public function. On CPU this stands in for the compiled kernel;
+- on CUDA also the real calls: the public function, the launcher alone, the launcher through
+  ``kernel[grid]`` (an explicit config), SGLang 0.5.23's fused kernel and ``Tensor.copy_`` of
+  the same bytes. The GPU work is queued, not waited for (one sync per round).
+
+    python benchmarks/bench_remap_host.py            # CPU: the Python parts
+    python benchmarks/bench_remap_host.py --json out.json   # on a CUDA machine: also real launches
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from eplb.kernels import remap_record as kernel
+from eplb.kernels.direct_launch import DirectLaunchCache
+from eplb.kernels.remap_record_direct import RemapDirectLauncher
+
+from benchmarks.peers import load_sglang_fused_kernel
+from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids
+from eplb import remap
+from eplb.dispatch_tables import DispatchTables
+from eplb.placement import Placement
+
+
+class _NoOpCompiled:
+    """Stands in for a CompiledKernel whose launcher returns at once."""
+
+    launch_metadata = None
+    packed_metadata = None
+    function = None
+
+    def run(self, *args: Any) -> None:
+        return None
+
+
+def host_us(fn: Callable[[], Any], calls: int, rounds: int, sync: Callable[[], None]) -> float:
+    """Minimum over rounds of CPU µs per call of ``fn`` (``sync`` after each round, not timed)."""
+    best = float("inf")
+    for _ in range(rounds):
+        sync()
+        start = time.thread_time()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.thread_time() - start) / calls * 1e6)
+    sync()
+    return best
+
+
+def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[], Any]]:
+    K, E, P = 8, 256, 288
+    tables = DispatchTables.from_placement(
+        Placement.trivial(4, E, num_gpus=8, num_redundant=P - E), 3, device
+    )
+    ids = router_ids(T, K, E, device, seed=T)
+    out = torch.empty_like(ids)
+    counts_LP = torch.zeros((4, P), dtype=torch.int32, device=device)
+    nvalid = torch.tensor([T], dtype=torch.int32, device=device)
+    record = torch.ones(1, dtype=torch.int32, device=device)
+    remap._RESOLVED[("noop", device.type)] = lambda *args: None
+    kw: dict[str, Any] = {"counts_P": counts_LP[2], "num_valid_tokens": nvalid, "record": record}
+    rows: dict[str, Callable[[], Any]] = {
+        "checks (stub backend), out given": lambda: remap.remap_and_record(
+            ids, tables, 2, out_TK=out, backend="noop", **kw
+        ),
+        "checks (stub backend), out allocated": lambda: remap.remap_and_record(
+            ids, tables, 2, backend="noop", **kw
+        ),
+    }
+    if device.type == "cpu":
+        # The direct path with a launcher that does nothing (the compiled kernel's place on a GPU).
+        direct = RemapDirectLauncher(
+            lambda n, _d: kernel.launch_shape(n, 132), DirectLaunchCache(True, lambda: (-1, 0))
+        )
+        args = (ids, tables, 2, "static", out, counts_LP[2], None, nvalid, record)
+        _, key = direct.launch(*args)
+        direct.cache.keep(key, _NoOpCompiled(), ())
+        rows["direct path (no-op launcher)"] = lambda: direct.launch(*args)
+        real_direct = kernel.DIRECT
+        kernel.DIRECT = direct
+        remap._RESOLVED[("direct-noop", "cpu")] = kernel.remap_record_triton
+        rows["public + direct path (no-op launcher)"] = lambda: remap.remap_and_record(
+            ids, tables, 2, out_TK=out, backend="direct-noop", **kw
+        )
+        rows["_restore"] = lambda: setattr(kernel, "DIRECT", real_direct)
+        return rows
+    cfg = kernel.default_config(ids.numel(), device)
+    rows["eplb public, out given"] = lambda: remap.remap_and_record(
+        ids, tables, 2, out_TK=out, backend="triton", **kw
+    )
+    rows["eplb public, out allocated"] = lambda: remap.remap_and_record(
+        ids, tables, 2, backend="triton", **kw
+    )
+    rows["eplb launcher (direct)"] = lambda: kernel.remap_record_triton(
+        ids, tables, 2, "static", out, counts_LP[2], None, nvalid, record
+    )
+    rows["eplb launcher (kernel[grid])"] = lambda: kernel.remap_record_triton(
+        ids, tables, 2, "static", out, counts_LP[2], None, nvalid, record, config=cfg
+    )
+    if sglang is not None:
+        info = SGLangDispatchInfo(tables.static_LE[2].contiguous())
+        rows["sglang fused"] = lambda: sglang.eplb_map_and_record_fused(ids, info, counts_LP[2], nvalid)
+    rows["copy_ (same bytes)"] = lambda: out.copy_(ids)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 4096])
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sglang = load_sglang_fused_kernel() if device.type == "cuda" else None
+    results: dict[str, dict[str, float]] = {}
+    for T in args.tokens:
+        rows = variants(T, device, sglang)
+        restore = rows.pop("_restore", None)
+        for fn in rows.values():
+            fn()  # compile / keep the specialisation
+        results[str(T)] = {name: host_us(fn, args.calls, args.rounds, sync) for name, fn in rows.items()}
+        if restore is not None:
+            restore()
+    print(f"host µs per call (thread CPU time, min of {args.rounds} rounds of {args.calls}); device {device}")
+    for name in results[str(args.tokens[0])]:
+        print(f"{name:42s}" + "".join(f"{results[str(T)][name]:9.2f}" for T in args.tokens))
+    if args.json:
+        meta = {"date": time.strftime("%Y-%m-%d"), "device": str(device), "torch": torch.__version__}
+        args.json.write_text(json.dumps({"meta": meta, "host_us": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
