@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import time
@@ -81,22 +82,30 @@ def capture(fn: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
 def time_interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, dict[str, float]]:
     """Median µs per call of every variant: eager, graph of 1 call, graph of GRAPH_CALLS calls.
 
-    Variants take turns within each repetition, so drift in clocks or host load hits all alike.
+    Variants take turns within each repetition, in a new random order each time, so drift in clocks
+    or host load, and what ran just before (in a fixed order, eager calls placed right after a
+    ``kernel[grid]`` launch ran 5-10 µs slower), hit all alike.
     """
     g1 = {name: capture(fn, 1) for name, fn in variants.items()}
     gn = {name: capture(fn, GRAPH_CALLS) for name, fn in variants.items()}
     for fn in variants.values():
-        for _ in range(10):
+        for _ in range(100):
             fn()
     samples: dict[str, dict[str, list[float]]] = {n: {"eager": [], "g1": [], "gn": []} for n in variants}
+    order = list(variants)
+    shuffle = random.Random(0).shuffle
     for _ in range(reps):
-        for name, fn in variants.items():
+        shuffle(order)
+        for name in order:
+            fn = variants[name]
             samples[name]["eager"].append(_timed(fn))
             samples[name]["g1"].append(_timed(g1[name].replay))
             samples[name]["gn"].append(_timed(gn[name].replay) / GRAPH_CALLS)
     return {
         name: {
             "eager_us": statistics.median(s["eager"]),
+            "eager_p10_us": float(np.percentile(s["eager"], 10)),
+            "eager_p90_us": float(np.percentile(s["eager"], 90)),
             "graph1_us": statistics.median(s["g1"]),
             f"graph{GRAPH_CALLS}_us": statistics.median(s["gn"]),
             f"graph{GRAPH_CALLS}_p10_us": float(np.percentile(s["gn"], 10)),
@@ -352,14 +361,14 @@ def print_table(results: list[dict[str, Any]]) -> None:
     for key in ("graph1_us", g, "eager_us"):
         print(f"\n{key} (median µs per call)")
         names = list(results[0]["timings"])
-        print("T".rjust(6) + "".join(n.rjust(16) for n in names) + "  eplb/floor  sglang/eplb")
+        print("T".rjust(6) + "".join(n.rjust(18) for n in names) + "  eplb/floor  sglang/eplb")
         for row in results:
             t = row["timings"]
             floor = min(t["copy torch"][key], t["copy triton"][key])
             ratio_sg = t["sglang-fused"][key] / t["eplb"][key] if "sglang-fused" in t else float("nan")
             print(
                 str(row["T"]).rjust(6)
-                + "".join(f"{t[n][key]:16.2f}" for n in names)
+                + "".join(f"{t[n][key]:18.2f}" for n in names)
                 + f"{t['eplb'][key] / floor:12.2f}{ratio_sg:13.2f}"
             )
     for row in results:

@@ -283,15 +283,15 @@ def test_compiled_direct_launches_equal_the_jit_path(mode: str) -> None:
         outs = []
         for jit in (False, False, True):
             counts.zero_()
-            outs.append((_call(ids, tables, 2, mode, counts, None, nvalid, None, jit=jit), counts.clone()))
+            outs.append((_call(ids, tables, 1, mode, counts, None, nvalid, None, jit=jit), counts.clone()))
         for got in outs[:2]:
             assert torch.equal(got[0], outs[2][0]) and torch.equal(got[1], outs[2][1])
-        launched, key = kernel.DIRECT.launch(ids, tables, 2, mode, outs[0][0], counts, None, nvalid, None)
+        launched, key = kernel.DIRECT.launch(ids, tables, 1, mode, outs[0][0], counts, None, nvalid, None)
         assert launched
         entry = kernel.DIRECT.cache.get(key)
         block, num_warps, grid = kernel.default_launch(ids.numel(), ids.get_device())
         runtime, constexprs = kernel.kernel_args(
-            ids, tables, 2, mode, outs[0][0], counts, None, nvalid, None, block
+            ids, tables, 1, mode, outs[0][0], counts, None, nvalid, None, block
         )
         compiled = kernel._remap_record_kernel[(grid,)](*runtime, *constexprs, num_warps=num_warps)
         assert entry is not None and entry.function == compiled.function
