@@ -254,6 +254,21 @@ def test_threshold_skips_and_fake_dispatch_ignores_the_placement() -> None:
     assert fake_none.balancedness_T.mean() > result.baseline.balancedness_T.mean()
 
 
+def test_empty_steps_and_one_expert_taking_everything() -> None:
+    counts = np.zeros((12, 2, 8), dtype=np.int32)
+    counts[1::2, :, 5] = 500  # odd steps: expert 5 takes every token; even steps: no load at all
+    trace = Trace.from_counts(counts)
+    config = SimulationConfig(num_gpus=4, num_nodes=2, num_redundant=4, interval=4, num_groups=4)
+    result = simulate(trace, parse_runs(["none:dynamic", "deepseek:dynamic"], "static"), config)
+    none, ds = result.run("none:dynamic"), result.run("deepseek:dynamic")
+    np.testing.assert_array_equal(none.balancedness_T[0::2], 1.0)  # no load is perfectly balanced
+    # Trivial layout: slots 8-11 repeat experts 0-3, so expert 5 has one replica, on GPU 2 of 4.
+    np.testing.assert_allclose(none.balancedness_T[1::2], 0.25)
+    # The planner gives the hot expert more replicas on more GPUs, so balance improves after step 4.
+    assert ds.events[0].applied and ds.balancedness_T[5] > 0.25
+    assert np.isfinite(ds.moe_us_T).all() and (ds.moe_us_T[0::2] == 2 * config.cost.base_us).all()
+
+
 def test_solver_options_reach_the_solver() -> None:
     trace = _random_trace(seed=4, T=40)
     config = SimulationConfig(
