@@ -83,8 +83,8 @@ def time_interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[
     """Median µs per call of every variant: eager, graph of 1 call, graph of GRAPH_CALLS calls.
 
     Variants take turns within each repetition, in a new random order each time, so drift in clocks
-    or host load, and what ran just before (in a fixed order, eager calls placed right after a
-    ``kernel[grid]`` launch ran 5-10 µs slower), hit all alike.
+    or host load, and what ran just before (in a fixed order, the eager calls placed right after a
+    ``kernel[grid]`` launch ran 4-17 µs slower than the same path elsewhere), hit all alike.
     """
     g1 = {name: capture(fn, 1) for name, fn in variants.items()}
     gn = {name: capture(fn, GRAPH_CALLS) for name, fn in variants.items()}
