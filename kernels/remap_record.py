@@ -5,6 +5,9 @@ Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, 
 Three layers, as everywhere in eplb: the private ``@triton.jit`` kernel, the typed launcher
 :func:`remap_record_triton` (block sizes, grid, argument plumbing; the public
 :func:`eplb.remap.remap_and_record` validates before calling it), and the public function.
+The launcher's first call of each specialisation goes through ``kernel[grid]``; later ones hand
+integer arguments straight to the compiled kernel's launcher (eplb.kernels.remap_record_direct),
+which is what an eager prefill pass pays per MoE layer.
 
 Persistent grid: at most ``programs_per_sm`` programs per SM stride over blocks of ``BLOCK`` ids,
 each keeping a private histogram of physical slots (and of logical experts when asked) in
