@@ -161,9 +161,14 @@ def test_when_the_future_equals_the_past_the_solver_forecast_is_exact(algorithm:
     run = result.runs[0]
     applied = [e for e in run.events if e.applied]
     assert applied and applied[0].step == 10
-    predicted = applied[0].predicted_balancedness
-    assert predicted is not None and predicted > run.balancedness_T[0]
-    np.testing.assert_allclose(run.balancedness_T[10:], predicted, rtol=1e-6)
+    assert applied[0].predicted_balancedness is not None
+    assert applied[0].predicted_balancedness > run.balancedness_T[0]
+    # Every step runs on the last applied plan, and scores exactly what that plan predicted.
+    for event, next_event in zip(applied, [*applied[1:], None], strict=True):
+        stop = trace.num_steps if next_event is None else next_event.step
+        np.testing.assert_allclose(
+            run.balancedness_T[event.step : stop], event.predicted_balancedness, rtol=1e-6
+        )
 
 
 WALL_CLOCK_KEYS = {
