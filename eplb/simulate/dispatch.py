@@ -58,8 +58,7 @@ def dispatch_matrices(
 
 def static_weights(placement: Placement) -> np.ndarray:
     """float64 [L, E, R]: fraction of the ranks whose static map sends an expert to each replica."""
-    compact = _compact(placement)
-    maps_GLE = static_dispatch_maps(compact).astype(np.int64)
+    maps_GLE = static_dispatch_maps(placement).astype(np.int64)
     L, P, G = placement.num_layers, placement.num_physical, placement.num_gpus
     flat = (maps_GLE + np.arange(L, dtype=np.int64)[None, :, None] * P).ravel()
     ranks_LP = np.bincount(flat, minlength=L * P).reshape(L, P) / G
@@ -81,17 +80,3 @@ def fake_gpu_load(
     tokens_TLG = rng.multinomial(routed_TL.reshape(-1).astype(np.int64), pvals).reshape(T, L, num_gpus)
     active_TLG = slots_per_gpu * (1.0 - (1.0 - 1.0 / slots_per_gpu) ** tokens_TLG)
     return tokens_TLG.astype(np.float32), active_TLG.astype(np.float32)
-
-
-def _compact(placement: Placement) -> Placement:
-    """The same placement with log2phy cut to the largest replica count (static maps scale with R)."""
-    R = int(placement.logcnt_LE.max())
-    if placement.max_replicas == R:
-        return placement
-    return Placement(
-        placement.phy2log_LP,
-        np.ascontiguousarray(placement.log2phy_LER[:, :, :R]),
-        placement.logcnt_LE,
-        placement.num_gpus,
-        placement.num_nodes,
-    )
