@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -15,3 +17,12 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def rank1_fails(ctx: Any, how: str) -> int:
+    """For run_ranks tests: rank 1 raises or exits abruptly; rank 0 returns its rank."""
+    if ctx.rank == 1:
+        if how == "raise":
+            raise ValueError("boom")
+        os._exit(3)
+    return int(ctx.rank)

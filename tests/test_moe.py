@@ -7,11 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import random_phy2log
-from moe_helpers import one_thread  # noqa: F401  (autouse fixture)
+from moe_helpers import one_thread, rank1_fails  # noqa: F401  (one_thread: autouse fixture)
 
 from eplb.moe.experts import expert_ffn, grouped_mm_works
 from eplb.moe.model import MoEModel, MoEModelConfig, logical_weights
 from eplb.moe.reference import dense_moe, reference_forward
+from eplb.moe.spawn import run_ranks
 from eplb.placement import Placement
 
 CPU = torch.device("cpu")
@@ -148,3 +149,13 @@ def test_config_and_shape_errors() -> None:
     cfg = MoEModelConfig(num_layers=2, num_experts=4)
     with pytest.raises(ValueError, match="placement shape"):
         MoEModel(cfg, Placement.trivial(3, 4, 1), rank=0, device=CPU)
+
+
+@pytest.mark.parametrize("how,message", [("raise", "rank 1 failed"), ("exit", "exit code 3")])
+def test_a_failing_rank_ends_the_run_quickly(how: str, message: str) -> None:
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=message):
+        run_ranks(rank1_fails, 2, args=(how,), timeout_s=120, rank0_in_process=True)
+    assert time.monotonic() - start < 60  # far below the 120 s timeout

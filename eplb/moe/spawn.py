@@ -5,6 +5,8 @@ Gloo on CPU (several processes on one machine) or NCCL with one GPU per rank. Ev
 :func:`run_ranks` end every other rank and raise with that rank's traceback; a run past
 ``timeout_s`` ends all ranks and raises ``TimeoutError``. Collectives inherit the same timeout
 (``init_process_group(timeout=...)``), so a rank stuck in one also fails instead of waiting forever.
+With ``rank0_in_process`` rank 0 runs on a thread of the caller's process while the caller's
+thread watches the spawned ranks, so a rank that dies early ends the run at once.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import datetime
 import multiprocessing as mp
 import queue
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable, Mapping, Sequence
@@ -85,6 +88,26 @@ def _child(
         results.put(("error", rank, traceback.format_exc()))
 
 
+def _rank0_thread(
+    fn: Callable[..., Any],
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    args: Sequence[Any],
+    kwargs: Mapping[str, Any],
+    results: Any,
+) -> None:
+    try:
+        ctx = init_rank(0, world_size, port, backend, timeout_s)
+        try:
+            results.put(("ok", 0, fn(ctx, *args, **kwargs)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:
+        results.put(("error", 0, traceback.format_exc()))
+
+
 def run_ranks(
     fn: Callable[..., Any],
     world_size: int,
@@ -119,13 +142,17 @@ def run_ranks(
     for p in procs:
         p.start()
     out: dict[int, Any] = {}
+    rank0: threading.Thread | None = None
+    if rank0_in_process:
+        # Rank 0 runs on a thread, so this thread keeps watching the children: a child that dies
+        # at start-up must not leave rank 0 waiting in the rendezvous until the timeout.
+        rank0 = threading.Thread(
+            target=_rank0_thread,
+            args=(fn, world_size, port, backend, timeout_s, tuple(args), dict(rank0_kwargs or {}), results),
+            daemon=True,
+        )
+        rank0.start()
     try:
-        if rank0_in_process:
-            ctx = init_rank(0, world_size, port, backend, timeout_s)
-            try:
-                out[0] = fn(ctx, *args, **(rank0_kwargs or {}))
-            finally:
-                dist.destroy_process_group()
         while len(out) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -133,7 +160,7 @@ def run_ranks(
                     f"ranks {sorted(set(range(world_size)) - set(out))} did not finish in {timeout_s} s"
                 )
             try:
-                status, rank, value = results.get(timeout=min(remaining, 1.0))
+                status, rank, value = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
                 dead = [p for p in procs if p.exitcode not in (None, 0)]
                 if dead:
@@ -143,6 +170,9 @@ def run_ranks(
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = value
     finally:
+        if rank0 is not None:
+            # Give rank 0 a moment to leave its process group, so this process can start another.
+            rank0.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
         for p in procs:
             p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
         for p in procs:
