@@ -39,6 +39,7 @@ from eplb.hotswap_exec import ChunkRun, SwapRuntime
 from eplb.hotswap_layout import PlainLayout, SlotLayout
 from eplb.hotswap_plan import SwapPlan, plan_swap
 from eplb.placement import Placement
+from eplb.placement_diff import diff_placements
 
 FaultHook = Callable[[str, int, list[torch.Tensor]], None]
 """``fault(stage, chunk, buffers)``: tests inject failures ("prepare": before a chunk is posted;
@@ -135,6 +136,12 @@ def hot_swap(
             )
 
     plan = plan_between(cur_LP, tgt_LP)
+    # What moves, in the foundation's terms; the plan moves exactly that (one receive per arrival).
+    target = Placement.from_phy2log(
+        tgt_LP, old.num_gpus, old.num_nodes, max_replicas=max(old.max_replicas, new.max_replicas)
+    )
+    diff = diff_placements(old, target, runtime.bytes_per_expert)
+    assert diff.experts_moved_across_gpus == plan.cross_gpu_transfers, "one receive per arrival"
     outcome = _execute(runtime, plan, options.overlap_chunks, fault, epoch=0)
     error = None
     if outcome is not None:
@@ -153,9 +160,9 @@ def hot_swap(
         layers=layer_list,
         error=error,
         seconds=time.perf_counter() - start,
-        experts_moved=plan.cross_gpu_transfers,
-        bytes_moved=plan.cross_gpu_transfers * plan.bytes_per_expert,
-        local_copies=plan.local_copies,
+        experts_moved=diff.experts_moved_across_gpus,
+        bytes_moved=diff.bytes_across_gpus,
+        local_copies=diff.local_copies,
         chunks=len(plan.chunks),
         phase_seconds=dict(runtime.phase_seconds),
     )
