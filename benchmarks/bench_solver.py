@@ -2,7 +2,8 @@
 
 Shape legend: T steps, W window (passes), L layers, E logical experts, P physical slots, G GPUs, N nodes.
 
-For every EP size (DeepSeek-V3 shape: 58 layers x 256 experts, 32 redundant slots; EP 8/16/32/64 on
+For every EP size (DeepSeek-V3 shape: 58 layers x 256 experts, 32 redundant slots, 64 at EP64 where
+288 slots do not divide; EP 8/16/32/64 on
 1/2/4/8 nodes) a synthetic deepseek-v3 trace (eplb.workloads: drift and workload shifts) is cut
 into windows of W passes. Each planner sees window i and its own current placement, plans, and is
 scored on window i+1:
@@ -46,6 +47,13 @@ from eplb.solver import SolveOptions, Topology, solve
 from eplb.workloads import PRESETS, WorkloadConfig, generate
 
 NODES_FOR_EP = {8: 1, 16: 2, 32: 4, 64: 8}
+
+
+def num_physical(num_experts: int, redundant: int, ep: int) -> int:
+    """E + redundant, rounded up to a multiple of EP (EP64: 256 + 32 = 288 does not divide, 320 does)."""
+    return -(-(num_experts + redundant) // ep) * ep
+
+
 VARIANTS: dict[str, dict[str, Any]] = {
     # The default: incremental from the current placement, decayed forecast.
     "scipy": {},
@@ -136,14 +144,12 @@ def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
             trace = generate(WorkloadConfig(num_steps=steps, seed=seed))
             counts = trace.counts_TLE.astype(np.float64)
             for ep in args.ep:
+                P = num_physical(preset.num_experts, args.redundant, ep)
                 topology = Topology(
-                    num_gpus=ep,
-                    num_nodes=NODES_FOR_EP[ep],
-                    num_physical=preset.num_experts + args.redundant,
-                    num_groups=preset.num_groups,
+                    num_gpus=ep, num_nodes=NODES_FOR_EP[ep], num_physical=P, num_groups=preset.num_groups
                 )
                 start = Placement.trivial(
-                    preset.num_layers, preset.num_experts, ep, args.redundant, NODES_FOR_EP[ep]
+                    preset.num_layers, preset.num_experts, ep, P - preset.num_experts, NODES_FOR_EP[ep]
                 )
                 planners: dict[str, Planner] = {
                     "peer sglang (hierarchical = auto)": peer_planner(topology, True),
@@ -181,23 +187,27 @@ def run_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
             topology = Topology(
                 num_gpus=ep,
                 num_nodes=NODES_FOR_EP[ep],
-                num_physical=preset.num_experts + args.redundant,
-                num_groups=8,
+                num_physical=num_physical(preset.num_experts, args.redundant, ep),
+                num_groups=preset.num_groups,
             )
             w0 = counts[: args.timing_window, :layers]
             w1 = counts[args.timing_window :, :layers]
             weight = torch.from_numpy(w0.sum(axis=0).astype(np.float32))
             t0 = time.perf_counter()
-            module.rebalance_experts(weight, topology.num_physical, 8, topology.num_nodes, ep, True)
+            module.rebalance_experts(
+                weight, topology.num_physical, preset.num_groups, topology.num_nodes, ep, True
+            )
             peer_s = time.perf_counter() - t0
             first = solve(w0, topology, None, SolveOptions())
             second = solve(w1, topology, first.placement, SolveOptions())
+            no_milp = solve(w1, topology, first.placement, SolveOptions(time_budget_s=0))
             row = {
                 "layers": layers,
                 "ep": ep,
                 "peer_s": peer_s,
                 "fresh_s": first.stats["solve_seconds"],
                 "incremental_s": second.stats["solve_seconds"],
+                "incremental_no_milp_s": no_milp.stats["solve_seconds"],
                 "milp_s": first.stats.get("milp_seconds", 0.0),
             }
             rows.append(row)

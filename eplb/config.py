@@ -40,7 +40,7 @@ class EplbConfig:
     ep_dispatch_algorithm: str | None = None
     """static | dynamic | fake | weighted; None means static when EPLB is on."""
     eplb_algorithm: str = "auto"
-    """auto | deepseek | deepseek_hierarchical | scipy."""
+    """auto | deepseek | deepseek_hierarchical | scipy; auto picks scipy (docs/solver.md)."""
     init_expert_location: str = "trivial"
     """'trivial', or an SGLang JSON file/string with physical_to_logical_map or logical_count."""
     ep_size: int = 1
@@ -211,7 +211,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--eplb-algorithm",
         choices=EPLB_ALGORITHMS,
         default=d.eplb_algorithm,
-        help="placement solver (default: %(default)s)",
+        help="placement solver; auto picks scipy (default: %(default)s)",
     )
     g.add_argument(
         "--init-expert-location",

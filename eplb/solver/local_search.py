@@ -96,7 +96,6 @@ def swap_search(
     _, L, P = state.item_KLP.shape
     G, S = num_gpus, P // num_gpus
     active = np.ones(L, dtype=bool)
-    gpu_P = np.arange(P) // S
     swaps = 0
     for _ in range(max_rounds):
         layers = np.flatnonzero(active)
@@ -104,7 +103,7 @@ def swap_search(
             break
         target = None if target_KL is None else target_KL[:, layers]
         found, gain, slot_a, slot_b, dcost = _best_swaps(
-            state, layers, weights_K, G, S, gpu_P, copy_cost, min_gain, target
+            state, layers, weights_K, G, S, copy_cost, min_gain, target
         )
         if max_copies is not None:
             found &= _within_cap(state, layers, found, gain, dcost, max_copies)
@@ -121,52 +120,68 @@ def _best_swaps(
     weights_K: np.ndarray,
     G: int,
     S: int,
-    gpu_P: np.ndarray,
     copy_cost: float,
     min_gain: float,
     target_Kl: np.ndarray | None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """For each layer in ``layers``: whether a paying swap exists, its gain, slots and copy delta."""
+    """For each layer in ``layers``: whether a paying swap exists, its gain, slots and copy delta.
+
+    Partners are the slots of the lighter GPUs only (the lightest half, at least four GPUs): a
+    swap with a GPU near the top cannot lower the top, and halving the candidates halves the work.
+    """
     item = state.item_KLP[:, layers]  # [K, l, P]
-    K, nl, P = item.shape
+    K, nl, _ = item.shape
     rows = np.arange(nl)
+    if G == 1:
+        nothing = np.zeros(nl, dtype=np.int64)
+        return np.zeros(nl, dtype=bool), np.zeros(nl), nothing, nothing, nothing
     gpu_KlG = item.reshape(K, nl, G, S).sum(axis=-1)
     mean_Kl = np.maximum(gpu_KlG.mean(axis=-1), 1e-300)
     if target_Kl is None:
         hot_l = _critical_gpu(gpu_KlG, mean_Kl, weights_K)
     else:
         excess_KlG = np.maximum(gpu_KlG - target_Kl[..., None], 0.0) / mean_Kl[..., None]
-        hot_l = np.tensordot(weights_K, excess_KlG, axes=1).argmax(axis=1)
+        hot_l = _expect(weights_K, excess_KlG).argmax(axis=1)
+    expected_lG = _expect(weights_K, gpu_KlG / mean_Kl[..., None])
+    expected_lG[rows, hot_l] = np.inf
+    num_partners = max(1, min(G - 1, max(4, G // 2)))
+    partner_gpu_lB = np.argsort(expected_lG, axis=1, kind="stable")[:, :num_partners]
+    partner_lQ = (partner_gpu_lB[:, :, None] * S + np.arange(S)).reshape(nl, -1)
+    gpu_lQ = partner_lQ // S
+    Q = partner_lQ.shape[1]
+
     hot_slots_lS = hot_l[:, None] * S + np.arange(S)
     a_KlS = np.take_along_axis(item, np.broadcast_to(hot_slots_lS, (K, nl, S)), axis=-1)
+    b_KlQ = np.take_along_axis(item, np.broadcast_to(partner_lQ, (K, nl, Q)), axis=-1)
     hot_load_Kl = gpu_KlG[:, rows, hot_l]
-    other_load_KlP = gpu_KlG[:, :, gpu_P]
-    new_hot = hot_load_Kl[:, :, None, None] - a_KlS[..., None] + item[:, :, None, :]
-    new_other = other_load_KlP[:, :, None, :] - item[:, :, None, :] + a_KlS[..., None]
+    other_load_KlQ = np.take_along_axis(gpu_KlG, np.broadcast_to(gpu_lQ, (K, nl, Q)), axis=-1)
+    new_hot = hot_load_Kl[:, :, None, None] - a_KlS[..., None] + b_KlQ[:, :, None, :]
+    new_other = other_load_KlQ[:, :, None, :] - b_KlQ[:, :, None, :] + a_KlS[..., None]
     if target_Kl is None:
-        gain_lSP = _peak_gain(gpu_KlG, mean_Kl, hot_l, gpu_P, new_hot, new_other, weights_K)
+        gain_lSQ = _peak_gain(gpu_KlG, mean_Kl, hot_l, gpu_lQ, new_hot, new_other, weights_K)
     else:
         t = target_Kl[..., None, None]
         before = np.maximum(hot_load_Kl[..., None, None] - t, 0) + np.maximum(
-            other_load_KlP[:, :, None, :] - t, 0
+            other_load_KlQ[:, :, None, :] - t, 0
         )
         after = np.maximum(new_hot - t, 0) + np.maximum(new_other - t, 0)
-        gain_lSP = _expect(weights_K, (before - after) / mean_Kl[..., None, None])
+        gain_lSQ = _expect(weights_K, (before - after) / mean_Kl[..., None, None])
 
     p2l = state.phy2log_LP[layers]
     expert_a_lS = np.take_along_axis(p2l, hot_slots_lS, axis=1)
-    invalid = (gpu_P[None, None, :] == hot_l[:, None, None]) | (expert_a_lS[:, :, None] == p2l[:, None, :])
-    dcost = _copy_delta(state, layers, hot_l, expert_a_lS, p2l, gpu_P)
-    net = np.where(invalid, -np.inf, gain_lSP - copy_cost * dcost)
+    expert_b_lQ = np.take_along_axis(p2l, partner_lQ, axis=1)
+    invalid = expert_a_lS[:, :, None] == expert_b_lQ[:, None, :]
+    dcost = _copy_delta(state, layers, hot_l, expert_a_lS, expert_b_lQ, gpu_lQ)
+    net = np.where(invalid, -np.inf, gain_lSQ - copy_cost * dcost)
     flat = net.reshape(nl, -1).argmax(axis=1)
     best = net.reshape(nl, -1)[rows, flat]
-    s_idx, p_idx = np.divmod(flat, P)
+    s_idx, q_idx = np.divmod(flat, Q)
     found = best > max(min_gain, _TOL)
     return (
         found,
-        gain_lSP.reshape(nl, -1)[rows, flat],
+        gain_lSQ.reshape(nl, -1)[rows, flat],
         hot_slots_lS[rows, s_idx],
-        p_idx,
+        partner_lQ[rows, q_idx],
         dcost.reshape(nl, -1)[rows, flat],
     )
 
@@ -193,19 +208,19 @@ def _peak_gain(
     gpu_KlG: np.ndarray,
     mean_Kl: np.ndarray,
     hot_l: np.ndarray,
-    gpu_P: np.ndarray,
+    gpu_lQ: np.ndarray,
     new_hot: np.ndarray,
     new_other: np.ndarray,
     weights_K: np.ndarray,
 ) -> np.ndarray:
-    """float64 [l, S, P]: change in expected balancedness of each candidate swap."""
+    """float64 [l, S, Q]: change in expected balancedness of each candidate swap."""
     G = gpu_KlG.shape[-1]
     order = np.argsort(-gpu_KlG, axis=-1)[..., : min(3, G)]
     top_val = np.take_along_axis(gpu_KlG, order, axis=-1)
     peak_Kl = top_val[..., 0]
     # Busiest GPU other than the hot one and the partner's GPU, per partner slot.
-    other_max_KlP = _max_excluding(top_val, order, hot_l, gpu_P)
-    new_peak = np.maximum(np.maximum(new_hot, new_other), other_max_KlP[:, :, None, :])
+    other_max_KlQ = _max_excluding(top_val, order, hot_l, gpu_lQ)
+    new_peak = np.maximum(np.maximum(new_hot, new_other), other_max_KlQ[:, :, None, :])
     ratio_new = np.where(new_peak > 0, mean_Kl[..., None, None] / np.where(new_peak > 0, new_peak, 1.0), 1.0)
     ratio_old = np.where(peak_Kl > 0, mean_Kl / np.where(peak_Kl > 0, peak_Kl, 1.0), 1.0)
     return _expect(weights_K, ratio_new - ratio_old[..., None, None])
@@ -219,16 +234,16 @@ def _expect(weights_K: np.ndarray, values_K: np.ndarray) -> np.ndarray:
 
 
 def _max_excluding(
-    top_val: np.ndarray, order: np.ndarray, hot_l: np.ndarray, gpu_P: np.ndarray
+    top_val: np.ndarray, order: np.ndarray, hot_l: np.ndarray, gpu_lQ: np.ndarray
 ) -> np.ndarray:
-    """float64 [K, l, P]: largest GPU load among GPUs other than the hot GPU and slot p's GPU."""
+    """float64 [K, l, Q]: largest GPU load among GPUs other than the hot GPU and partner q's GPU."""
     K, nl, T = top_val.shape
-    P = gpu_P.shape[0]
-    result = np.zeros((K, nl, P))
-    done = np.zeros((K, nl, P), dtype=bool)
+    Q = gpu_lQ.shape[1]
+    result = np.zeros((K, nl, Q))
+    done = np.zeros((K, nl, Q), dtype=bool)
     for t in range(T):
         idx = order[..., t][..., None]
-        ok = (idx != hot_l[None, :, None]) & (idx != gpu_P[None, None, :]) & ~done
+        ok = (idx != hot_l[None, :, None]) & (idx != gpu_lQ[None]) & ~done
         result = np.where(ok, top_val[..., t][..., None], result)
         done |= ok
     return result
@@ -239,34 +254,36 @@ def _copy_delta(
     layers: np.ndarray,
     hot_l: np.ndarray,
     expert_a_lS: np.ndarray,
-    p2l_lP: np.ndarray,
-    gpu_P: np.ndarray,
+    expert_b_lQ: np.ndarray,
+    gpu_lQ: np.ndarray,
 ) -> np.ndarray:
-    """int64 [l, S, P]: change in expert copies across GPUs (vs origin) if hot slot s and slot p swap.
+    """int64 [l, S, Q]: change in expert copies across GPUs (vs origin) if hot slot s and partner q swap.
 
-    Arrivals created: b on the hot GPU and a on p's GPU, unless already there; arrivals removed: the
-    last a leaving the hot GPU and the last b leaving p's GPU, when those were arrivals themselves.
+    Arrivals created: b on the hot GPU and a on q's GPU, unless already there; arrivals removed: the
+    last a leaving the hot GPU and the last b leaving q's GPU, when those were arrivals themselves.
     """
     nl, S = expert_a_lS.shape
-    P = p2l_lP.shape[1]
+    Q = expert_b_lQ.shape[1]
     if state.origin_LGE is None:
-        return np.zeros((nl, S, P), dtype=np.int64)
+        return np.zeros((nl, S, Q), dtype=np.int64)
     rows = np.arange(nl)
     holds = state.holds_LGE[layers]
     stranger = ~state.origin_LGE[layers]
     hot_holds_lE = holds[rows, hot_l]
     hot_stranger_lE = stranger[rows, hot_l]
-    ea, eb = expert_a_lS, p2l_lP
-    add_hot_lP = (np.take_along_axis(hot_holds_lE, eb, 1) == 0) & np.take_along_axis(hot_stranger_lE, eb, 1)
+    ea, eb = expert_a_lS, expert_b_lQ
+    add_hot_lQ = (np.take_along_axis(hot_holds_lE, eb, 1) == 0) & np.take_along_axis(hot_stranger_lE, eb, 1)
     rem_hot_lS = (np.take_along_axis(hot_holds_lE, ea, 1) == 1) & np.take_along_axis(hot_stranger_lE, ea, 1)
-    # a arriving on GPU g: [l, G, S], then spread over g's slots.
+    # a arriving on GPU g: [l, S, G], then read at each partner's GPU.
     idx_lGS = np.broadcast_to(ea[:, None, :], (nl, holds.shape[1], S))
-    add_a_lGS = (np.take_along_axis(holds, idx_lGS, 2) == 0) & np.take_along_axis(stranger, idx_lGS, 2)
-    add_other_lSP = add_a_lGS.transpose(0, 2, 1)[:, :, gpu_P]
-    own_lP = holds[rows[:, None], gpu_P[None, :], eb]
-    rem_other_lP = (own_lP == 1) & stranger[rows[:, None], gpu_P[None, :], eb]
-    delta = add_other_lSP.astype(np.int64)
-    delta += (add_hot_lP.astype(np.int64) - rem_other_lP)[:, None, :]
+    add_a_lSG = (
+        (np.take_along_axis(holds, idx_lGS, 2) == 0) & np.take_along_axis(stranger, idx_lGS, 2)
+    ).transpose(0, 2, 1)
+    add_other_lSQ = np.take_along_axis(add_a_lSG, np.broadcast_to(gpu_lQ[:, None, :], (nl, S, Q)), axis=2)
+    own_lQ = holds[rows[:, None], gpu_lQ, eb]
+    rem_other_lQ = (own_lQ == 1) & stranger[rows[:, None], gpu_lQ, eb]
+    delta = add_other_lSQ.astype(np.int64)
+    delta += (add_hot_lQ.astype(np.int64) - rem_other_lQ)[:, None, :]
     delta -= rem_hot_lS[:, :, None]
     return delta
 
