@@ -55,13 +55,18 @@ def num_physical(num_experts: int, redundant: int, ep: int) -> int:
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
-    # The default: incremental from the current placement, decayed forecast.
+    # The default: incremental from the current placement; auto forecast (robust on windows of
+    # 500+ passes, decay on shorter ones).
     "scipy": {},
+    "scipy decay": {"prediction": "decay"},
+    "scipy robust": {"prediction": "robust"},
+    # Planning on the plain window sum (isolates the forecast's contribution).
+    "scipy sum": {"prediction": "sum"},
     # A fresh plan each time (GPUs relabelled to the current placement): best balance, more moves.
     "scipy fresh": {"incremental": False},
-    # The default, planning on the plain window sum (isolates the forecast's contribution).
-    "scipy sum": {"prediction": "sum"},
-    "scipy robust": {"prediction": "robust"},
+    # Fewer or more moves.
+    "scipy copy_cost=0.005": {"copy_cost": 0.005},
+    "scipy copy_cost=0.001": {"copy_cost": 0.001},
     # Dispatch weights from the LP split, scored with those weights.
     "scipy weighted": {"weighted": True},
 }
@@ -151,10 +156,11 @@ def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
                 start = Placement.trivial(
                     preset.num_layers, preset.num_experts, ep, P - preset.num_experts, NODES_FOR_EP[ep]
                 )
-                planners: dict[str, Planner] = {
-                    "peer sglang (hierarchical = auto)": peer_planner(topology, True),
-                    "peer sglang (global)": peer_planner(topology, False),
-                }
+                planners: dict[str, Planner] = {}
+                if "hierarchical" in args.peers:
+                    planners["peer sglang (hierarchical = auto)"] = peer_planner(topology, True)
+                if "global" in args.peers:
+                    planners["peer sglang (global)"] = peer_planner(topology, False)
                 for name in args.variants:
                     planners[name] = our_planner(topology, preset.bytes_per_expert, **VARIANTS[name])
                 for name, planner in planners.items():
@@ -239,6 +245,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--redundant", type=int, default=32)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--quick", action="store_true", help="EP32, window 200, 6 rebalances")
+    parser.add_argument(
+        "--peers", nargs="*", default=["hierarchical", "global"], choices=["hierarchical", "global"]
+    )
     parser.add_argument("--timing", action="store_true", help="only the solve-time sweep")
     parser.add_argument("--timing-layers", type=int, nargs="+", default=[15, 29, 58])
     parser.add_argument("--timing-window", type=int, default=200)

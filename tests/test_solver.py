@@ -202,3 +202,14 @@ def test_copy_cap_and_min_gain() -> None:
     picky = solve(load, topology, current, SolveOptions(min_gain=1.0))
     assert not picky.apply and "min_gain" in picky.reason
     assert picky.stats["current_balancedness"] < picky.predicted_balancedness
+
+
+def test_auto_prediction_is_robust_on_long_windows_only() -> None:
+    rng = np.random.default_rng(8)
+    topology = Topology(num_gpus=4, num_physical=20)
+    options = SolveOptions(robust_from_passes=50)
+    short = solve(rng.random((49, 2, 16)), topology, None, options)
+    long = solve(rng.random((50, 2, 16)), topology, None, options)
+    assert short.stats["prediction_robust"] == 0.0 and long.stats["prediction_robust"] == 1.0
+    assert SolveOptions().resolved_prediction("deepseek", 10_000) == "sum"
+    assert SolveOptions(prediction="recent").resolved_prediction("scipy", 10) == "recent"

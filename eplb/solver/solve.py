@@ -67,7 +67,8 @@ def solve(
     _, L, E = load_WLE.shape
     check_shapes(L, E, topology, current)
     algorithm = resolve_algorithm(options.algorithm, topology, E)
-    prediction = predict(load_WLE, options, options.resolved_prediction(algorithm))
+    method = options.resolved_prediction(algorithm, load_WLE.shape[0])
+    prediction = predict(load_WLE, options, method)
     stats: dict[str, float] = {}
 
     if algorithm in ("deepseek", "deepseek_hierarchical"):
@@ -85,6 +86,7 @@ def solve(
     apply, reason = _decide(prediction, predicted, current, diff, options, stats)
     stats["solve_seconds"] = time.perf_counter() - start
     stats["algorithm_scipy"] = float(algorithm == "scipy")
+    stats["prediction_robust"] = float(method == "robust")
     return Plan(
         placement=placement,
         dispatch_weights_LER=weights_LER,

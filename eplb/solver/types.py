@@ -62,7 +62,10 @@ class SolveOptions:
     """deepseek | deepseek_hierarchical | scipy | auto (auto: scipy; see docs/solver.md)."""
     prediction: str = "auto"
     """How a window [W, L, E] becomes the load to plan for: auto | sum | decay | recent | robust.
-    auto: decay for scipy (the benchmarked best), sum for the DeepSeek algorithms (as SGLang runs them)."""
+    auto, for scipy: robust on windows of at least ``robust_from_passes`` passes, decay on shorter
+    ones (the benchmark's best for each); for the DeepSeek algorithms: sum, as SGLang runs them."""
+    robust_from_passes: int = 500
+    """auto prediction: the window length (passes) from which scipy plans robustly."""
     decay_half_life: float = 8.0
     """decay/robust: half-life of a pass's weight, in recorded passes (recent passes weigh more)."""
     recent_fraction: float = 0.25
@@ -97,6 +100,8 @@ class SolveOptions:
             raise ValueError(f"decay_half_life must be > 0 passes, got {self.decay_half_life}")
         if not 0 < self.recent_fraction <= 1:
             raise ValueError(f"recent_fraction must lie in (0, 1], got {self.recent_fraction}")
+        if self.robust_from_passes < 1:
+            raise ValueError(f"robust_from_passes must be >= 1, got {self.robust_from_passes}")
         if self.num_scenarios < 1:
             raise ValueError(f"num_scenarios must be >= 1, got {self.num_scenarios}")
         if not self.time_budget_s >= 0:
@@ -110,11 +115,13 @@ class SolveOptions:
         if not np.isfinite(self.min_gain):
             raise ValueError(f"min_gain must be finite, got {self.min_gain}")
 
-    def resolved_prediction(self, algorithm: str) -> str:
-        """The predictor ``prediction`` stands for with the concrete ``algorithm``."""
+    def resolved_prediction(self, algorithm: str, num_passes: int) -> str:
+        """The predictor ``prediction`` stands for with the concrete ``algorithm`` and window length."""
         if self.prediction != "auto":
             return self.prediction
-        return "decay" if algorithm == "scipy" else "sum"
+        if algorithm != "scipy":
+            return "sum"
+        return "robust" if num_passes >= self.robust_from_passes else "decay"
 
     @property
     def max_copies(self) -> int | None:
