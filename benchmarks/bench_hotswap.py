@@ -8,11 +8,9 @@ Three parts, one process per GPU (NCCL) or per CPU rank (Gloo, ``--device cpu``,
    captured in a CUDA graph. Hot-swap to a random placement, replay the same graph (no recapture):
    the output must equal the dense reference and the eager output; slot storage must not move.
    A swap with an injected checksum mismatch must roll back exactly.
-2. ``bandwidth``: one layer of DeepSeek-V3-sized fp8 experts (w13 [S, 4096, 7168] + w2 [S, 7168, 2048],
-   44 MB each, S = 72). "one-way N": N experts copied from GPU 0 into GPU 1's redundant slots;
-   "swap N+N": N experts of each GPU trade places. Each hot-swap variant (verify on/off, staging budget) is timed
-   against a raw NCCL send/recv of the same bytes (one contiguous buffer per direction, same
-   batch_isend_irecv call) in the same run; medians of ``--reps``, directions alternating.
+2. ``bandwidth`` (benchmarks/bench_hotswap_bandwidth.py): DeepSeek-V3-sized fp8 experts moved one
+   way and traded both ways; each hot-swap variant (checksum backend, piece size, staging budget,
+   verify off) against a raw NCCL send/recv of the same bytes in the same directions, same run.
 3. ``layer``: one MoE layer at DeepSeek-V3 dims (bf16, E=32 + 4 redundant, top-8) under a router
    skewed onto GPU 0's experts, timed before and after one rebalance (eplb.solver + hot-swap).
 
@@ -36,17 +34,10 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.bench_hotswap_bandwidth import bandwidth, print_bandwidth, sync
 from eplb.hotswap import HotSwapOptions, hot_swap
 from eplb.moe.spawn import RankContext, run_ranks
 from eplb.placement import Placement
-
-GB = 1e9
-
-
-def sync(ctx: RankContext) -> None:
-    if ctx.device.type == "cuda":
-        torch.cuda.synchronize()
-    dist.barrier()
 
 
 # ---- 1. correctness ---------------------------------------------------------------------------
@@ -102,7 +93,7 @@ def check(ctx: RankContext, small: bool) -> dict[str, Any]:
     after = y_static.clone()
     eager = model(x_static)
     tol = 2e-2 if cuda else 1e-5
-    out = {
+    out: dict[str, Any] = {
         "swap_ok": res.ok,
         "experts_moved": res.experts_moved,
         "graph_vs_reference_before": float((before.float() - ref.float()).abs().max()),
@@ -123,8 +114,10 @@ def check(ctx: RankContext, small: bool) -> dict[str, Any]:
     out["rollback_ok"] = (not bad.ok) and all(
         torch.equal(a[k], b[k]) for a, b in zip(model.slots_L, snapshot, strict=True) for k in a
     )
+    out["triton_checksum_equal"] = checksums_agree(ctx.device) if cuda else None
     out["passed"] = bool(
         res.ok
+        and out["triton_checksum_equal"] is not False
         and out["ptrs_same"]
         and out["rollback_ok"]
         and out["graph_vs_reference_after"] < tol
@@ -134,129 +127,20 @@ def check(ctx: RankContext, small: bool) -> dict[str, Any]:
     return out
 
 
-# ---- 2. bandwidth -----------------------------------------------------------------------------
-def expert_slots(ctx: RankContext, S: int, small: bool) -> dict[str, torch.Tensor]:
-    H, inter = (256, 128) if small else (7168, 2048)
-    dtype = torch.float8_e4m3fn if ctx.device.type == "cuda" else torch.uint8
-    g = torch.Generator(device=ctx.device).manual_seed(ctx.rank)
+def checksums_agree(device: torch.device) -> bool:
+    """The Triton checksum and the plain-torch one give the same numbers on fp8 slots (non-consecutive rows)."""
+    from eplb.hotswap_checksum import SlotChecksum
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randint(0, 256, shape, dtype=torch.uint8, device=ctx.device, generator=g).view(dtype)
-
-    return {"w13": rand(S, 2 * inter, H), "w2": rand(S, H, inter)}
-
-
-def time_batches(ctx: RankContext, ops: list[dist.P2POp], reps: int) -> list[float]:
-    """Seconds per ``batch_isend_irecv(ops)`` between synchronised starts (the first run is a warm-up)."""
-    times = []
-    for _ in range(reps + 1):
-        sync(ctx)
-        start = time.perf_counter()
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        sync(ctx)
-        times.append(time.perf_counter() - start)
-    return times[1:]
-
-
-def raw_transfer(ctx: RankContext, send_bytes: int, recv_bytes: int, reps: int) -> list[float]:
-    """Seconds per raw send/recv of contiguous buffers (rank 0 <-> rank 1), same API as the swap."""
-    peer = 1 - ctx.rank
-    ops = []
-    if send_bytes:
-        ops.append(
-            dist.P2POp(dist.isend, torch.empty(send_bytes, dtype=torch.uint8, device=ctx.device), peer)
-        )
-    if recv_bytes:
-        ops.append(
-            dist.P2POp(dist.irecv, torch.empty(recv_bytes, dtype=torch.uint8, device=ctx.device), peer)
-        )
-    return time_batches(ctx, ops, reps)
-
-
-def bandwidth(ctx: RankContext, reps: int, small: bool) -> list[dict[str, Any]]:
-    S = 10 if small else 72
-    slots = expert_slots(ctx, S, small)
-    per_expert = sum(t[0].numel() * t.element_size() for t in slots.values())
-    rows = []
-    scenarios: dict[str, tuple[np.ndarray, np.ndarray, tuple[int, int]]] = {}
-    pairs: dict[str, list[tuple[int, int]]] = {}
-    for moved in (8,) if small else (32, 64):
-        # one-way: GPU 0 holds experts 0..S-1; GPU 1 holds S..S+extra-1 and redundant copies of them,
-        # whose slots then take `moved` of GPU 0's experts.
-        extra = S - moved
-        base = np.concatenate([np.arange(S), S + np.arange(S) % extra])[None].astype(np.int32)
-        one_way = base.copy()
-        one_way[0, S + extra : S + extra + moved] = np.arange(moved)
-        name = f"one-way {moved}"
-        scenarios[name] = (base, one_way, (moved, 0) if ctx.rank == 0 else (0, moved))
-        pairs[name] = [(s, extra + s) for s in range(moved)]
-    for half in (4,) if small else (16, 32):
-        # swap: 2S experts; the first `half` slots of each GPU trade places.
-        swap_old = np.arange(2 * S, dtype=np.int32)[None]
-        swap_new = swap_old.copy()
-        swap_new[0, :half], swap_new[0, S : S + half] = swap_old[0, S : S + half], swap_old[0, :half]
-        name = f"swap {half}+{half}"
-        scenarios[name] = (swap_old, swap_new, (half, half))
-        pairs[name] = [(s, s) for s in range(half)]
-    variants = {
-        "verify, 2 GB staging": HotSwapOptions(),
-        "verify, 512 MB staging": HotSwapOptions(staging_budget_bytes=512 << 20),
-        "no verify, 2 GB staging": HotSwapOptions(verify=False),
-    }
-    for name, (p_old, p_new, (n_send, n_recv)) in scenarios.items():
-        old = Placement.from_phy2log(p_old, 2)
-        new = Placement.from_phy2log(p_new, 2, max_replicas=old.max_replicas)
-        raw = raw_transfer(ctx, n_send * per_expert, n_recv * per_expert, reps)
-        row: dict[str, Any] = {
-            "scenario": name,
-            "experts_each_way": max(n_send, n_recv),
-            "bytes_one_way": max(n_send, n_recv) * per_expert,
-        }
-        row["raw_s"] = statistics.median(raw)
-        row["raw, one op per tensor_s"] = statistics.median(
-            raw_per_tensor(ctx, slots, pairs[name], name, reps)
-        )
-        for label, options in variants.items():
-            times = []
-            for rep in range(reps + 1):
-                # one-way moves only from old to new (new -> old is local copies): reset untimed.
-                one_way = name.startswith("one-way")
-                a, b = (old, new) if rep % 2 == 0 or one_way else (new, old)
-                sync(ctx)
-                start = time.perf_counter()
-                res = hot_swap([slots], a, b, options=options)
-                sync(ctx)
-                assert res.ok, res.error
-                times.append(time.perf_counter() - start)
-                if one_way:
-                    hot_swap([slots], b, a, options=options)
-            row[f"{label}_s"] = statistics.median(times[1:])
-            row[f"{label}_phases"] = {k: round(v * 1e3, 3) for k, v in res.phase_seconds.items()}
-            row[f"{label}_chunks"] = res.chunks
-        if name.startswith("swap") and reps % 2 == 1:  # leave the slots as they started
-            hot_swap([slots], new, old)
-        rows.append(row)
-    return rows
-
-
-def raw_per_tensor(
-    ctx: RankContext, slots: dict[str, torch.Tensor], pairs: list[tuple[int, int]], scenario: str, reps: int
-) -> list[float]:
-    """The swap's messages without the swap: each expert's tensors as separate ops in one batch."""
-    names = sorted(slots)
-    peer = 1 - ctx.rank
-    sending = scenario.startswith("swap") or ctx.rank == 0
-    receiving = scenario.startswith("swap") or ctx.rank == 1
-    landing = [[torch.empty_like(slots[n][0]) for n in names] for _ in pairs] if receiving else []
-    ops = []
-    if sending:
-        ops += [
-            dist.P2POp(dist.isend, slots[n][src].view(torch.uint8), peer) for src, _ in pairs for n in names
-        ]
-    for bufs in landing:
-        ops += [dist.P2POp(dist.irecv, b.view(torch.uint8), peer) for b in bufs]
-    return time_batches(ctx, ops, reps)
+    g = torch.Generator(device=device).manual_seed(3)
+    buf = torch.randint(0, 256, (6, 272, 7168), dtype=torch.uint8, device=device, generator=g)
+    buf = buf.view(torch.float8_e4m3fn)
+    rows, pos = [5, 0, 3, 4], [2, 6, 10, 14]
+    out = {}
+    for backend in ("torch", "triton"):
+        vec = torch.zeros(18, dtype=torch.int64, device=device)
+        SlotChecksum(buf.shape[1:], buf.dtype, rows, pos, device, backend)(buf, vec, 7)
+        out[backend] = vec
+    return bool(torch.equal(out["torch"], out["triton"]) and out["torch"].count_nonzero() == 8)
 
 
 # ---- 3. layer time before / after one rebalance -----------------------------------------------
@@ -368,30 +252,7 @@ def print_tables(results: list[dict[str, Any]]) -> None:
         for rank, r in enumerate(results):
             print(f"check rank {rank}: {r['check']}")
     if "bandwidth" in r0:
-        print("\n| scenario | experts each way | GB one way | variant | ms | GB/s | vs raw NCCL |")
-        print("|---|---|---|---|---|---|---|")
-        for row in r0["bandwidth"]:
-            # Both ranks time the same collective; the slower rank's median is the figure.
-            rows = [r["bandwidth"][r0["bandwidth"].index(row)] for r in results]
-            gb = row["bytes_one_way"] / GB
-            raw = max(r["raw_s"] for r in rows)
-            print(
-                f"| {row['scenario']} | {row['experts_each_way']} | {gb:.2f} | raw NCCL send/recv | {raw * 1e3:.2f} | {gb / raw:.0f} | 1.00 |"
-            )
-            for key in row:
-                if key.endswith("_s") and key != "raw_s":
-                    t = max(r[key] for r in rows)
-                    print(
-                        f"| {row['scenario']} | {row['experts_each_way']} | {gb:.2f} | {key[:-2]} | {t * 1e3:.2f} "
-                        f"| {gb / t:.0f} | {raw / t:.2f} |"
-                    )
-        print("\nhost time per phase of the last rep, ms (rank 0 / rank 1):")
-        for i, row in enumerate(r0["bandwidth"]):
-            for key in row:
-                if key.endswith("_phases"):
-                    per_rank = [r["bandwidth"][i][key] for r in results]
-                    chunks = row[key.replace("_phases", "_chunks")]
-                    print(f"  {row['scenario']} / {key[:-7]} ({chunks} chunks): {per_rank}")
+        print_bandwidth(results)
     if "layer" in r0:
         print("\nlayer time (max over ranks of the median), before -> after one rebalance:")
         for key in r0["layer"]:

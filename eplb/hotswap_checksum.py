@@ -6,12 +6,16 @@ Each tensor's bytes are read as int32 words (int16 or uint8 when its row size de
 rows (its first dimension). Its checksum is two int64 numbers: the sum of all words and the sum of
 each row's sum times (row index + 1). Integer sums wrap modulo 2**64 and do not depend on
 summation order, so sender and receiver agree bit for bit; any changed word changes the first
-number, a swapped pair of rows the second. One pass over the data, no host synchronisation, and
-a few kernels per block of consecutive slots (what hot-swap sends as one message).
+number, a swapped pair of rows the second. One pass over the data, no host synchronisation.
+
+:class:`SlotChecksum` checksums chosen slots of one slot buffer into fixed positions of a vector
+(hot-swap's agreement vector): one launch of eplb.kernels.slot_checksum (Triton, a bounded grid)
+where the words are int32 on CUDA, else :func:`block_checksums` per run of consecutive slots.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -64,3 +68,77 @@ def expert_checksum(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         if not t.is_contiguous():
             raise ValueError("checksummed tensors must be contiguous (slot views of slot-major buffers are)")
     return block_checksums([t.unsqueeze(0) for t in tensors])[0]
+
+
+def checksum_backends() -> list[str]:
+    return ["auto", "torch", "triton"]
+
+
+class SlotChecksum:
+    """Checksums of slots ``rows`` of a slot buffer [N, ...] into ``out[pos[k]]``, ``out[pos[k] + 1]``.
+
+    Built once (index tensors on ``device``); called with the buffer, which may be bound later
+    (hot-swap's backup buffers exist only while a group runs). ``out`` is int64 [M] and must hold
+    zeros at those positions before the call.
+    """
+
+    def __init__(
+        self,
+        slot_shape: Sequence[int],
+        dtype: torch.dtype,
+        rows: Sequence[int],
+        pos: Sequence[int],
+        device: torch.device,
+        backend: str = "auto",
+    ) -> None:
+        if backend not in checksum_backends():
+            raise ValueError(f"checksum backend must be one of {checksum_backends()}, got {backend!r}")
+        if len(rows) != len(pos):
+            raise ValueError("rows and pos must have the same length")
+        one = _words(torch.empty(tuple(slot_shape), dtype=dtype, device="meta"))
+        fast = device.type == "cuda" and one.dtype == torch.int32 and _triton_available()
+        if backend == "triton" and not fast:
+            raise ValueError("the triton checksum needs CUDA, Triton and rows of whole int32 words")
+        self.triton = fast and backend != "torch"
+        self.rows = list(rows)
+        self.word_shape = (int(one.shape[0]), int(one.shape[1]))
+        self.word_dtype = one.dtype
+        pos2 = [p + j for p in pos for j in (0, 1)]
+        self.pos2 = torch.tensor(pos2, dtype=torch.int64).to(device)
+        self.rows_t = torch.tensor(self.rows, dtype=torch.int64).to(device) if self.triton else None
+        self.runs = _runs(self.rows)
+
+    def __call__(self, buffer: torch.Tensor, out: torch.Tensor, programs: int = 0) -> None:
+        """Write the checksums of ``buffer[rows]`` into ``out``; ``programs`` bounds the Triton grid."""
+        if not self.rows:
+            return
+        if self.triton:
+            from eplb.kernels.slot_checksum import slot_checksum_partials
+
+            words = buffer.reshape(-1).view(torch.uint8).view(self.word_dtype)
+            words = words.view(buffer.shape[0], *self.word_shape)
+            assert self.rows_t is not None
+            sums = slot_checksum_partials(words, self.rows_t, programs or 1 << 30).sum(dim=1)
+        else:
+            sums = torch.cat([block_checksums([buffer[a:b]]) for a, b in self.runs])
+        out.index_copy_(0, self.pos2, sums.reshape(-1))
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Maximal runs [a, b) of consecutive values, in order (rows keep their order in the output)."""
+    runs: list[tuple[int, int]] = []
+    for r in rows:
+        if runs and runs[-1][1] == r:
+            runs[-1] = (runs[-1][0], r + 1)
+        else:
+            runs.append((r, r + 1))
+    return runs
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import eplb.kernels.slot_checksum  # noqa: F401
+    except ImportError:
+        return False
+    return True

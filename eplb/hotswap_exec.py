@@ -1,149 +1,59 @@
-"""One rank's side of a hot-swap chunk: post, wait, verify, agree, commit (used by eplb.hotswap).
+"""One rank's side of a hot-swap group: back up, post the pieces, checksum, wait, agree (used by eplb.hotswap).
 
-Shape legend: S slots per GPU, W checksum words per expert; a slot's data is the list of views
-``layout.slot_views`` returns.
+Shape legend: S slots per GPU, V views per slot; programs come from eplb.hotswap_program.
 
-Data moves over ``group`` (NCCL on GPUs) as raw bytes, in the chunk's transfer order, so NCCL
-matches messages by order and Gloo by tag. Everything else goes over a CPU control group (Gloo;
-the data group itself when it is Gloo): one all_reduce per chunk of [failure flags, and for every
-cross-GPU transfer +sender checksum - receiver checksum]. All zero means the chunk arrived intact
-everywhere. Keeping control off the data stream lets chunk k be agreed while chunk k+1 is still on
-the wire, and the sender computes its checksums after posting, while the bytes travel.
+Data moves over ``group`` (NCCL on GPUs, Gloo on CPU) as raw bytes. On CUDA two side streams keep
+the link busy: a copy stream takes the backups and local copies, and every piece's
+``batch_isend_irecv`` is posted from it (so NCCL waits only for the backups the piece needs); a
+checksum stream checksums what a rank sends as soon as it is backed up, and what it receives as
+soon as each piece has landed, while the next piece is on the wire. The host only waits (with a
+deadline, polling) for the last transfer, then runs the group's one agreement: an all-reduce over
+``group`` of the agreement vector (two flags, then each transfer's source and destination
+checksums, each written by one rank). On CPU the same steps run in order on the host.
 
-Nothing here raises on a transfer failure: errors are recorded in the :class:`ChunkRun` and settled
-by :meth:`SwapRuntime.agree`, so every rank keeps taking part in every collective.
+Nothing here raises on a transfer failure: errors are recorded and settled by the agreement, so
+every rank keeps taking part in every collective. A failed group is drained (its transfers are
+let finish), then its backups are copied back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from eplb.hotswap_checksum import MASK31, block_checksums
 from eplb.hotswap_layout import SlotLayout
-from eplb.hotswap_plan import SwapPlan
+from eplb.hotswap_program import Check, GroupProgram, Span, Stage
 from eplb.placement import Placement
 
 _CONTROL_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
-
-
-@dataclass(frozen=True)
-class Block:
-    """Consecutive transfers of one chunk that move as one message per tensor (consecutive slots)."""
-
-    index: int
-    """Position in the chunk's block list (the same on every rank)."""
-    transfers: tuple[int, ...]
-    layer: int
-    src_gpu: int
-    dst_gpu: int
-    src_slot: int
-    dst_slot: int
-    """First primary destination (global slot); block m holds dst_slot + m."""
-    staged: bool
-
-    @property
-    def count(self) -> int:
-        return len(self.transfers)
-
-
-def chunk_blocks(plan: SwapPlan, k: int) -> list[Block]:
-    """Group chunk k's transfers into maximal runs of consecutive source and destination slots.
-
-    Only transfers with one destination join a run (fan-out transfers stay alone). Pure function of
-    the plan, so sender and receiver cut the same messages.
-    """
-    chunk = plan.chunks[k]
-
-    def staged(i: int) -> bool:
-        t = plan.transfers[i]
-        return any((t.layer, d) in chunk.staged for d in t.dst_slots)
-
-    order = sorted(
-        chunk.transfers,
-        key=lambda i: (
-            plan.transfers[i].layer,
-            plan.transfers[i].src_gpu,
-            plan.transfers[i].dst_gpu,
-            plan.transfers[i].src_slot,
-            i,
-        ),
-    )
-    groups: list[list[int]] = []
-    for i in order:
-        t = plan.transfers[i]
-        if groups:
-            prev = plan.transfers[groups[-1][-1]]
-            head = plan.transfers[groups[-1][0]]
-            if (
-                len(t.dst_slots) == 1
-                and len(head.dst_slots) == 1
-                and (t.layer, t.src_gpu, t.dst_gpu) == (prev.layer, prev.src_gpu, prev.dst_gpu)
-                and t.src_slot == prev.src_slot + 1
-                and t.dst_slots[0] == prev.dst_slots[0] + 1
-                and staged(i) == staged(groups[-1][0])
-            ):
-                groups[-1].append(i)
-                continue
-        groups.append([i])
-    blocks = []
-    for index, group in enumerate(groups):
-        t = plan.transfers[group[0]]
-        blocks.append(
-            Block(
-                index,
-                tuple(group),
-                t.layer,
-                t.src_gpu,
-                t.dst_gpu,
-                t.src_slot,
-                t.dst_slots[0],
-                staged(group[0]),
-            )
-        )
-    return blocks
+_STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+_ALIGN = 512
 
 
 @dataclass
-class ChunkRun:
-    """State of one chunk on this rank."""
+class GroupOutcome:
+    """How one group ended on this rank (``failed`` and ``fatal`` are the same on every rank)."""
 
-    index: int
-    works: list[Any] = field(default_factory=list)
-    primary: dict[int, list[torch.Tensor]] = field(default_factory=dict)
-    """block index -> views [m, ...] the block lands in first (its first slots, or staging)."""
-    sends: list[Block] = field(default_factory=list)
-    recvs: list[Block] = field(default_factory=list)
-    local: list[Block] = field(default_factory=list)
-    checksums: dict[str, list[torch.Tensor]] = field(default_factory=dict)
-    """send / recv / src / dst -> int64 [m, W] per block of that list."""
-    failed: bool = False
-    finished: bool = False
-    completed: bool = False
-    errors: list[str] = field(default_factory=list)
-    waiter: threading.Thread | None = None
-    wait_error: Exception | None = None
-
-    def fail(self, where: str, exc: BaseException) -> None:
-        self.failed = True
-        self.errors.append(f"chunk {self.index} {where}: {type(exc).__name__}: {exc}")
+    failed: bool
+    fatal: bool
+    errors: list[str]
+    restore_error: str | None = None
 
 
 @dataclass
 class SwapRuntime:
-    """This rank's slot buffers and process groups, for one hot-swap call."""
+    """This rank's slot buffers, process group and streams, for one hot-swap."""
 
     slots_L: Sequence[Mapping[str, torch.Tensor]]
     group: dist.ProcessGroup | None
-    control: dist.ProcessGroup | None
     layout: SlotLayout
     rank: int
     world_size: int
@@ -151,9 +61,14 @@ class SwapRuntime:
     device: torch.device
     timeout_s: float
     verify: bool
-    bytes_per_expert: int
-    checksum_width: int
+    view_shapes: list[tuple[tuple[int, ...], torch.dtype]]
+    peers: list[int]
+    """Global rank of each rank of ``group``."""
+    agree_device: torch.device
+    sms: int
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    backup_flat: torch.Tensor | None = None
+    _base: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
     def create(
@@ -173,37 +88,36 @@ class SwapRuntime:
         if len(slots_L) != placement.num_layers or not slots_L:
             raise ValueError(f"need slot buffers for {placement.num_layers} layers, got {len(slots_L)}")
         S = placement.slots_per_gpu
-        views = layout.slot_views(slots_L[0], 0)
         for layer, tensors in enumerate(slots_L):
             for name, t in tensors.items():
                 if t.shape[0] != S:
                     raise ValueError(f"layer {layer} tensor {name!r} has {t.shape[0]} slots, expected S={S}")
+        views = layout.slot_views(slots_L[0], 0)
+        device = views[0].device
+        gloo = world == 1 or "gloo" in str(dist.get_backend(group))
+        peers = [dist.get_global_rank(group, r) if group is not None else r for r in range(world)]
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         return cls(
             slots_L,
             group,
-            control_group(group) if world > 1 else None,
             layout,
             rank,
             world,
             S,
-            views[0].device,
+            device,
             timeout_s,
             verify,
-            sum(v.numel() * v.element_size() for v in views),
-            2 * len(views),
+            [(tuple(v.shape), v.dtype) for v in views],
+            peers,
+            torch.device("cpu") if gloo else device,
+            sms,
         )
 
-    def views(self, layer: int, slot: int) -> list[torch.Tensor]:
-        local = slot - self.rank * self.slots_per_gpu
-        assert 0 <= local < self.slots_per_gpu, "slot belongs to another rank"
-        return self.layout.slot_views(self.slots_L[layer], local)
+    @property
+    def bytes_per_expert(self) -> int:
+        return sum(_nbytes(shape, dtype) for shape, dtype in self.view_shapes)
 
-    def block(self, layer: int, slot: int, count: int) -> list[torch.Tensor]:
-        local = slot - self.rank * self.slots_per_gpu
-        assert local >= 0 and local + count <= self.slots_per_gpu, "slots belong to another rank"
-        return self.layout.block_views(self.slots_L[layer], local, count)
-
-    @contextmanager
+    @contextlib.contextmanager
     def timed(self, phase: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
@@ -211,233 +125,320 @@ class SwapRuntime:
         finally:
             self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - start
 
-    # ---- control ---------------------------------------------------------------------------
-    def _all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+    # ---- collectives -----------------------------------------------------------------------
+    def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum ``t`` over ranks in place (through the group's device when ``t`` lives elsewhere)."""
         if self.world_size > 1:
-            # The control group's own (long) timeout: a slow rank is waited for, a dead one ends the swap.
-            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.control)
+            on = t if t.device == self.agree_device else t.to(self.agree_device)
+            dist.all_reduce(on, op=dist.ReduceOp.SUM, group=self.group)
+            if on is not t:
+                t.copy_(on)
         return t
 
-    def check_same_plan_input(self, fingerprint: int) -> None:
-        """Raise ValueError on every rank unless all ranks are about to run the same swap.
+    def check_same_swap(self, fingerprint: int, backup_bytes: int) -> None:
+        """Allocate the backup buffer; raise on every rank unless all ranks run the same swap and have it.
 
         Sums of the fingerprint's two 16-bit halves and of their squares: all ranks agree exactly
         when each half has zero variance over ranks.
         """
+        failed = 0
+        try:
+            self.reserve_backups(backup_bytes)
+        except Exception:  # out of memory here is reported on every rank below
+            failed = 1
         hi, lo = (fingerprint >> 16) & 0xFFFF, fingerprint & 0xFFFF
-        with self.timed("check"):
-            got = self._all_reduce_sum(torch.tensor([hi, lo, hi * hi, lo * lo], dtype=torch.int64)).tolist()
+        vec = torch.tensor([hi, lo, hi * hi, lo * lo, failed], dtype=torch.int64, device=self.agree_device)
+        got = self.all_reduce_sum(vec).tolist()
         n = self.world_size
-        if got != [n * hi, n * lo, n * hi * hi, n * lo * lo]:
+        if got[4]:
+            raise RuntimeError(f"{got[4]} rank(s) could not allocate {backup_bytes} bytes of swap backups")
+        if got[:4] != [n * hi, n * lo, n * hi * hi, n * lo * lo]:
             raise ValueError("ranks disagree on the placements or layers of this hot-swap")
 
-    def agree(self, plan: SwapPlan | None, run: ChunkRun | None, commit_failed: bool) -> tuple[bool, bool]:
-        """(chunk failed on some rank or arrived changed, a staged write of the previous chunk failed)."""
+    def agree_flags(self, failed: bool, fatal: bool) -> tuple[bool, bool]:
+        """One agreement without checksums (a rollback with nothing to move)."""
+        vec = torch.tensor([int(failed), int(fatal)], dtype=torch.int64, device=self.agree_device)
+        got = self.all_reduce_sum(vec).tolist()
+        return got[0] > 0, got[1] > 0
+
+    # ---- buffers ---------------------------------------------------------------------------
+    def reserve_backups(self, nbytes: int) -> None:
+        """Make the backup buffer at least ``nbytes`` (groups run one at a time and share it)."""
+        if nbytes and (self.backup_flat is None or self.backup_flat.numel() < nbytes):
+            self.backup_flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def backup_bytes(self, prog: GroupProgram) -> int:
+        return sum(
+            _aligned(rows * _nbytes(shape, dtype))
+            for rows in prog.backup_rows.values()
+            for shape, dtype in self.view_shapes
+        )
+
+    def _backup_views(self, prog: GroupProgram) -> dict[int, list[torch.Tensor]]:
+        self.reserve_backups(self.backup_bytes(prog))
+        out: dict[int, list[torch.Tensor]] = {}
+        offset = 0
+        for layer, rows in sorted(prog.backup_rows.items()):
+            views = []
+            for shape, dtype in self.view_shapes:
+                nbytes = rows * _nbytes(shape, dtype)
+                assert self.backup_flat is not None
+                views.append(self.backup_flat[offset : offset + nbytes].view(dtype).view(rows, *shape))
+                offset += _aligned(nbytes)
+            out[layer] = views
+        return out
+
+    def _base_views(self, layer: int) -> list[torch.Tensor]:
+        if layer not in self._base:
+            self._base[layer] = self.layout.block_views(self.slots_L[layer], 0, self.slots_per_gpu)
+        return self._base[layer]
+
+    def _views(self, span: Span, backups: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
+        bases = backups[span.layer] if span.backup else self._base_views(span.layer)
+        return [b[span.start : span.start + span.count] for b in bases]
+
+    def _buffer(self, check: Check, backups: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        return (backups[check.layer] if check.backup else self._base_views(check.layer))[check.view]
+
+    # ---- one group -------------------------------------------------------------------------
+    def run_group(
+        self, prog: GroupProgram, epoch: int, fault: Callable[..., None] | None, fatal: bool = False
+    ) -> GroupOutcome:
+        """Run group ``prog`` on this rank and agree on it; a failed group is drained and restored."""
+        run = _GroupRun(self, prog, fault)
+        with self.timed("post"):
+            run.post(epoch)
+        with self.timed("wait"):
+            landed = run.waiter.wait()
+            run.errors += [f"chunk {prog.chunk} wait: {e}" for e in run.waiter.errors]
+        if landed and run.defer:
+            with self.timed("verify"):
+                run.land_deferred()
         with self.timed("agree"):
-            position = (
-                {}
-                if run is None or plan is None
-                else {i: j for j, i in enumerate(plan.chunks[run.index].transfers)}
-            )
-            width = self.checksum_width if self.verify else 0
-            vec = torch.zeros(2 + len(position) * width, dtype=torch.int64)
-            vec[0] = int(run is not None and run.failed)
-            vec[1] = int(commit_failed)
-            if run is not None and self.verify and not run.failed:
-                try:
-                    self._fill_checksums(run, position, width, vec)
-                except Exception as exc:
-                    run.fail("verify", exc)
-                    vec[0] = 1
-            self._all_reduce_sum(vec)
-        mismatch = bool((vec[2:] != 0).any())
-        if mismatch and run is not None:
-            run.errors.append(f"chunk {run.index} verify: checksum mismatch")
-        return bool(vec[0] > 0) or mismatch, bool(vec[1] > 0)
-
-    def _fill_checksums(self, run: ChunkRun, position: dict[int, int], width: int, vec: torch.Tensor) -> None:
-        cs = {k: [(c & MASK31).cpu() for c in v] for k, v in run.checksums.items()}
-        if "src" in cs and not all(torch.equal(a, b) for a, b in zip(cs["src"], cs["dst"], strict=True)):
-            run.fail("verify", RuntimeError("checksum mismatch in a local copy"))
-            vec[0] = 1
-        view = vec[2:].view(-1, width) if width else vec[2:].view(0, 0)
-        for key, sign, blocks in (("send", 1, run.sends), ("recv", -1, run.recvs)):
-            for block, c in zip(blocks, cs.get(key, []), strict=False):
-                rows = torch.tensor([position[i] for i in block.transfers], dtype=torch.int64)
-                view.index_add_(0, rows, sign * c)
-
-    # ---- one chunk -------------------------------------------------------------------------
-    def start_chunk(self, plan: SwapPlan, k: int, epoch: int, fault: Callable[..., None] | None) -> ChunkRun:
-        """Staging, local copies, post the chunk's sends and receives, then sender checksums."""
-        run = ChunkRun(k)
-        with self.timed("start"):
-            if fault is not None:
-                try:
-                    fault("prepare", k, [])
-                except Exception as exc:  # injected: keep going so peers are not left waiting
-                    run.fail("prepare", exc)
-            for b in chunk_blocks(plan, k):
-                if b.src_gpu == self.rank and b.dst_gpu == self.rank:
-                    run.local.append(b)
-                elif b.src_gpu == self.rank:
-                    run.sends.append(b)
-                elif b.dst_gpu == self.rank:
-                    run.recvs.append(b)
-            ops: list[dist.P2POp] = []
+            failed, any_fatal, mismatch = self._agree(run.vec, bool(run.errors), fatal, prog)
+        if mismatch:
+            run.errors.append(f"chunk {prog.chunk} verify: checksum mismatch in transfers {mismatch}")
+        if not failed:
+            return GroupOutcome(False, any_fatal, run.errors)
+        with self.timed("restore"):
+            run.waiter.drain()
+            restore_error = None
             try:
-                for b in [*run.local, *run.recvs]:
-                    first = self.block(b.layer, b.dst_slot, b.count)
-                    run.primary[b.index] = [torch.empty_like(v) for v in first] if b.staged else first
-                if run.local:
-                    sources = [self.block(b.layer, b.src_slot, b.count) for b in run.local]
-                    if self.verify:
-                        run.checksums["src"] = [block_checksums(src) for src in sources]
-                    for b, src in zip(run.local, sources, strict=True):
-                        for dst, s in zip(run.primary[b.index], src, strict=True):
-                            dst.copy_(s)
-                peers = sorted({b.dst_gpu for b in run.sends} | {b.src_gpu for b in run.recvs})
-                for peer in peers:
-                    ops.extend(self._peer_ops(run, peer, epoch))
+                self._copy_all(prog.restore, run.backups)
             except Exception as exc:
-                run.fail("prepare", exc)
-            try:
-                if ops:
-                    run.works = list(dist.batch_isend_irecv(ops))
-            except Exception as exc:
-                run.fail("post", exc)
-            try:
-                if self.verify and run.sends:  # computed while the bytes travel (both only read them)
-                    run.checksums["send"] = [
-                        block_checksums(self.block(b.layer, b.src_slot, b.count)) for b in run.sends
-                    ]
-            except Exception as exc:
-                run.fail("prepare", exc)
-        return run
+                restore_error = f"chunk {prog.chunk} restore: {type(exc).__name__}: {exc}"
+        return GroupOutcome(True, any_fatal, run.errors, restore_error)
 
-    def _peer_ops(self, run: ChunkRun, peer: int, epoch: int) -> list[dist.P2POp]:
-        base = (epoch << 29) | ((run.index & 0x3FFF) << 15)
+    def _ops(self, piece: Stage, backups: dict[int, list[torch.Tensor]], tag: int) -> list[dist.P2POp]:
         ops = []
-        sends = [b for b in run.sends if b.dst_gpu == peer]
-        for j, v in enumerate(v for b in sends for v in self.block(b.layer, b.src_slot, b.count)):
-            ops.append(dist.P2POp(dist.isend, as_bytes(v), peer, self.group, base | (j & 0x7FFF)))
-        recvs = [b for b in run.recvs if b.src_gpu == peer]
-        for j, v in enumerate(v for b in recvs for v in run.primary[b.index]):
-            ops.append(dist.P2POp(dist.irecv, as_bytes(v), peer, self.group, base | (j & 0x7FFF)))
+        for kind, items in ((dist.isend, piece.sends), (dist.irecv, piece.recvs)):
+            count: dict[int, int] = {}
+            for peer, span in items:
+                for v in self._views(span, backups):
+                    j = count.get(peer, 0)
+                    count[peer] = j + 1
+                    ops.append(dist.P2POp(kind, as_bytes(v), self.peers[peer], self.group, tag | (j & 0x3FF)))
         return ops
 
-    def finish_chunk(self, run: ChunkRun, fault: Callable[..., None] | None) -> None:
-        """Wait for the chunk, then checksum what arrived (compared at :meth:`agree`)."""
-        if run.finished:
-            return
-        run.finished = True
-        with self.timed("wait"):
-            try:
-                if not self._wait(run):
-                    run.fail("wait", TimeoutError(f"transfers not done after {self.timeout_s} s"))
-                    return
-                run.completed = True
-            except Exception as exc:
-                run.fail("wait", exc)
-                return
-        with self.timed("verify"):
-            try:
-                if fault is not None:
-                    fault("received", run.index, [v for b in run.recvs for v in run.primary[b.index]])
-                if self.verify:
-                    run.checksums["recv"] = [block_checksums(run.primary[b.index]) for b in run.recvs]
-                    run.checksums["dst"] = [block_checksums(run.primary[b.index]) for b in run.local]
-            except Exception as exc:
-                run.fail("verify", exc)
+    def _copy_all(self, pairs: list[tuple[Span, Span]], backups: dict[int, list[torch.Tensor]]) -> None:
+        """Copy each (source, destination) pair of spans (backups, restores)."""
+        for src, dst in pairs:
+            for d, s in zip(self._views(dst, backups), self._views(src, backups), strict=True):
+                d.copy_(s)
 
-    def write_direct(self, plan: SwapPlan, run: ChunkRun) -> None:
-        """Copy each landed block to its destinations that are not staged (fan-out of one expert)."""
-        if run.failed:
-            return  # its destinations count as unknown anyway
-        chunk = plan.chunks[run.index]
-        with self.timed("commit"):
-            try:
-                for b in [*run.local, *run.recvs]:
-                    bufs = run.primary[b.index]
-                    if b.staged:  # direct destinations of a staged fan-out still take their copy now
-                        t = plan.transfers[b.transfers[0]]
-                        for d in t.dst_slots:
-                            if (t.layer, d) not in chunk.staged:
-                                _copy_all(self.block(t.layer, d, 1), bufs)
-                    elif b.count == 1:
-                        t = plan.transfers[b.transfers[0]]
-                        for d in t.dst_slots[1:]:
-                            _copy_all(self.block(t.layer, d, 1), bufs)
-            except Exception as exc:
-                run.fail("write", exc)
+    def _agree(
+        self, vec: torch.Tensor, failed: bool, fatal: bool, prog: GroupProgram
+    ) -> tuple[bool, bool, list[int]]:
+        """(failed anywhere or changed in transit, fatal anywhere, mismatched transfer rows)."""
+        vec[:2].copy_(torch.tensor([int(failed), int(fatal)], dtype=torch.int64))
+        self.all_reduce_sum(vec)
+        if not prog.checksum_width:
+            got = vec[:2].tolist()
+            return got[0] > 0, got[1] > 0, []
+        half = prog.num_transfers * prog.checksum_width
+        differ = vec[2 : 2 + half] != vec[2 + half :]
+        got = torch.stack([vec[0], vec[1], differ.any().to(torch.int64)]).tolist()
+        rows: list[int] = []
+        if got[2]:
+            rows = differ.view(prog.num_transfers, -1).any(dim=1).nonzero().flatten().tolist()
+        return got[0] > 0 or got[2] > 0, got[1] > 0, rows
 
-    def commit(self, plan: SwapPlan, run: ChunkRun) -> str | None:
-        """Write staged destinations (after the chunk was agreed). The error, if a copy failed."""
-        chunk = plan.chunks[run.index]
-        with self.timed("commit"):
-            try:
-                for b in [*run.local, *run.recvs]:
-                    if not b.staged:
-                        continue
-                    bufs = run.primary[b.index]
-                    if b.count > 1:
-                        _copy_all(self.block(b.layer, b.dst_slot, b.count), bufs)
-                        continue
-                    t = plan.transfers[b.transfers[0]]
-                    for d in t.dst_slots:
-                        if (t.layer, d) in chunk.staged:
-                            _copy_all(self.block(t.layer, d, 1), bufs)
-            except Exception as exc:
-                return f"chunk {run.index} commit: {type(exc).__name__}: {exc}"
-        return None
 
-    def _wait(self, run: ChunkRun) -> bool:
-        """Wait for the chunk's transfers up to the deadline; False on timeout (the ops stay posted).
+class _GroupRun:
+    """One group on this rank: its agreement vector, backups, transfers and recorded errors."""
 
-        A timed-out wait inside Gloo or NCCL tears the connection down, so the deadline is kept
-        here instead: CUDA works are polled, CPU works are waited for on a helper thread. A late
-        peer then still completes its transfers, and the rollback can use the same group.
-        """
-        if not run.works:
+    def __init__(self, rt: SwapRuntime, prog: GroupProgram, fault: Callable[..., None] | None) -> None:
+        self.rt, self.prog, self.fault = rt, prog, fault
+        self.cuda = rt.device.type == "cuda"
+        self.streams = _streams(rt.device) if self.cuda else None
+        self.defer = fault is not None or not self.cuda  # receivers checksum after the host wait
+        self.errors: list[str] = []
+        self.works: list[Any] = []
+        self.vec = torch.zeros(prog.vector_length, dtype=torch.int64, device=rt.device)
+        self.backups = rt._backup_views(prog)
+        self.waiter = _Waiter(self.works, rt.timeout_s, self.cuda)
+        # Checksums next to a transfer leave SMs to NCCL; after the last one they take the GPU.
+        self.overlap, self.full = max(1, rt.sms // 2), 4 * rt.sms
+
+    @contextlib.contextmanager
+    def recording(self, where: str) -> Iterator[None]:
+        """Record an exception instead of raising it (the agreement settles it on every rank)."""
+        try:
+            yield
+        except Exception as exc:
+            self.errors.append(f"chunk {self.prog.chunk} {where}: {type(exc).__name__}: {exc}")
+
+    def _on(self, which: int) -> contextlib.AbstractContextManager[Any]:
+        return (
+            torch.cuda.stream(self.streams[which]) if self.streams is not None else contextlib.nullcontext()
+        )
+
+    def _follow(self, waiter: int, leader: int | None) -> None:
+        """Stream ``waiter`` (0 copy, 1 checksum) waits for ``leader`` (None: the current stream)."""
+        if self.streams is not None:
+            current = torch.cuda.current_stream(self.rt.device)
+            self.streams[waiter].wait_stream(current if leader is None else self.streams[leader])
+
+    def post(self, epoch: int) -> None:
+        """Backups, every piece's transfers, local copies; checksums queued behind each."""
+        prog, rt = self.prog, self.rt
+        self._follow(0, None)
+        self._follow(1, None)
+        if self.fault is not None:
+            with self.recording("prepare"):
+                self.fault("prepare", prog.chunk, [])
+        for j, piece in enumerate(prog.pieces):
+            got: list[Any] = []
+            with self.recording("post"), self._on(0):
+                rt._copy_all(piece.backups, self.backups)
+                tag = (epoch << 30) | ((prog.chunk & 0x3FF) << 20) | ((j & 0x3FF) << 10)
+                ops = rt._ops(piece, self.backups, tag)
+                if ops:
+                    got.extend(dist.batch_isend_irecv(ops))
+            self.works.extend(got)
+            with self.recording("checksum"), self._on(1):
+                self._follow(1, 0)
+                self._checks(piece.src_checks, self.overlap)
+                if not self.defer:
+                    self._land(j, got)
+        with self.recording("local copy"):
+            with self._on(0):
+                rt._copy_all(prog.local.backups, self.backups)
+                for src, dst in prog.local.copies:
+                    local_copy(rt._views(dst, self.backups), rt._views(src, self.backups))
+            with self._on(1):
+                self._follow(1, 0)
+                self._checks(prog.local.src_checks, self.full)
+                self._checks(prog.local.dst_checks, self.full)
+        if self.streams is not None:
+            current = torch.cuda.current_stream(rt.device)
+            current.wait_stream(self.streams[0])
+            current.wait_stream(self.streams[1])
+
+    def land_deferred(self) -> None:
+        """After the host wait: the fault hook, then every piece's fan-out copies and checksums."""
+        if self.fault is not None:
+            with self.recording("received"):
+                spans = [span for p in self.prog.pieces for _, span in p.recvs]
+                self.fault(
+                    "received", self.prog.chunk, [v for s in spans for v in self.rt._views(s, self.backups)]
+                )
+        for j in range(len(self.prog.pieces)):
+            with self.recording("receive"):
+                self._land(j, [])
+
+    def _land(self, j: int, works: list[Any]) -> None:
+        """After piece j arrived (stream-ordered on CUDA): fan-out copies, destination checksums."""
+        piece = self.prog.pieces[j]
+        for w in works:
+            w.wait()  # on CUDA: the current (checksum) stream waits for the transfer
+        for src, dst in piece.copies:
+            local_copy(self.rt._views(dst, self.backups), self.rt._views(src, self.backups))
+        self._checks(piece.dst_checks, self.full if j == len(self.prog.pieces) - 1 else self.overlap)
+
+    def _checks(self, checks: list[Check], programs: int) -> None:
+        for check in checks:
+            check.task(self.rt._buffer(check, self.backups), self.vec, programs)
+
+
+class _Waiter:
+    """Waits for a group's transfers up to a deadline; a timed-out group keeps its transfers posted.
+
+    A timed-out wait inside Gloo or NCCL tears the connection down, so the deadline is kept here:
+    CUDA works are polled (they complete in order), CPU works are waited for on a helper thread.
+    A late peer then still completes its transfers, and the rollback can use the same group.
+    """
+
+    def __init__(self, works: list[Any], timeout_s: float, cuda: bool) -> None:
+        self.works, self.timeout_s, self.cuda = works, timeout_s, cuda
+        self.errors: list[str] = []
+        self.thread: threading.Thread | None = None
+        self.completed = False
+
+    def wait(self) -> bool:
+        if not self.works:
+            self.completed = True
             return True
         deadline = time.monotonic() + self.timeout_s
-        if self.device.type == "cuda":
-            while not all(w.is_completed() for w in run.works):
-                if time.monotonic() > deadline:
+        try:
+            if self.cuda:
+                i = 0
+                while i < len(self.works):
+                    if self.works[i].is_completed():
+                        i += 1
+                    elif time.monotonic() > deadline:
+                        self.errors.append(f"TimeoutError: transfers not done after {self.timeout_s} s")
+                        return False
+                    else:
+                        time.sleep(0)
+                for w in self.works:
+                    w.wait()  # orders the current stream after the transfers
+            else:
+                self.thread = threading.Thread(target=self._wait_all, daemon=True)
+                self.thread.start()
+                self.thread.join(max(0.0, deadline - time.monotonic()))
+                if self.thread.is_alive():
+                    self.errors.append(f"TimeoutError: transfers not done after {self.timeout_s} s")
                     return False
-                time.sleep(20e-6)
-            for w in run.works:
-                w.wait()  # orders the current stream after the transfers
-            return True
-        run.waiter = threading.Thread(target=_wait_works, args=(run,), daemon=True)
-        run.waiter.start()
-        run.waiter.join(max(0.0, deadline - time.monotonic()))
-        if run.waiter.is_alive():
+                if self.errors:
+                    return False
+        except Exception as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
             return False
-        if run.wait_error is not None:
-            raise run.wait_error
+        self.completed = True
         return True
 
-    def drain(self, run: ChunkRun) -> None:
-        """Let a discarded or timed-out chunk finish (its peers posted it too); ignore its errors."""
-        if run.completed:
+    def _wait_all(self) -> None:
+        try:
+            for w in self.works:
+                w.wait()
+        except Exception as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def drain(self) -> None:
+        """Let a failed group's transfers finish (its peers posted them too); ignore their errors."""
+        if self.completed:
             return
-        if run.waiter is not None:
-            run.waiter.join()
+        if self.thread is not None:
+            self.thread.join()
             return
-        run.finished = True
-        for work in run.works:
-            try:
-                work.wait()
-            except Exception as exc:
-                run.errors.append(f"chunk {run.index} drain: {type(exc).__name__}: {exc}")
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        for w in self.works:
+            with contextlib.suppress(Exception):
+                w.wait()
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def local_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """A local move of one or more slots (every view); tests patch it to inject a bad copy."""
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
 
 
 def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """A CPU (Gloo) group over the same ranks: ``group`` itself when it runs Gloo, else one made once.
 
-    Creating a group is collective: every rank of ``group`` reaches here in the same hot-swap call.
+    Creating a group is collective: every rank of ``group`` reaches here at the same point.
     """
     if "gloo" in str(dist.get_backend(group)):
         return group
@@ -450,19 +451,24 @@ def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return _CONTROL_GROUPS[key]
 
 
-def _copy_all(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    for a, b in zip(dst, src, strict=True):
-        a.copy_(b)
-
-
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of contiguous ``t`` (same storage): fp8 and other dtypes travel as raw bytes."""
     return t.reshape(-1).view(torch.uint8)
 
 
-def _wait_works(run: ChunkRun) -> None:
-    try:
-        for work in run.works:
-            work.wait()
-    except Exception as exc:
-        run.wait_error = exc
+def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _STREAMS[index]
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN

@@ -81,8 +81,8 @@ def test_layers_subset_leaves_other_layers_alone() -> None:
 
 
 @pytest.mark.parametrize("stage", ["prepare", "received"])
-@pytest.mark.parametrize("overlap", [False, True])
-def test_injected_failure_rolls_back_exactly(stage: str, overlap: bool) -> None:
+@pytest.mark.parametrize("piece_experts", [1, 1000])
+def test_injected_failure_rolls_back_exactly(stage: str, piece_experts: int) -> None:
     w = logical(2)
     old, new = placements(2)
     slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
@@ -98,7 +98,10 @@ def test_injected_failure_rolls_back_exactly(stage: str, overlap: bool) -> None:
         slots_L,
         old,
         new,
-        options=HotSwapOptions(staging_budget_bytes=2 * (64 * 32 + 32 * 32) * 4, overlap_chunks=overlap),
+        options=HotSwapOptions(
+            staging_budget_bytes=2 * (64 * 32 + 32 * 32) * 4,
+            piece_bytes=piece_experts * (64 * 32 + 32 * 32) * 4,
+        ),
         update_maps=lambda: called.append(True),
         fault=fault,
     )
@@ -110,22 +113,22 @@ def test_injected_failure_rolls_back_exactly(stage: str, overlap: bool) -> None:
 
 def test_local_copy_corruption_is_caught_by_checksum(monkeypatch: pytest.MonkeyPatch) -> None:
     # One rank receives nothing, so corrupt the first local copy once, after it landed.
-    from eplb.hotswap_exec import ChunkRun, SwapRuntime
+    from eplb import hotswap_exec
 
     w = logical(3)
     old, new = placements(3)
     slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
     before = [{k: v.clone() for k, v in d.items()} for d in slots_L]
-    original = SwapRuntime.finish_chunk
+    original = hotswap_exec.local_copy
     done: list[bool] = []
 
-    def corrupting_finish(self: SwapRuntime, run: ChunkRun, fault: object) -> None:
-        if not done and run.local:
-            run.primary[run.local[0].index][0].view(-1)[0] += 1.0
+    def corrupting_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        original(dst, src)
+        if not done:
+            dst[0].view(-1)[0] += 1.0
             done.append(True)
-        original(self, run, None)
 
-    monkeypatch.setattr(SwapRuntime, "finish_chunk", corrupting_finish)
+    monkeypatch.setattr(hotswap_exec, "local_copy", corrupting_copy)
     res = hot_swap(slots_L, old, new, options=HotSwapOptions(staging_budget_bytes=1 << 20))
     assert done and not res.ok and "checksum mismatch" in (res.error or "")
     assert all(torch.equal(a[k], b[k]) for a, b in zip(slots_L, before, strict=True) for k in a)
@@ -207,8 +210,8 @@ def test_layout_registry() -> None:
 
 
 def test_consecutive_slots_move_as_one_block() -> None:
-    from eplb.hotswap_exec import chunk_blocks
     from eplb.hotswap_plan import plan_swap
+    from eplb.hotswap_program import chunk_blocks
 
     # GPU 0 holds experts 0..5 and 0..1 again; GPU 1 holds 6..11 and 6..7 (S = 8).
     cur = np.array([[0, 1, 2, 3, 4, 5, 0, 1, 6, 7, 8, 9, 10, 11, 6, 7]], dtype=np.int32)

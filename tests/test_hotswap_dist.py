@@ -70,15 +70,16 @@ def scenario(ctx: RankContext, seed: int) -> dict[str, Any]:
         if stage == "prepare" and k == 1 and rank == 1:
             time.sleep(1.2)
 
-    faults = [("mismatch", corrupt, True), ("exception", boom, True)]
+    # Pieces of one expert (checksums while the next piece travels) or one piece per chunk.
+    faults = [("mismatch", corrupt, budget // 2), ("exception", boom, budget // 2)]
     if G == 2:
-        faults.append(("timeout", slow, False))
-    for name, fault, overlap in faults:
+        faults.append(("timeout", slow, budget))
+    for name, fault, piece in faults:
         res = hot_swap(
             exact.slots_L,
             old,
             new,
-            options=HotSwapOptions(staging_budget_bytes=budget, timeout_s=0.4, overlap_chunks=overlap),
+            options=HotSwapOptions(staging_budget_bytes=budget, timeout_s=0.4, piece_bytes=piece),
             update_maps=lambda: exact.set_placement(new),
             fault=fault,
         )
@@ -107,6 +108,19 @@ def scenario(ctx: RankContext, seed: int) -> dict[str, Any]:
     res = hot_swap(exact.slots_L, new, block_target, update_maps=lambda: exact.set_placement(block_target))
     out["block_swap_ok"] = res.ok
     out["block_after"] = err(exact(x, bias))
+    # The trade back, with a corrupted arrival: backed-up slots are restored on every rank.
+    held = [{k: v.clone() for k, v in d.items()} for d in exact.slots_L]
+
+    def flip(stage: str, k: int, bufs: list[torch.Tensor]) -> None:
+        if stage == "received" and rank == 0 and bufs:
+            bufs[-1].view(-1)[-1] += 1.0
+
+    res = hot_swap(
+        exact.slots_L, block_target, new, fault=flip, options=HotSwapOptions(piece_bytes=budget // 2)
+    )
+    out["trade_back_rolled_back"] = (not res.ok) and all(
+        torch.equal(a[k], b[k]) for a, b in zip(exact.slots_L, held, strict=True) for k in a
+    )
     out["ptrs_same"] = ptrs == [t.data_ptr() for d in exact.slots_L for t in d.values()]
     S = new.slots_per_gpu
     mine = torch.from_numpy(block_target.phy2log_LP[:, rank * S : (rank + 1) * S].astype(np.int64))
@@ -155,6 +169,10 @@ def test_failures_roll_back_exactly_on_every_rank(results: list[dict[str, Any]])
             assert r[f"{name}_weights_same"] and r[f"{name}_output_same"]
         expected = {"mismatch": "checksum mismatch", "exception": "injected", "timeout": "TimeoutError"}[name]
         assert any(expected in (e or "") for e in errors), errors
+
+
+def test_failed_trade_restores_backups(results: list[dict[str, Any]]) -> None:
+    assert all(r["trade_back_rolled_back"] for r in results)
 
 
 def test_storage_never_moves(results: list[dict[str, Any]]) -> None:

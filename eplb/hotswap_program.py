@@ -1,0 +1,309 @@
+"""One rank's part of a hot-swap plan, compiled ahead of the transfer (used by eplb.hotswap).
+
+Shape legend: L layers, S slots per GPU, G GPUs, V views (tensors) per slot, W = 2 * V checksum
+words per expert, n transfers of a group.
+
+Each chunk of the plan is one *group*: its transfers run, then every rank agrees once (one
+all-reduce) whether all of them arrived intact. Within a group:
+
+- Slots that the group both reads and overwrites (``Chunk.staged``: the two sides of a trade, a
+  cycle) are copied to a *backup* buffer first. Reads of such a slot come from its backup, so
+  receives and local copies write every destination in place, in any order, and a failed group is
+  undone by copying the backups back; every other overwritten slot's old expert still sits in a
+  slot the group does not touch (eplb.hotswap_plan's invariant).
+- Cross-GPU moves go as *blocks* (consecutive source and destination slots, one message per view)
+  cut into *pieces* of about ``piece_bytes`` per receiving GPU, one ``batch_isend_irecv`` each, so
+  the receiver checksums piece k while piece k+1 is on the wire. Local copies come last.
+- Checksums land in an agreement vector int64 [2 + 2 n W]: two flags, then for each transfer the
+  source's checksum (written by the sending rank) and the destination's (by the receiving rank).
+  After a sum over ranks every position has one writer, so equal halves mean intact arrivals.
+
+Everything here is a pure function of the plan (and of shapes), so every rank cuts the same
+blocks and pieces, and sends and receives match in order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from eplb.hotswap_checksum import SlotChecksum
+from eplb.hotswap_plan import SwapPlan
+
+
+@dataclass(frozen=True)
+class Block:
+    """Consecutive transfers of one chunk that move as one message per view (consecutive slots)."""
+
+    transfers: tuple[int, ...]
+    layer: int
+    src_gpu: int
+    dst_gpu: int
+    src_slot: int
+    dst_slot: int
+    """First primary destination (global slot); block m writes dst_slot + m."""
+    staged: bool
+    """Its destinations are also read in this group: they are backed up before being written."""
+    src_staged: bool
+    """Its sources are overwritten in this group: they are read from their backups."""
+
+    @property
+    def count(self) -> int:
+        return len(self.transfers)
+
+
+def chunk_blocks(plan: SwapPlan, k: int) -> list[Block]:
+    """Group chunk k's transfers into maximal runs of consecutive source and destination slots.
+
+    Only transfers with one destination join a run (fan-out transfers stay alone), and a run does
+    not mix backed-up and plain sources or destinations.
+    """
+    chunk = plan.chunks[k]
+
+    def flags(i: int) -> tuple[bool, bool]:
+        t = plan.transfers[i]
+        return any((t.layer, d) in chunk.staged for d in t.dst_slots), (t.layer, t.src_slot) in chunk.staged
+
+    order = sorted(chunk.transfers, key=lambda i: (*_key(plan, i), i))
+    groups: list[list[int]] = []
+    for i in order:
+        t = plan.transfers[i]
+        if groups:
+            prev, head = plan.transfers[groups[-1][-1]], plan.transfers[groups[-1][0]]
+            if (
+                len(t.dst_slots) == 1
+                and len(head.dst_slots) == 1
+                and _key(plan, i)[:3] == _key(plan, groups[-1][-1])[:3]
+                and t.src_slot == prev.src_slot + 1
+                and t.dst_slots[0] == prev.dst_slots[0] + 1
+                and flags(i) == flags(groups[-1][0])
+            ):
+                groups[-1].append(i)
+                continue
+        groups.append([i])
+    out = []
+    for group in groups:
+        t = plan.transfers[group[0]]
+        staged, src_staged = flags(group[0])
+        out.append(
+            Block(tuple(group), t.layer, t.src_gpu, t.dst_gpu, t.src_slot, t.dst_slots[0], staged, src_staged)
+        )
+    return out
+
+
+def _key(plan: SwapPlan, i: int) -> tuple[int, int, int, int]:
+    t = plan.transfers[i]
+    return t.layer, t.src_gpu, t.dst_gpu, t.src_slot
+
+
+@dataclass(frozen=True)
+class Span:
+    """``count`` consecutive rows of layer ``layer``'s slot buffer (local slot index) or backup buffer."""
+
+    layer: int
+    start: int
+    count: int
+    backup: bool = False
+
+
+@dataclass(frozen=True)
+class Check:
+    """Checksum rows of one view of a slot or backup buffer into the agreement vector."""
+
+    layer: int
+    view: int
+    backup: bool
+    task: SlotChecksum
+
+
+@dataclass
+class Stage:
+    """One piece (cross-GPU) or the local stage of a group, on this rank."""
+
+    backups: list[tuple[Span, Span]] = field(default_factory=list)
+    """(slot span, backup span): copied before anything of this stage is posted."""
+    sends: list[tuple[int, Span]] = field(default_factory=list)
+    """(peer, source span), in the order the peer posts the matching receives."""
+    recvs: list[tuple[int, Span]] = field(default_factory=list)
+    copies: list[tuple[Span, Span]] = field(default_factory=list)
+    """(source, destination): after arrival (fan-out of a received expert) or local moves."""
+    src_checks: list[Check] = field(default_factory=list)
+    dst_checks: list[Check] = field(default_factory=list)
+
+
+@dataclass
+class GroupProgram:
+    """What this rank does for one group (one chunk of the plan)."""
+
+    chunk: int
+    num_transfers: int
+    checksum_width: int
+    backup_rows: dict[int, int]
+    """layer -> rows of its backup buffer (this rank's backed-up slots of that layer)."""
+    restore: list[tuple[Span, Span]]
+    """(backup span, slot span): what a failed group copies back."""
+    pieces: list[Stage]
+    local: Stage
+
+    @property
+    def vector_length(self) -> int:
+        return 2 + 2 * self.num_transfers * self.checksum_width
+
+
+def compile_group(
+    plan: SwapPlan,
+    k: int,
+    *,
+    rank: int,
+    piece_bytes: int,
+    view_shapes: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    device: torch.device,
+    verify: bool,
+    checksum_backend: str = "auto",
+) -> GroupProgram:
+    """This rank's program for chunk k. ``view_shapes``: (shape, dtype) of each view of one slot."""
+    S, G = plan.slots_per_gpu, plan.num_gpus
+    chunk = plan.chunks[k]
+    lo = rank * S
+    row_of = {i: j for j, i in enumerate(chunk.transfers)}
+    mine = sorted((layer, s) for layer, s in chunk.staged if lo <= s < lo + S)
+    backup_row: dict[tuple[int, int], int] = {}
+    backup_rows: dict[int, int] = {}
+    for layer, s in mine:
+        backup_row[(layer, s)] = backup_rows.get(layer, 0)
+        backup_rows[layer] = backup_rows.get(layer, 0) + 1
+
+    def src_span(layer: int, slot: int, count: int) -> Span:
+        if (layer, slot) in chunk.staged:
+            return Span(layer, backup_row[(layer, slot)], count, backup=True)
+        return Span(layer, slot - lo, count)
+
+    blocks = chunk_blocks(plan, k)
+    cross = [b for b in blocks if b.src_gpu != b.dst_gpu]
+    pieces_global = _cut_pieces(cross, plan.bytes_per_expert, piece_bytes, G)
+    stages: list[Stage] = []
+    touched: set[tuple[int, int]] = set()
+    W = 2 * len(view_shapes)
+    n = len(chunk.transfers)
+    checks = _CheckBuilder(view_shapes, device, checksum_backend if verify else None, W, n)
+    for blocks_of_piece in [*pieces_global, [b for b in blocks if b.src_gpu == b.dst_gpu == rank]]:
+        stage = Stage()
+        slots: list[tuple[int, int]] = []
+        for b in blocks_of_piece:
+            ts = [plan.transfers[i] for i in b.transfers]
+            if b.src_gpu == rank:
+                slots += [(b.layer, b.src_slot + m) for m in range(b.count)]
+                src = src_span(b.layer, b.src_slot, b.count)
+                if b.dst_gpu != rank:
+                    stage.sends.append((b.dst_gpu, src))
+                checks.add(src, [row_of[i] for i in b.transfers], side=0)
+            if b.dst_gpu != rank:
+                continue
+            dst = Span(b.layer, b.dst_slot - lo, b.count)
+            slots += [(b.layer, d) for t in ts for d in t.dst_slots]
+            if b.src_gpu == rank:
+                stage.copies.append((src, dst))
+            else:
+                stage.recvs.append((b.src_gpu, dst))
+            checks.add(dst, [row_of[i] for i in b.transfers], side=1)
+            for d in ts[0].dst_slots[1:] if b.count == 1 else ():
+                stage.copies.append((src if b.src_gpu == rank else dst, Span(b.layer, d - lo, 1)))
+        fresh = sorted({x for x in slots if x in backup_row and x not in touched})
+        touched.update(fresh)
+        stage.backups = [
+            (Span(layer, s - lo, m), Span(layer, backup_row[(layer, s)], m, backup=True))
+            for layer, s, m in _slot_runs(fresh)
+        ]
+        checks.emit(stage)
+        stages.append(stage)
+    restore = [(b, s) for s, b in (x for st in stages for x in st.backups)]
+    return GroupProgram(k, n, W if verify else 0, backup_rows, restore, stages[:-1], stages[-1])
+
+
+def _cut_pieces(cross: list[Block], bytes_per_expert: int, piece_bytes: int, G: int) -> list[list[Block]]:
+    """Split blocks to at most ``piece_bytes`` and pack them into pieces per receiving GPU.
+
+    Sub-blocks are taken round-robin over blocks (the first part of every block, then the second
+    ...), so a piece of a trade carries both directions.
+    """
+    per_part = max(1, piece_bytes // max(bytes_per_expert, 1))
+    parts: list[tuple[int, int, Block]] = []
+    for position, b in enumerate(cross):
+        for ordinal, a in enumerate(range(0, b.count, per_part)):
+            m = min(per_part, b.count - a)
+            parts.append((ordinal, position, _sub_block(b, a, m)))
+    parts.sort(key=lambda x: (x[0], x[1]))
+    pieces: list[list[Block]] = []
+    used = np.zeros(G, dtype=np.int64)
+    for _, _, sub in parts:
+        need = sub.count * bytes_per_expert
+        if not pieces or (used.any() and used[sub.dst_gpu] + need > piece_bytes):
+            pieces.append([])
+            used[:] = 0
+        pieces[-1].append(sub)
+        used[sub.dst_gpu] += need
+    return pieces
+
+
+def _sub_block(b: Block, start: int, count: int) -> Block:
+    return Block(
+        b.transfers[start : start + count],
+        b.layer,
+        b.src_gpu,
+        b.dst_gpu,
+        b.src_slot + start,
+        b.dst_slot + start,
+        b.staged,
+        b.src_staged,
+    )
+
+
+def _slot_runs(slots: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """(layer, first slot, count) for runs of consecutive slots of one layer (input sorted)."""
+    runs: list[tuple[int, int, int]] = []
+    for layer, s in slots:
+        if runs and runs[-1][0] == layer and runs[-1][1] + runs[-1][2] == s:
+            runs[-1] = (layer, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((layer, s, 1))
+    return runs
+
+
+class _CheckBuilder:
+    """Collects a stage's checksum rows; one task per (side, layer, view, buffer) when emitted."""
+
+    def __init__(
+        self,
+        view_shapes: Sequence[tuple[tuple[int, ...], torch.dtype]],
+        device: torch.device,
+        backend: str | None,
+        width: int,
+        n: int,
+    ) -> None:
+        self.view_shapes, self.device, self.backend, self.width, self.n = (
+            view_shapes,
+            device,
+            backend,
+            width,
+            n,
+        )
+        self.pending: dict[tuple[int, int, int, bool], tuple[list[int], list[int]]] = {}
+
+    def add(self, span: Span, rows: list[int], side: int) -> None:
+        """Checksum ``span``'s rows as the ``side`` (0 source, 1 destination) of transfer ``rows``."""
+        if self.backend is None:
+            return
+        for v in range(len(self.view_shapes)):
+            buf_rows, pos = self.pending.setdefault((side, span.layer, v, span.backup), ([], []))
+            buf_rows.extend(range(span.start, span.start + span.count))
+            pos.extend(2 + side * self.n * self.width + r * self.width + 2 * v for r in rows)
+
+    def emit(self, stage: Stage) -> None:
+        for (side, layer, v, backup), (rows, pos) in sorted(self.pending.items()):
+            shape, dtype = self.view_shapes[v]
+            task = SlotChecksum(shape, dtype, rows, pos, self.device, self.backend or "auto")
+            (stage.dst_checks if side else stage.src_checks).append(Check(layer, v, backup, task))
+        self.pending = {}

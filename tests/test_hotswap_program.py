@@ -1,0 +1,161 @@
+"""Hot-swap programs (pieces, backups, checksum positions) against the plan; the Triton checksum against torch."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+from conftest import random_phy2log
+
+from eplb.hotswap import HotSwapOptions, hot_swap, prepare_swap
+from eplb.hotswap_checksum import SlotChecksum, block_checksums
+from eplb.hotswap_plan import SwapPlan, plan_swap
+from eplb.hotswap_program import GroupProgram, Span, compile_group
+from eplb.moe.model import slot_buffers
+from eplb.placement import Placement
+
+VIEWS = [((4, 8), torch.float32), ((8, 4), torch.float32)]  # w13-like and w2-like, 256 bytes per expert
+PER_EXPERT = 2 * 4 * 8 * 4
+
+
+def programs(plan: SwapPlan, piece_experts: int, verify: bool = True) -> list[list[GroupProgram]]:
+    """[rank][chunk] programs."""
+    return [
+        [
+            compile_group(
+                plan,
+                k,
+                rank=r,
+                piece_bytes=piece_experts * PER_EXPERT,
+                view_shapes=VIEWS,
+                device=torch.device("cpu"),
+                verify=verify,
+            )
+            for k in range(len(plan.chunks))
+        ]
+        for r in range(plan.num_gpus)
+    ]
+
+
+def stage_slots(stage, rank: int, S: int) -> set[tuple[int, int]]:  # type: ignore[no-untyped-def]
+    """(layer, global slot) that a stage reads or writes as slots (not through backups)."""
+    spans = [s for _, s in stage.sends] + [s for _, s in stage.recvs] + [x for c in stage.copies for x in c]
+    return {(s.layer, rank * S + s.start + m) for s in spans if not s.backup for m in range(s.count)}
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("piece_experts", [1, 2, 100])
+def test_programs_match_across_ranks_and_cover_the_plan(seed: int, piece_experts: int) -> None:
+    G = 4
+    rng = np.random.default_rng(seed)
+    cur, tgt = random_phy2log(rng, 3, 12, 16), random_phy2log(rng, 3, 12, 16)
+    plan = plan_swap(cur, tgt, num_gpus=G, bytes_per_expert=PER_EXPERT, chunk_bytes=3 * PER_EXPERT)
+    S = plan.slots_per_gpu
+    progs = programs(plan, piece_experts)
+    for k, chunk in enumerate(plan.chunks):
+        group = [progs[r][k] for r in range(G)]
+        assert len({len(p.pieces) for p in group}) == 1  # every rank walks the same pieces
+        for j in range(len(group[0].pieces)):
+            arriving = Counter()
+            for src in range(G):
+                for dst in range(G):
+                    sent = [s.count for peer, s in group[src].pieces[j].sends if peer == dst]
+                    got = [s.count for peer, s in group[dst].pieces[j].recvs if peer == src]
+                    assert sent == got, (k, j, src, dst)  # same messages, same order
+                    arriving[dst] += sum(got)
+            if piece_experts < 100:
+                assert max(arriving.values(), default=0) <= piece_experts
+        # Each transfer has, per view, one source and one destination checksum position, all distinct.
+        n, W = len(chunk.transfers), 2 * len(VIEWS)
+        positions = [
+            p
+            for prog in group
+            for stage in [*prog.pieces, prog.local]
+            for check in stage.src_checks + stage.dst_checks
+            for p in check.task.pos2.tolist()
+        ]
+        assert sorted(positions) == list(range(2, 2 + 2 * n * W))
+        for r, prog in enumerate(group):
+            staged = {(layer, s) for layer, s in chunk.staged if s // S == r}
+            backed = [(b.layer, r * S + b.start + m) for _, b in prog.restore for m in range(b.count)]
+            assert sorted(backed) == sorted(staged)  # every read-and-overwritten slot, once
+            # A staged slot is backed up no later than the first stage that touches it.
+            first: dict[tuple[int, int], int] = {}
+            for i, stage in enumerate([*prog.pieces, prog.local]):
+                for x in stage_slots(stage, r, S):
+                    first.setdefault(x, i)
+                for slot_span, _ in stage.backups:
+                    for m in range(slot_span.count):
+                        x = (slot_span.layer, r * S + slot_span.start + m)
+                        assert first.get(x, i) >= i
+            # Sources that are overwritten in the group are read from their backups (a piece's
+            # copies fan out what just arrived, so they read the new content on purpose).
+            sources = [s for p in prog.pieces for _, s in p.sends] + [c[0] for c in prog.local.copies]
+            for span in (s for s in sources if not s.backup):
+                assert not {(span.layer, r * S + span.start + m) for m in range(span.count)} & staged
+
+
+def test_a_trade_is_cut_into_pieces_that_carry_both_directions() -> None:
+    S = 8
+    cur = np.arange(2 * S, dtype=np.int32)[None]
+    tgt = cur.copy()
+    tgt[0, :6], tgt[0, S : S + 6] = cur[0, S : S + 6], cur[0, :6]
+    plan = plan_swap(cur, tgt, num_gpus=2, bytes_per_expert=PER_EXPERT, chunk_bytes=1 << 20)
+    prog0 = programs(plan, 2)[0][0]
+    assert len(prog0.pieces) == 3
+    for piece in prog0.pieces:
+        assert [(p, s.count, s.backup) for p, s in piece.sends] == [(1, 2, True)]  # from the backup
+        assert [(p, s.count, s.backup) for p, s in piece.recvs] == [(1, 2, False)]  # into the slots
+    assert sum(b.count for _, b in prog0.restore) == 6
+    assert prog0.pieces[0].backups == [(Span(0, 0, 2), Span(0, 0, 2, backup=True))]
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("shape", [(5, 40, 24), (4, 3, 8), (3, 1, 100)])
+def test_triton_checksum_equals_torch(shape: tuple[int, int, int]) -> None:
+    from eplb.kernels.slot_checksum import slot_checksum_partials
+
+    g = torch.Generator().manual_seed(sum(shape))
+    words = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=g)
+    rows = [shape[0] - 1, 0, 1]
+    sums = slot_checksum_partials(words, torch.tensor(rows, dtype=torch.int64), programs=3).sum(dim=1)
+    expected = torch.cat([block_checksums([words[r : r + 1]]) for r in rows])
+    assert torch.equal(sums, expected)
+    with pytest.raises(ValueError, match="int32"):
+        slot_checksum_partials(words.view(torch.float32), torch.tensor(rows), programs=3)
+
+
+def test_slot_checksum_writes_positions_and_needs_cuda_for_triton() -> None:
+    buf = torch.arange(5 * 6 * 4, dtype=torch.float32).reshape(5, 6, 4)
+    task = SlotChecksum((6, 4), torch.float32, [4, 2, 3], [2, 8, 4], torch.device("cpu"), "auto")
+    out = torch.zeros(10, dtype=torch.int64)
+    task(buf, out)
+    expected = block_checksums([buf[[4, 2, 3]]])
+    assert torch.equal(out[[2, 3, 8, 9, 4, 5]], expected.reshape(-1)) and out[[0, 1, 6, 7]].eq(0).all()
+    with pytest.raises(ValueError, match="CUDA"):
+        SlotChecksum((6, 4), torch.float32, [0], [2], torch.device("cpu"), "triton")
+
+
+def test_prepared_swap_runs_once_and_equals_hot_swap() -> None:
+    g = torch.Generator().manual_seed(1)
+    w = {"w13": torch.randn(2, 6, 8, 4, generator=g), "w2": torch.randn(2, 6, 4, 8, generator=g)}
+    rng = np.random.default_rng(1)
+    old = Placement.from_phy2log(random_phy2log(rng, 2, 6, 9), 1, max_replicas=4)
+    new = Placement.from_phy2log(random_phy2log(rng, 2, 6, 9), 1, max_replicas=4)
+    a = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
+    b = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
+    options = HotSwapOptions(piece_bytes=PER_EXPERT)
+    prepared = prepare_swap(a, old, new, options=options)
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x)  # nothing moved yet
+    res = prepared.execute()
+    assert res.ok and {"plan", "compile", "check", "post", "agree"} <= set(res.phase_seconds)
+    with pytest.raises(RuntimeError, match="runs once"):
+        prepared.execute()
+    assert hot_swap(b, old, new, options=options).ok
+    assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x)
+    with pytest.raises(ValueError, match="piece_bytes"):
+        HotSwapOptions(piece_bytes=0)
+    with pytest.raises(ValueError, match="checksum_backend"):
+        HotSwapOptions(checksum_backend="cuda")
