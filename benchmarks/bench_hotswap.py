@@ -25,6 +25,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -214,15 +215,22 @@ def layer_time(ctx: RankContext, reps: int, small: bool) -> dict[str, Any]:
 
 
 def rank_main(ctx: RankContext, parts: list[str], reps: int, small: bool) -> dict[str, Any]:
+    from eplb.hotswap_checksum import TRITON_FAILURES
+
     out: dict[str, Any] = {
         "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
     }
-    if "check" in parts:
-        out["check"] = check(ctx, small)
-    if "bandwidth" in parts:
-        out["bandwidth"] = bandwidth(ctx, reps, small)
-    if "layer" in parts:
-        out["layer"] = layer_time(ctx, reps, small)
+    runs: dict[str, Callable[[], Any]] = {
+        "check": lambda: check(ctx, small),
+        "bandwidth": lambda: bandwidth(ctx, reps, small),
+        "layer": lambda: layer_time(ctx, reps, small),
+    }
+    for part, run in runs.items():
+        if part in parts:
+            out[part] = run()
+            # Printed as it ends, so a run cut short still shows what finished.
+            print(f"rank {ctx.rank} {part}: {json.dumps(out[part])}", flush=True)
+    out["triton_checksum_failures"] = list(TRITON_FAILURES)
     return out
 
 
@@ -248,6 +256,7 @@ def main() -> int:
 def print_tables(results: list[dict[str, Any]]) -> None:
     r0 = results[0]
     print(f"device: {r0['device']}, torch {torch.__version__}")
+    print(f"Triton checksum failures: {[r.get('triton_checksum_failures') for r in results]}")
     if "check" in r0:
         for rank, r in enumerate(results):
             print(f"check rank {rank}: {r['check']}")

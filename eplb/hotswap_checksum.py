@@ -16,12 +16,13 @@ where the words are int32 on CUDA, else :func:`block_checksums` per run of conse
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import torch
 
-MASK31 = 0x7FFFFFFF
-"""Checksums are compared as 31-bit values, so +sender and -receiver sum without overflow."""
+TRITON_FAILURES: list[str] = []
+"""Why the Triton checksum failed in this process (``auto`` then uses torch); empty when it never did."""
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -100,6 +101,7 @@ class SlotChecksum:
         if backend == "triton" and not fast:
             raise ValueError("the triton checksum needs CUDA, Triton and rows of whole int32 words")
         self.triton = fast and backend != "torch"
+        self.backend = backend
         self.rows = list(rows)
         self.word_shape = (int(one.shape[0]), int(one.shape[1]))
         self.word_dtype = one.dtype
@@ -112,16 +114,29 @@ class SlotChecksum:
         """Write the checksums of ``buffer[rows]`` into ``out``; ``programs`` bounds the Triton grid."""
         if not self.rows:
             return
-        if self.triton:
-            from eplb.kernels.slot_checksum import slot_checksum_partials
-
-            words = buffer.reshape(-1).view(torch.uint8).view(self.word_dtype)
-            words = words.view(buffer.shape[0], *self.word_shape)
-            assert self.rows_t is not None
-            sums = slot_checksum_partials(words, self.rows_t, programs or 1 << 30).sum(dim=1)
-        else:
+        sums = None
+        if self.triton and not (self.backend == "auto" and TRITON_FAILURES):
+            try:
+                sums = self._triton(buffer, programs)
+            except Exception as exc:
+                if self.backend != "auto":
+                    raise
+                # auto: a kernel that does not build here (a Triton version) falls back to torch, once
+                TRITON_FAILURES.append(f"{type(exc).__name__}: {exc}")
+                warnings.warn(
+                    f"Triton slot checksum failed, using torch: {exc}", RuntimeWarning, stacklevel=2
+                )
+        if sums is None:
             sums = torch.cat([block_checksums([buffer[a:b]]) for a, b in self.runs])
         out.index_copy_(0, self.pos2, sums.reshape(-1))
+
+    def _triton(self, buffer: torch.Tensor, programs: int) -> torch.Tensor:
+        from eplb.kernels.slot_checksum import slot_checksum_partials
+
+        words = buffer.reshape(-1).view(torch.uint8).view(self.word_dtype)
+        words = words.view(buffer.shape[0], *self.word_shape)
+        assert self.rows_t is not None
+        return slot_checksum_partials(words, self.rows_t, programs or 1 << 30).sum(dim=1)
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:
