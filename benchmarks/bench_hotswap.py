@@ -244,7 +244,7 @@ def main() -> int:
     args = parser.parse_args()
     backend = "nccl" if args.device == "cuda" else "gloo"
     results = run_ranks(
-        rank_main, 2, args=(args.parts, args.reps, args.small), backend=backend, timeout_s=540
+        rank_main, 2, args=(args.parts, args.reps, args.small), backend=backend, timeout_s=200
     )
     print_tables(results)
     if args.json:

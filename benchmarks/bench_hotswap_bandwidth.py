@@ -31,12 +31,11 @@ from eplb.moe.spawn import RankContext
 from eplb.placement import Placement
 
 VARIANTS: dict[str, HotSwapOptions] = {
-    "verify (default)": HotSwapOptions(),
+    "verify (default: pieces 1:2:1)": HotSwapOptions(),
     "verify, torch checksums": HotSwapOptions(checksum_backend="torch"),
-    "verify, 64 MB pieces": HotSwapOptions(piece_bytes=64 << 20),
-    "verify, 128 MB pieces": HotSwapOptions(piece_bytes=128 << 20),
-    "verify, 512 MB pieces": HotSwapOptions(piece_bytes=512 << 20),
-    "verify, 1 GB pieces": HotSwapOptions(piece_bytes=1 << 30),
+    "verify, one piece": HotSwapOptions(piece_fractions=(1.0,)),
+    "verify, pieces 3:1": HotSwapOptions(piece_fractions=(3.0, 1.0)),
+    "verify, pieces 1:3:3:1": HotSwapOptions(piece_fractions=(1.0, 3.0, 3.0, 1.0)),
     "verify, 512 MB staging": HotSwapOptions(staging_budget_bytes=512 << 20),
     "no verify": HotSwapOptions(verify=False),
 }
@@ -141,7 +140,40 @@ def bandwidth(ctx: RankContext, reps: int, small: bool) -> list[dict[str, Any]]:
                 row[f"{label}_error"] = f"{type(exc).__name__}: {exc}"
         row["landed_exactly"] = landed_exactly(ctx, slots, old, new, pairs, trade)
         rows.append(row)
+    rows.append({"checksum_tb_s": checksum_speed(ctx, slots, reps)})
     return rows
+
+
+def checksum_speed(ctx: RankContext, slots: dict[str, torch.Tensor], reps: int) -> dict[str, float]:
+    """TB/s of checksumming 32 slots of each tensor, per backend and grid (the swap's receiver side)."""
+    from eplb.hotswap_checksum import SlotChecksum
+
+    if ctx.device.type != "cuda":
+        return {}
+    n = min(32, slots["w13"].shape[0])
+    nbytes = sum(t[:n].numel() * t.element_size() for t in slots.values())
+    sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
+    out = {}
+    for label, backend, programs in (
+        ("triton, 2/3 of the SMs", "triton", 2 * sms // 3),
+        ("triton, full grid", "triton", 4 * sms),
+        ("torch", "torch", 0),
+    ):
+        tasks = [
+            (t, SlotChecksum(t.shape[1:], t.dtype, range(n), range(2, 2 + 2 * n, 2), ctx.device, backend))
+            for t in slots.values()
+        ]
+        vec = torch.zeros(2 + 2 * n, dtype=torch.int64, device=ctx.device)
+        times = []
+        for _ in range(reps + 1):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for t, task in tasks:
+                task(t, vec, programs)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        out[label] = nbytes / statistics.median(times[1:]) / 1e12
+    return out
 
 
 def time_variant(
@@ -220,7 +252,9 @@ def landed_exactly(
 
 def print_bandwidth(results: list[dict[str, Any]], gb_unit: float = 1e9) -> None:
     """Markdown table: the slower rank's median per row; ratios against raw NCCL of the same run."""
-    r0 = results[0]["bandwidth"]
+    r0 = [row for row in results[0]["bandwidth"] if "scenario" in row]
+    speeds = [row["checksum_tb_s"] for r in results for row in r["bandwidth"] if "checksum_tb_s" in row]
+    print(f"\nchecksum TB/s (rank 0, rank 1): {speeds}")
     print("\n| scenario | GB each way | variant | ms | GB/s | vs raw NCCL | prepare ms |")
     print("|---|---|---|---|---|---|---|")
     for i, row in enumerate(r0):

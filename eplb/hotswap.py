@@ -61,16 +61,18 @@ class HotSwapOptions:
     """Longest wait for one chunk's transfers before the swap counts as failed."""
     verify: bool = True
     """Checksum every moved expert (sender and receiver) and fail on a mismatch."""
-    piece_bytes: int = 256 << 20
-    """Bytes arriving at one GPU per NCCL batch: the receiver checksums piece k while piece k+1 travels."""
+    piece_fractions: tuple[float, ...] = (0.25, 0.5, 0.25)
+    """How a chunk's arrivals at each GPU are cut into NCCL batches ("pieces"): the receiver
+    checksums piece k while piece k+1 travels, so only the last piece's checksum follows the
+    transfer; a small first piece starts the link early when sources are backed up first."""
     checksum_backend: str = "auto"
     """auto (Triton on CUDA for rows of whole int32 words, else torch) | torch | triton."""
 
     def __post_init__(self) -> None:
         if self.staging_budget_bytes < 1:
             raise ValueError(f"staging_budget_bytes must be >= 1, got {self.staging_budget_bytes}")
-        if self.piece_bytes < 1:
-            raise ValueError(f"piece_bytes must be >= 1, got {self.piece_bytes}")
+        if not self.piece_fractions or not all(f > 0 for f in self.piece_fractions):
+            raise ValueError(f"piece_fractions must be positive numbers, got {self.piece_fractions}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.checksum_backend not in checksum_backends():
@@ -95,8 +97,9 @@ class HotSwapResult:
     local_copies: int
     chunks: int
     phase_seconds: dict[str, float]
-    """This rank's host time per phase (prepare: plan, compile, check; execute: post, wait,
-    verify, agree, restore), rollback included."""
+    """This rank's host time per phase (prepare: plan, compile, check; execute: setup, post, wait,
+    verify, agree, restore), rollback included. On CUDA without a fault hook the host does not
+    wait for the transfers: "agree" then holds that wait too."""
 
 
 class HotSwapError(RuntimeError):
@@ -211,7 +214,7 @@ def _compile_all(rt: SwapRuntime, options: HotSwapOptions, plan: SwapPlan) -> li
                 plan,
                 k,
                 rank=rt.rank,
-                piece_bytes=options.piece_bytes,
+                piece_fractions=options.piece_fractions,
                 view_shapes=rt.view_shapes,
                 device=rt.device,
                 verify=options.verify,
@@ -296,6 +299,6 @@ def _fingerprint(
     """A 32-bit digest of the swap's input, to check that every rank plans the same swap."""
     digest = zlib.crc32(np.ascontiguousarray(cur_LP, dtype=np.int32).tobytes())
     digest = zlib.crc32(np.ascontiguousarray(tgt_LP, dtype=np.int32).tobytes(), digest)
-    shape = (options.staging_budget_bytes, options.piece_bytes, int(options.verify))
-    digest = zlib.crc32(np.asarray(shape, dtype=np.int64).tobytes(), digest)
+    shape = (options.staging_budget_bytes, int(options.verify), *options.piece_fractions)
+    digest = zlib.crc32(np.asarray(shape, dtype=np.float64).tobytes(), digest)
     return zlib.crc32(np.asarray(layers, dtype=np.int64).tobytes(), digest)

@@ -91,6 +91,8 @@ class SlotChecksum:
         pos: Sequence[int],
         device: torch.device,
         backend: str = "auto",
+        *,
+        bind: bool = True,
     ) -> None:
         if backend not in checksum_backends():
             raise ValueError(f"checksum backend must be one of {checksum_backends()}, got {backend!r}")
@@ -105,10 +107,12 @@ class SlotChecksum:
         self.rows = list(rows)
         self.word_shape = (int(one.shape[0]), int(one.shape[1]))
         self.word_dtype = one.dtype
-        pos2 = [p + j for p in pos for j in (0, 1)]
-        self.pos2 = torch.tensor(pos2, dtype=torch.int64).to(device)
-        self.rows_t = torch.tensor(self.rows, dtype=torch.int64).to(device) if self.triton else None
+        self.pos2_list = [p + j for p in pos for j in (0, 1)]
+        self.pos2 = torch.empty(0, dtype=torch.int64)
+        self.rows_t: torch.Tensor | None = None
         self.runs = _runs(self.rows)
+        if bind:
+            bind_all([self], device)
 
     def __call__(self, buffer: torch.Tensor, out: torch.Tensor, programs: int = 0) -> None:
         """Write the checksums of ``buffer[rows]`` into ``out``; ``programs`` bounds the Triton grid."""
@@ -137,6 +141,23 @@ class SlotChecksum:
         words = words.view(buffer.shape[0], *self.word_shape)
         assert self.rows_t is not None
         return slot_checksum_partials(words, self.rows_t, programs or 1 << 30).sum(dim=1)
+
+
+def bind_all(tasks: Sequence[SlotChecksum], device: torch.device) -> None:
+    """Give every task its index tensors on ``device``, from one host-to-device copy."""
+    parts: list[int] = []
+    for t in tasks:
+        parts += t.pos2_list + (t.rows if t.triton else [])
+    if not tasks:
+        return
+    packed = torch.tensor(parts, dtype=torch.int64).to(device)
+    at = 0
+    for t in tasks:
+        t.pos2 = packed[at : at + len(t.pos2_list)]
+        at += len(t.pos2_list)
+        if t.triton:
+            t.rows_t = packed[at : at + len(t.rows)]
+            at += len(t.rows)
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:

@@ -35,6 +35,7 @@ from eplb.placement import Placement
 
 _CONTROL_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+_PINNED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 _ALIGN = 512
 
 
@@ -205,17 +206,25 @@ class SwapRuntime:
         self, prog: GroupProgram, epoch: int, fault: Callable[..., None] | None, fatal: bool = False
     ) -> GroupOutcome:
         """Run group ``prog`` on this rank and agree on it; a failed group is drained and restored."""
-        run = _GroupRun(self, prog, fault)
+        with self.timed("setup"):
+            run = _GroupRun(self, prog, fault)
         with self.timed("post"):
             run.post(epoch)
-        with self.timed("wait"):
-            landed = run.waiter.wait()
-            run.errors += [f"chunk {prog.chunk} wait: {e}" for e in run.waiter.errors]
-        if landed and run.defer:
-            with self.timed("verify"):
-                run.land_deferred()
-        with self.timed("agree"):
-            failed, any_fatal, mismatch = self._agree(run.vec, bool(run.errors), fatal, prog)
+        timed_out = False
+        if run.defer:
+            with self.timed("wait"):
+                landed = run.waiter.wait()
+                run.errors += [f"chunk {prog.chunk} wait: {e}" for e in run.waiter.errors]
+            if landed:
+                with self.timed("verify"):
+                    run.land_deferred()
+            with self.timed("agree"):
+                failed, any_fatal, mismatch = self._agree(run.vec, bool(run.errors), fatal, prog)
+        else:
+            with self.timed("agree"):  # queued behind the transfers: this is also the wait for them
+                failed, any_fatal, mismatch, timed_out = self._agree_queued(run, fatal)
+        if timed_out and failed:
+            run.errors.append(f"chunk {prog.chunk} wait: TimeoutError: not done after {self.timeout_s} s")
         if mismatch:
             run.errors.append(f"chunk {prog.chunk} verify: checksum mismatch in transfers {mismatch}")
         if not failed:
@@ -250,18 +259,52 @@ class SwapRuntime:
         self, vec: torch.Tensor, failed: bool, fatal: bool, prog: GroupProgram
     ) -> tuple[bool, bool, list[int]]:
         """(failed anywhere or changed in transit, fatal anywhere, mismatched transfer rows)."""
-        vec[:2].copy_(torch.tensor([int(failed), int(fatal)], dtype=torch.int64))
+        if failed or fatal:
+            vec[:2].copy_(torch.tensor([int(failed), int(fatal)], dtype=torch.int64))
         self.all_reduce_sum(vec)
-        if not prog.checksum_width:
-            got = vec[:2].tolist()
-            return got[0] > 0, got[1] > 0, []
-        half = prog.num_transfers * prog.checksum_width
-        differ = vec[2 : 2 + half] != vec[2 + half :]
-        got = torch.stack([vec[0], vec[1], differ.any().to(torch.int64)]).tolist()
-        rows: list[int] = []
-        if got[2]:
-            rows = differ.view(prog.num_transfers, -1).any(dim=1).nonzero().flatten().tolist()
-        return got[0] > 0 or got[2] > 0, got[1] > 0, rows
+        got = [*_summary(vec, prog).tolist(), 0]
+        return got[0] > 0 or got[2] > 0, got[1] > 0, _mismatched(vec, prog) if got[2] else []
+
+    def _agree_queued(self, run: _GroupRun, fatal: bool) -> tuple[bool, bool, list[int], bool]:
+        """The agreement, queued on the GPU behind the transfers and checksums; then the host waits.
+
+        The failure flag is read from pinned host memory when the stream reaches it, i.e. once
+        every transfer of this rank has landed: a host whose deadline passes before then sets it,
+        so a late transfer fails the group on every rank, as agreed. (failed, fatal, rows, timed out)
+        """
+        flag, result = _pinned(self.device)
+        flag[0], flag[1] = int(bool(run.errors)), int(fatal)
+        run.vec[:2].copy_(flag, non_blocking=True)
+        self.all_reduce_sum(run.vec)
+        summary = _summary(run.vec, run.prog)
+        result[: summary.numel()].copy_(summary, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        deadline = time.monotonic() + self.timeout_s
+        timed_out = False
+        while not done.query():
+            if not timed_out and time.monotonic() > deadline:
+                flag[0] = 1  # too late for the copy if it already ran: the transfers had landed then
+                timed_out = True
+        got = result[: summary.numel()].tolist() + [0] * (3 - summary.numel())
+        rows = _mismatched(run.vec, run.prog) if got[2] else []
+        return got[0] > 0 or got[2] > 0, got[1] > 0, rows, timed_out
+
+
+def _summary(vec: torch.Tensor, prog: GroupProgram) -> torch.Tensor:
+    """int64 [2] or [3] on the vector's device: failures, fatal failures, (checksum halves differ)."""
+    if not prog.checksum_width:
+        return vec[:2]
+    half = prog.num_transfers * prog.checksum_width
+    differ = (vec[2 : 2 + half] != vec[2 + half :]).any().to(torch.int64)
+    return torch.cat([vec[:2], differ.view(1)])
+
+
+def _mismatched(vec: torch.Tensor, prog: GroupProgram) -> list[int]:
+    """Rows (transfers of the group) whose source and destination checksums differ."""
+    half = prog.num_transfers * prog.checksum_width
+    differ = vec[2 : 2 + half] != vec[2 + half :]
+    return [int(x) for x in differ.view(prog.num_transfers, -1).any(dim=1).nonzero().flatten().tolist()]
 
 
 class _GroupRun:
@@ -278,7 +321,7 @@ class _GroupRun:
         self.backups = rt._backup_views(prog)
         self.waiter = _Waiter(self.works, rt.timeout_s, self.cuda)
         # Checksums next to a transfer leave SMs to NCCL; after the last one they take the GPU.
-        self.overlap, self.full = max(1, rt.sms // 2), 4 * rt.sms
+        self.overlap, self.full = max(1, 2 * rt.sms // 3), 4 * rt.sms
 
     @contextlib.contextmanager
     def recording(self, where: str) -> Iterator[None]:
@@ -300,13 +343,14 @@ class _GroupRun:
             self.streams[waiter].wait_stream(current if leader is None else self.streams[leader])
 
     def post(self, epoch: int) -> None:
-        """Backups, every piece's transfers, local copies; checksums queued behind each."""
+        """Backups and every piece's transfers; source checksums, then arrival checksums, queued behind."""
         prog, rt = self.prog, self.rt
         self._follow(0, None)
         self._follow(1, None)
         if self.fault is not None:
             with self.recording("prepare"):
                 self.fault("prepare", prog.chunk, [])
+        per_piece: list[list[Any]] = []
         for j, piece in enumerate(prog.pieces):
             got: list[Any] = []
             with self.recording("post"), self._on(0):
@@ -315,11 +359,14 @@ class _GroupRun:
                 ops = rt._ops(piece, self.backups, tag)
                 if ops:
                     got.extend(dist.batch_isend_irecv(ops))
+            per_piece.append(got)
             self.works.extend(got)
             with self.recording("checksum"), self._on(1):
-                self._follow(1, 0)
+                self._follow(1, 0)  # what this piece sends is backed up
                 self._checks(piece.src_checks, self.overlap)
-                if not self.defer:
+        if not self.defer:
+            with self.recording("receive"), self._on(1):
+                for j, got in enumerate(per_piece):
                     self._land(j, got)
         with self.recording("local copy"):
             with self._on(0):
@@ -334,6 +381,9 @@ class _GroupRun:
             current = torch.cuda.current_stream(rt.device)
             current.wait_stream(self.streams[0])
             current.wait_stream(self.streams[1])
+            with self.recording("post"):
+                for w in self.works:
+                    w.wait()  # the current stream (the agreement) waits for the sends too
 
     def land_deferred(self) -> None:
         """After the host wait: the fault hook, then every piece's fan-out copies and checksums."""
@@ -389,8 +439,6 @@ class _Waiter:
                     elif time.monotonic() > deadline:
                         self.errors.append(f"TimeoutError: transfers not done after {self.timeout_s} s")
                         return False
-                    else:
-                        time.sleep(0)
                 for w in self.works:
                     w.wait()  # orders the current stream after the transfers
             else:
@@ -461,6 +509,17 @@ def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream
     if index not in _STREAMS:
         _STREAMS[index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
     return _STREAMS[index]
+
+
+def _pinned(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pinned int64 [2] flags and [3] result of this device's agreements (groups run one at a time)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PINNED:
+        _PINNED[index] = (
+            torch.zeros(2, dtype=torch.int64, pin_memory=True),
+            torch.zeros(3, dtype=torch.int64, pin_memory=True),
+        )
+    return _PINNED[index]
 
 
 def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:

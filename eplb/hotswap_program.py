@@ -12,8 +12,10 @@ all-reduce) whether all of them arrived intact. Within a group:
   undone by copying the backups back; every other overwritten slot's old expert still sits in a
   slot the group does not touch (eplb.hotswap_plan's invariant).
 - Cross-GPU moves go as *blocks* (consecutive source and destination slots, one message per view)
-  cut into *pieces* of about ``piece_bytes`` per receiving GPU, one ``batch_isend_irecv`` each, so
-  the receiver checksums piece k while piece k+1 is on the wire. Local copies come last.
+  cut into a few *pieces*, one ``batch_isend_irecv`` each, by ``piece_fractions`` of what arrives
+  at each GPU: the receiver checksums piece k while piece k+1 is on the wire, so only the last
+  (small) piece's checksum follows the transfer; a small first piece starts the link early when
+  its sources must be backed up first. Local copies come last.
 - Checksums land in an agreement vector int64 [2 + 2 n W]: two flags, then for each transfer the
   source's checksum (written by the sending rank) and the destination's (by the receiving rank).
   After a sum over ranks every position has one writer, so equal halves mean intact arrivals.
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from eplb.hotswap_checksum import SlotChecksum
+from eplb.hotswap_checksum import SlotChecksum, bind_all
 from eplb.hotswap_plan import SwapPlan
 
 
@@ -158,7 +160,7 @@ def compile_group(
     k: int,
     *,
     rank: int,
-    piece_bytes: int,
+    piece_fractions: Sequence[float],
     view_shapes: Sequence[tuple[tuple[int, ...], torch.dtype]],
     device: torch.device,
     verify: bool,
@@ -183,7 +185,7 @@ def compile_group(
 
     blocks = chunk_blocks(plan, k)
     cross = [b for b in blocks if b.src_gpu != b.dst_gpu]
-    pieces_global = _cut_pieces(cross, plan.bytes_per_expert, piece_bytes, G)
+    pieces_global = _cut_pieces(cross, piece_fractions, G)
     stages: list[Stage] = []
     touched: set[tuple[int, int]] = set()
     W = 2 * len(view_shapes)
@@ -219,33 +221,36 @@ def compile_group(
         ]
         checks.emit(stage)
         stages.append(stage)
+    checks.bind()
     restore = [(b, s) for s, b in (x for st in stages for x in st.backups)]
     return GroupProgram(k, n, W if verify else 0, backup_rows, restore, stages[:-1], stages[-1])
 
 
-def _cut_pieces(cross: list[Block], bytes_per_expert: int, piece_bytes: int, G: int) -> list[list[Block]]:
-    """Split blocks to at most ``piece_bytes`` and pack them into pieces per receiving GPU.
+def _cut_pieces(cross: list[Block], fractions: Sequence[float], G: int) -> list[list[Block]]:
+    """Cut blocks so that piece k carries ``fractions[k]`` of the slots arriving at each GPU.
 
-    Sub-blocks are taken round-robin over blocks (the first part of every block, then the second
-    ...), so a piece of a trade carries both directions.
+    Blocks are taken in order; a block that crosses a piece boundary of its receiving GPU is
+    split there, so a trade's pieces carry both directions. Empty pieces are dropped.
     """
-    per_part = max(1, piece_bytes // max(bytes_per_expert, 1))
-    parts: list[tuple[int, int, Block]] = []
-    for position, b in enumerate(cross):
-        for ordinal, a in enumerate(range(0, b.count, per_part)):
-            m = min(per_part, b.count - a)
-            parts.append((ordinal, position, _sub_block(b, a, m)))
-    parts.sort(key=lambda x: (x[0], x[1]))
-    pieces: list[list[Block]] = []
-    used = np.zeros(G, dtype=np.int64)
-    for _, _, sub in parts:
-        need = sub.count * bytes_per_expert
-        if not pieces or (used.any() and used[sub.dst_gpu] + need > piece_bytes):
-            pieces.append([])
-            used[:] = 0
-        pieces[-1].append(sub)
-        used[sub.dst_gpu] += need
-    return pieces
+    total = np.zeros(G, dtype=np.int64)
+    for b in cross:
+        total[b.dst_gpu] += b.count
+    bounds = np.cumsum(np.asarray(fractions, dtype=np.float64))
+    bounds = bounds / bounds[-1]
+    seen = np.zeros(G, dtype=np.int64)
+    pieces: list[list[Block]] = [[] for _ in fractions]
+    for b in cross:
+        g, start = b.dst_gpu, 0
+        while start < b.count:
+            # Piece of the next slot, and how many slots of this block stay in it.
+            k = int(np.searchsorted(bounds * total[g], seen[g], side="right"))
+            k = min(k, len(fractions) - 1)
+            room = int(np.ceil(bounds[k] * total[g])) - int(seen[g])
+            m = max(1, min(b.count - start, room))
+            pieces[k].append(_sub_block(b, start, m))
+            seen[g] += m
+            start += m
+    return [p for p in pieces if p]
 
 
 def _sub_block(b: Block, start: int, count: int) -> Block:
@@ -291,6 +296,7 @@ class _CheckBuilder:
             n,
         )
         self.pending: dict[tuple[int, int, int, bool], tuple[list[int], list[int]]] = {}
+        self.tasks: list[SlotChecksum] = []
 
     def add(self, span: Span, rows: list[int], side: int) -> None:
         """Checksum ``span``'s rows as the ``side`` (0 source, 1 destination) of transfer ``rows``."""
@@ -304,6 +310,11 @@ class _CheckBuilder:
     def emit(self, stage: Stage) -> None:
         for (side, layer, v, backup), (rows, pos) in sorted(self.pending.items()):
             shape, dtype = self.view_shapes[v]
-            task = SlotChecksum(shape, dtype, rows, pos, self.device, self.backend or "auto")
+            task = SlotChecksum(shape, dtype, rows, pos, self.device, self.backend or "auto", bind=False)
             (stage.dst_checks if side else stage.src_checks).append(Check(layer, v, backup, task))
+            self.tasks.append(task)
         self.pending = {}
+
+    def bind(self) -> None:
+        """Move every task's index tensors to the device in one copy."""
+        bind_all(self.tasks, self.device)

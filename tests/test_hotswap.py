@@ -81,8 +81,8 @@ def test_layers_subset_leaves_other_layers_alone() -> None:
 
 
 @pytest.mark.parametrize("stage", ["prepare", "received"])
-@pytest.mark.parametrize("piece_experts", [1, 1000])
-def test_injected_failure_rolls_back_exactly(stage: str, piece_experts: int) -> None:
+@pytest.mark.parametrize("fractions", [(1.0,), (0.25, 0.5, 0.25)])
+def test_injected_failure_rolls_back_exactly(stage: str, fractions: tuple[float, ...]) -> None:
     w = logical(2)
     old, new = placements(2)
     slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
@@ -100,7 +100,7 @@ def test_injected_failure_rolls_back_exactly(stage: str, piece_experts: int) -> 
         new,
         options=HotSwapOptions(
             staging_budget_bytes=2 * (64 * 32 + 32 * 32) * 4,
-            piece_bytes=piece_experts * (64 * 32 + 32 * 32) * 4,
+            piece_fractions=fractions,
         ),
         update_maps=lambda: called.append(True),
         fault=fault,

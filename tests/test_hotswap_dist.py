@@ -70,16 +70,16 @@ def scenario(ctx: RankContext, seed: int) -> dict[str, Any]:
         if stage == "prepare" and k == 1 and rank == 1:
             time.sleep(1.2)
 
-    # Pieces of one expert (checksums while the next piece travels) or one piece per chunk.
-    faults = [("mismatch", corrupt, budget // 2), ("exception", boom, budget // 2)]
+    # Several pieces per chunk (checksums while the next piece travels) or one.
+    faults = [("mismatch", corrupt, (0.25, 0.5, 0.25)), ("exception", boom, (0.5, 0.5))]
     if G == 2:
-        faults.append(("timeout", slow, budget))
+        faults.append(("timeout", slow, (1.0,)))
     for name, fault, piece in faults:
         res = hot_swap(
             exact.slots_L,
             old,
             new,
-            options=HotSwapOptions(staging_budget_bytes=budget, timeout_s=0.4, piece_bytes=piece),
+            options=HotSwapOptions(staging_budget_bytes=budget, timeout_s=0.4, piece_fractions=piece),
             update_maps=lambda: exact.set_placement(new),
             fault=fault,
         )
@@ -116,7 +116,7 @@ def scenario(ctx: RankContext, seed: int) -> dict[str, Any]:
             bufs[-1].view(-1)[-1] += 1.0
 
     res = hot_swap(
-        exact.slots_L, block_target, new, fault=flip, options=HotSwapOptions(piece_bytes=budget // 2)
+        exact.slots_L, block_target, new, fault=flip, options=HotSwapOptions(piece_fractions=(1.0, 1.0, 1.0))
     )
     out["trade_back_rolled_back"] = (not res.ok) and all(
         torch.equal(a[k], b[k]) for a, b in zip(exact.slots_L, held, strict=True) for k in a

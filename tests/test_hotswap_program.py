@@ -20,7 +20,7 @@ VIEWS = [((4, 8), torch.float32), ((8, 4), torch.float32)]  # w13-like and w2-li
 PER_EXPERT = 2 * 4 * 8 * 4
 
 
-def programs(plan: SwapPlan, piece_experts: int, verify: bool = True) -> list[list[GroupProgram]]:
+def programs(plan: SwapPlan, fractions: tuple[float, ...], verify: bool = True) -> list[list[GroupProgram]]:
     """[rank][chunk] programs."""
     return [
         [
@@ -28,7 +28,7 @@ def programs(plan: SwapPlan, piece_experts: int, verify: bool = True) -> list[li
                 plan,
                 k,
                 rank=r,
-                piece_bytes=piece_experts * PER_EXPERT,
+                piece_fractions=fractions,
                 view_shapes=VIEWS,
                 device=torch.device("cpu"),
                 verify=verify,
@@ -46,27 +46,33 @@ def stage_slots(stage, rank: int, S: int) -> set[tuple[int, int]]:  # type: igno
 
 
 @pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("piece_experts", [1, 2, 100])
-def test_programs_match_across_ranks_and_cover_the_plan(seed: int, piece_experts: int) -> None:
+@pytest.mark.parametrize("fractions", [(1.0,), (0.25, 0.5, 0.25), (1.0, 1.0, 1.0, 1.0, 1.0)])
+def test_programs_match_across_ranks_and_cover_the_plan(seed: int, fractions: tuple[float, ...]) -> None:
     G = 4
     rng = np.random.default_rng(seed)
     cur, tgt = random_phy2log(rng, 3, 12, 16), random_phy2log(rng, 3, 12, 16)
     plan = plan_swap(cur, tgt, num_gpus=G, bytes_per_expert=PER_EXPERT, chunk_bytes=3 * PER_EXPERT)
     S = plan.slots_per_gpu
-    progs = programs(plan, piece_experts)
+    progs = programs(plan, fractions)
     for k, chunk in enumerate(plan.chunks):
         group = [progs[r][k] for r in range(G)]
         assert len({len(p.pieces) for p in group}) == 1  # every rank walks the same pieces
+        totals: Counter[int] = Counter()
+        for i in chunk.transfers:
+            t = plan.transfers[i]
+            totals[t.dst_gpu] += 0 if t.is_local else 1
         for j in range(len(group[0].pieces)):
-            arriving = Counter()
+            arriving: Counter[int] = Counter()
             for src in range(G):
                 for dst in range(G):
                     sent = [s.count for peer, s in group[src].pieces[j].sends if peer == dst]
                     got = [s.count for peer, s in group[dst].pieces[j].recvs if peer == src]
                     assert sent == got, (k, j, src, dst)  # same messages, same order
                     arriving[dst] += sum(got)
-            if piece_experts < 100:
-                assert max(arriving.values(), default=0) <= piece_experts
+            # Piece j carries its fraction of each GPU's arrivals (rounded up to whole slots).
+            share = fractions[j] / sum(fractions) if len(group[0].pieces) == len(fractions) else 1.0
+            for g, got in arriving.items():
+                assert got <= np.ceil(share * totals[g]) + 1, (j, g, got, totals[g])
         # Each transfer has, per view, one source and one destination checksum position, all distinct.
         n, W = len(chunk.transfers), 2 * len(VIEWS)
         positions = [
@@ -103,13 +109,13 @@ def test_a_trade_is_cut_into_pieces_that_carry_both_directions() -> None:
     tgt = cur.copy()
     tgt[0, :6], tgt[0, S : S + 6] = cur[0, S : S + 6], cur[0, :6]
     plan = plan_swap(cur, tgt, num_gpus=2, bytes_per_expert=PER_EXPERT, chunk_bytes=1 << 20)
-    prog0 = programs(plan, 2)[0][0]
+    prog0 = programs(plan, (1.0, 2.0, 3.0))[0][0]
     assert len(prog0.pieces) == 3
-    for piece in prog0.pieces:
-        assert [(p, s.count, s.backup) for p, s in piece.sends] == [(1, 2, True)]  # from the backup
-        assert [(p, s.count, s.backup) for p, s in piece.recvs] == [(1, 2, False)]  # into the slots
+    for piece, m in zip(prog0.pieces, (1, 2, 3), strict=True):
+        assert [(p, s.count, s.backup) for p, s in piece.sends] == [(1, m, True)]  # from the backup
+        assert [(p, s.count, s.backup) for p, s in piece.recvs] == [(1, m, False)]  # into the slots
     assert sum(b.count for _, b in prog0.restore) == 6
-    assert prog0.pieces[0].backups == [(Span(0, 0, 2), Span(0, 0, 2, backup=True))]
+    assert prog0.pieces[0].backups == [(Span(0, 0, 1), Span(0, 0, 1, backup=True))]
 
 
 @pytest.mark.interpreter
@@ -146,7 +152,7 @@ def test_prepared_swap_runs_once_and_equals_hot_swap() -> None:
     new = Placement.from_phy2log(random_phy2log(rng, 2, 6, 9), 1, max_replicas=4)
     a = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
     b = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
-    options = HotSwapOptions(piece_bytes=PER_EXPERT)
+    options = HotSwapOptions(piece_fractions=(1.0, 1.0))
     prepared = prepare_swap(a, old, new, options=options)
     assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x)  # nothing moved yet
     res = prepared.execute()
@@ -155,7 +161,7 @@ def test_prepared_swap_runs_once_and_equals_hot_swap() -> None:
         prepared.execute()
     assert hot_swap(b, old, new, options=options).ok
     assert all(torch.equal(x[k], y[k]) for x, y in zip(a, b, strict=True) for k in x)
-    with pytest.raises(ValueError, match="piece_bytes"):
-        HotSwapOptions(piece_bytes=0)
+    with pytest.raises(ValueError, match="piece_fractions"):
+        HotSwapOptions(piece_fractions=(0.5, 0.0))
     with pytest.raises(ValueError, match="checksum_backend"):
         HotSwapOptions(checksum_backend="cuda")
