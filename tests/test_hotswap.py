@@ -113,13 +113,13 @@ def test_injected_failure_rolls_back_exactly(stage: str, fractions: tuple[float,
 
 def test_local_copy_corruption_is_caught_by_checksum(monkeypatch: pytest.MonkeyPatch) -> None:
     # One rank receives nothing, so corrupt the first local copy once, after it landed.
-    from eplb import hotswap_exec
+    from eplb import hotswap_group
 
     w = logical(3)
     old, new = placements(3)
     slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
     before = [{k: v.clone() for k, v in d.items()} for d in slots_L]
-    original = hotswap_exec.local_copy
+    original = hotswap_group.local_copy
     done: list[bool] = []
 
     def corrupting_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
@@ -128,7 +128,7 @@ def test_local_copy_corruption_is_caught_by_checksum(monkeypatch: pytest.MonkeyP
             dst[0].view(-1)[0] += 1.0
             done.append(True)
 
-    monkeypatch.setattr(hotswap_exec, "local_copy", corrupting_copy)
+    monkeypatch.setattr(hotswap_group, "local_copy", corrupting_copy)
     res = hot_swap(slots_L, old, new, options=HotSwapOptions(staging_budget_bytes=1 << 20))
     assert done and not res.ok and "checksum mismatch" in (res.error or "")
     assert all(torch.equal(a[k], b[k]) for a, b in zip(slots_L, before, strict=True) for k in a)

@@ -1,0 +1,279 @@
+"""One group of a hot-swap on this rank: post, land, wait, agree (used by eplb.hotswap_exec).
+
+Shape legend: V views per slot, n transfers of the group, W checksum words per transfer.
+
+On CUDA two side streams keep the link busy: a copy stream takes the backups and local copies,
+and every piece's ``batch_isend_irecv`` is posted from it (so NCCL waits only for the backups the
+piece needs); a checksum stream checksums what this rank sends as soon as it is backed up, then
+what it receives as soon as each piece has landed, while later pieces are on the wire. The
+agreement (an all-reduce of the vector [2 flags, n W source sums, n W destination sums]) is
+queued behind all of it, so the host waits once. On CPU, or with a fault hook, the host waits for
+the transfers (with a deadline) first and checksums what arrived itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from eplb.hotswap_program import Check, GroupProgram
+
+if TYPE_CHECKING:
+    from eplb.hotswap_exec import SwapRuntime
+
+_STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+_PINNED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+class GroupRun:
+    """One group on this rank: its agreement vector, backups, transfers and recorded errors."""
+
+    def __init__(self, rt: SwapRuntime, prog: GroupProgram, fault: Callable[..., None] | None) -> None:
+        self.rt, self.prog, self.fault = rt, prog, fault
+        self.cuda = rt.device.type == "cuda"
+        self.streams = _streams(rt.device) if self.cuda else None
+        self.defer = fault is not None or not self.cuda  # receivers checksum after the host wait
+        self.errors: list[str] = []
+        self.works: list[Any] = []
+        self.vec = torch.zeros(prog.vector_length, dtype=torch.int64, device=rt.device)
+        self.backups = rt.backup_views(prog)
+        self.waiter = Waiter(self.works, rt.timeout_s, self.cuda)
+        # Checksums next to a transfer leave SMs to NCCL; after the last one they take the GPU.
+        self.overlap, self.full = max(1, 2 * rt.sms // 3), 4 * rt.sms
+
+    @contextlib.contextmanager
+    def recording(self, where: str) -> Iterator[None]:
+        """Record an exception instead of raising it (the agreement settles it on every rank)."""
+        try:
+            yield
+        except Exception as exc:
+            self.errors.append(f"chunk {self.prog.chunk} {where}: {type(exc).__name__}: {exc}")
+
+    def _on(self, which: int) -> contextlib.AbstractContextManager[Any]:
+        return (
+            torch.cuda.stream(self.streams[which]) if self.streams is not None else contextlib.nullcontext()
+        )
+
+    def _follow(self, waiter: int, leader: int | None) -> None:
+        """Stream ``waiter`` (0 copy, 1 checksum) waits for ``leader`` (None: the current stream)."""
+        if self.streams is not None:
+            current = torch.cuda.current_stream(self.rt.device)
+            self.streams[waiter].wait_stream(current if leader is None else self.streams[leader])
+
+    def post(self, epoch: int) -> None:
+        """Backups and every piece's transfers; source checksums, then arrival checksums, queued behind."""
+        prog, rt = self.prog, self.rt
+        self._follow(0, None)
+        self._follow(1, None)
+        if self.fault is not None:
+            with self.recording("prepare"):
+                self.fault("prepare", prog.chunk, [])
+        per_piece: list[list[Any]] = []
+        for j, piece in enumerate(prog.pieces):
+            got: list[Any] = []
+            with self.recording("post"), self._on(0):
+                rt.copy_all(piece.backups, self.backups)
+                tag = (epoch << 30) | ((prog.chunk & 0x3FF) << 20) | ((j & 0x3FF) << 10)
+                ops = rt.p2p_ops(piece, self.backups, tag)
+                if ops:
+                    got.extend(dist.batch_isend_irecv(ops))
+            per_piece.append(got)
+            self.works.extend(got)
+            with self.recording("checksum"), self._on(1):
+                self._follow(1, 0)  # what this piece sends is backed up
+                self._checks(piece.src_checks, self.overlap)
+        if not self.defer:
+            with self.recording("receive"), self._on(1):
+                for j, got in enumerate(per_piece):
+                    self._land(j, got)
+        with self.recording("local copy"):
+            with self._on(0):
+                rt.copy_all(prog.local.backups, self.backups)
+                for src, dst in prog.local.copies:
+                    local_copy(rt.views(dst, self.backups), rt.views(src, self.backups))
+            with self._on(1):
+                self._follow(1, 0)
+                self._checks(prog.local.src_checks, self.full)
+                self._checks(prog.local.dst_checks, self.full)
+        if self.streams is not None:
+            current = torch.cuda.current_stream(rt.device)
+            current.wait_stream(self.streams[0])
+            current.wait_stream(self.streams[1])
+            with self.recording("post"):
+                for w in self.works:
+                    w.wait()  # the current stream (the agreement) waits for the sends too
+
+    def land_deferred(self) -> None:
+        """After the host wait: the fault hook, then every piece's fan-out copies and checksums."""
+        if self.fault is not None:
+            with self.recording("received"):
+                spans = [span for p in self.prog.pieces for _, span in p.recvs]
+                self.fault(
+                    "received", self.prog.chunk, [v for s in spans for v in self.rt.views(s, self.backups)]
+                )
+        for j in range(len(self.prog.pieces)):
+            with self.recording("receive"):
+                self._land(j, [])
+
+    def _land(self, j: int, works: list[Any]) -> None:
+        """After piece j arrived (stream-ordered on CUDA): fan-out copies, destination checksums."""
+        piece = self.prog.pieces[j]
+        for w in works:
+            w.wait()  # on CUDA: the current (checksum) stream waits for the transfer
+        for src, dst in piece.copies:
+            local_copy(self.rt.views(dst, self.backups), self.rt.views(src, self.backups))
+        self._checks(piece.dst_checks, self.full if j == len(self.prog.pieces) - 1 else self.overlap)
+
+    def _checks(self, checks: list[Check], programs: int) -> None:
+        for check in checks:
+            check.task(self.rt.buffer(check, self.backups), self.vec, programs)
+
+
+class Waiter:
+    """Waits for a group's transfers up to a deadline; a timed-out group keeps its transfers posted.
+
+    A timed-out wait inside Gloo or NCCL tears the connection down, so the deadline is kept here:
+    CUDA works are polled (they complete in order), CPU works are waited for on a helper thread.
+    A late peer then still completes its transfers, and the rollback can use the same group.
+    """
+
+    def __init__(self, works: list[Any], timeout_s: float, cuda: bool) -> None:
+        self.works, self.timeout_s, self.cuda = works, timeout_s, cuda
+        self.errors: list[str] = []
+        self.thread: threading.Thread | None = None
+        self.completed = False
+
+    def wait(self) -> bool:
+        if not self.works:
+            self.completed = True
+            return True
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            if self.cuda:
+                i = 0
+                while i < len(self.works):
+                    if self.works[i].is_completed():
+                        i += 1
+                    elif time.monotonic() > deadline:
+                        self.errors.append(f"TimeoutError: transfers not done after {self.timeout_s} s")
+                        return False
+                for w in self.works:
+                    w.wait()  # orders the current stream after the transfers
+            else:
+                self.thread = threading.Thread(target=self._wait_all, daemon=True)
+                self.thread.start()
+                self.thread.join(max(0.0, deadline - time.monotonic()))
+                if self.thread.is_alive():
+                    self.errors.append(f"TimeoutError: transfers not done after {self.timeout_s} s")
+                    return False
+                if self.errors:
+                    return False
+        except Exception as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+            return False
+        self.completed = True
+        return True
+
+    def _wait_all(self) -> None:
+        try:
+            for w in self.works:
+                w.wait()
+        except Exception as exc:
+            self.errors.append(f"{type(exc).__name__}: {exc}")
+
+    def drain(self) -> None:
+        """Let a failed group's transfers finish (its peers posted them too); ignore their errors."""
+        if self.completed:
+            return
+        if self.thread is not None:
+            self.thread.join()
+            return
+        for w in self.works:
+            with contextlib.suppress(Exception):
+                w.wait()
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def agree_now(
+    rt: SwapRuntime, vec: torch.Tensor, failed: bool, fatal: bool, prog: GroupProgram
+) -> tuple[bool, bool, list[int]]:
+    """(failed anywhere or changed in transit, fatal anywhere, mismatched transfer rows)."""
+    if failed or fatal:
+        vec[:2].copy_(torch.tensor([int(failed), int(fatal)], dtype=torch.int64))
+    rt.all_reduce_sum(vec)
+    got = [*_summary(vec, prog).tolist(), 0]
+    return got[0] > 0 or got[2] > 0, got[1] > 0, _mismatched(vec, prog) if got[2] else []
+
+
+def agree_queued(run: GroupRun, fatal: bool) -> tuple[bool, bool, list[int], bool]:
+    """The agreement, queued on the GPU behind the transfers and checksums; then the host waits.
+
+    The failure flag is read from pinned host memory when the stream reaches it, i.e. once
+    every transfer of this rank has landed: a host whose deadline passes before then sets it,
+    so a late transfer fails the group on every rank, as agreed. (failed, fatal, rows, timed out)
+    """
+    rt = run.rt
+    flag, result = _pinned(rt.device)
+    flag[0], flag[1] = int(bool(run.errors)), int(fatal)
+    run.vec[:2].copy_(flag, non_blocking=True)
+    rt.all_reduce_sum(run.vec)
+    summary = _summary(run.vec, run.prog)
+    result[: summary.numel()].copy_(summary, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    deadline = time.monotonic() + rt.timeout_s
+    timed_out = False
+    while not done.query():
+        if not timed_out and time.monotonic() > deadline:
+            flag[0] = 1  # too late for the copy if it already ran: the transfers had landed then
+            timed_out = True
+    got = result[: summary.numel()].tolist() + [0] * (3 - summary.numel())
+    rows = _mismatched(run.vec, run.prog) if got[2] else []
+    return got[0] > 0 or got[2] > 0, got[1] > 0, rows, timed_out
+
+
+def _summary(vec: torch.Tensor, prog: GroupProgram) -> torch.Tensor:
+    """int64 [2] or [3] on the vector's device: failures, fatal failures, (checksum halves differ)."""
+    if not prog.checksum_width:
+        return vec[:2]
+    half = prog.num_transfers * prog.checksum_width
+    differ = (vec[2 : 2 + half] != vec[2 + half :]).any().to(torch.int64)
+    return torch.cat([vec[:2], differ.view(1)])
+
+
+def _mismatched(vec: torch.Tensor, prog: GroupProgram) -> list[int]:
+    """Rows (transfers of the group) whose source and destination checksums differ."""
+    half = prog.num_transfers * prog.checksum_width
+    differ = vec[2 : 2 + half] != vec[2 + half :]
+    return [int(x) for x in differ.view(prog.num_transfers, -1).any(dim=1).nonzero().flatten().tolist()]
+
+
+def local_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+    """A local move of one or more slots (every view); tests patch it to inject a bad copy."""
+    for d, s in zip(dst, src, strict=True):
+        d.copy_(s)
+
+
+def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _STREAMS:
+        _STREAMS[index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _STREAMS[index]
+
+
+def _pinned(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pinned int64 [2] flags and [3] result of this device's agreements (groups run one at a time)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _PINNED:
+        _PINNED[index] = (
+            torch.zeros(2, dtype=torch.int64, pin_memory=True),
+            torch.zeros(3, dtype=torch.int64, pin_memory=True),
+        )
+    return _PINNED[index]
