@@ -46,7 +46,7 @@ def milp_polish(
     score_L = ls.expected_balancedness(item_KLP.reshape(-1, L, G, S).sum(axis=-1), weights_K)
     improved_layers = 0
     solves = 0
-    for layer in np.argsort(score_L, kind="stable"):
+    for layer in np.argsort(score_L, kind="stable") if G > 1 else ():
         if score_L[layer] >= 1.0 - 1e-9:
             break
         layer_improved = False
@@ -101,11 +101,12 @@ def _solve_subproblem(
     K = items_KP.shape[0]
     B = chosen_B.shape[0]
     slots = (chosen_B[:, None] * S + np.arange(S)).ravel()
-    a_KI = items_KP[:, slots]
-    num_items = slots.size
+    # Loads in units of each scenario's mean GPU load: HiGHS sees O(1) numbers whatever the counts.
     mean_K = np.maximum(gpu_KG.mean(axis=1), 1e-300)
+    a_KI = items_KP[:, slots] / mean_K[:, None]
+    num_items = slots.size
     rest = np.delete(gpu_KG, chosen_B, axis=1)
-    floor_K = rest.max(axis=1) if rest.shape[1] else np.zeros(K)
+    floor_K = rest.max(axis=1) / mean_K if rest.shape[1] else np.zeros(K)
     # Variables: x[i, b] (I*B binaries, item-major), then z[k].
     n_x = num_items * B
     item_of = np.repeat(np.arange(num_items), B)
@@ -123,7 +124,7 @@ def _solve_subproblem(
         LinearConstraint(sp.hstack([s_per_gpu, sp.csr_matrix((B, K))]), S, S),
         LinearConstraint(sp.hstack([load, z_part]), -np.inf, 0),
     ]
-    cost = np.concatenate([np.zeros(n_x), weights_K / mean_K])
+    cost = np.concatenate([np.zeros(n_x), weights_K])
     integrality = np.concatenate([np.ones(n_x), np.zeros(K)])
     bounds = Bounds(
         np.concatenate([np.zeros(n_x), floor_K]), np.concatenate([np.ones(n_x), np.full(K, np.inf)])
