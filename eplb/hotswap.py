@@ -6,24 +6,28 @@ Shape legend: L layers, P physical slots, G GPUs (ranks), S slots per GPU.
 forward passes). It is :func:`prepare_swap` then :meth:`PreparedSwap.execute`; an engine may
 prepare earlier (the plan only needs the two placements) and execute when the swap is due.
 
-Prepare (host work, one small collective): plan the moves (eplb.hotswap_plan: unchanged slots
-untouched, same-GPU copies local, cross-GPU sources spread over holders, chunks of at most
-``staging_budget_bytes`` written per rank), compile this rank's part of each chunk
-(eplb.hotswap_program: messages of consecutive slots, pieces, backups, checksum tasks), reserve
-the backup buffer, and check that every rank is about to run the same swap.
+Prepare: plan the moves (eplb.hotswap_plan: unchanged slots untouched, same-GPU copies local,
+cross-GPU sources spread over holders, chunks of at most ``staging_budget_bytes`` written per
+rank) and compile this rank's part of each chunk (eplb.hotswap_program: messages of consecutive
+slots, pieces, backups, checksum tasks); host work only, so it may run on a helper thread
+(``check=False``). Check (one small all-reduce on a CPU group; with ``check=True`` part of
+prepare, else the start of execute): reserve the backup buffer, and make sure every rank is about
+to run the same swap.
 
 Execute, per chunk ("group"; eplb.hotswap_exec): back up the slots the group both reads and
 overwrites, post its pieces (``batch_isend_irecv``), receive straight into the destination slots,
 checksum what was sent and what arrived while the next piece travels, wait (with a deadline),
-then agree once: one all-reduce of failure flags and checksums over the data group. Every weight
-tensor keeps its storage: slots are written through views with ``copy_`` or received into
-directly. The maps are updated (``update_maps``) only after every group was agreed.
+then agree once: one all-reduce of failure flags and checksums over the data group. A group that
+backs nothing up and writes no slot the previous group reads is posted before that group is
+agreed (at most two groups are open). Every weight tensor keeps its storage: slots are written
+through views with ``copy_`` or received into directly. The maps are updated (``update_maps``)
+only after every group was agreed.
 
 On any failure (an exception on any rank, a timeout, a checksum mismatch) every rank learns it at
-that group's agreement, lets the group's transfers finish, copies its backups back, computes the
-same partial state (eplb.hotswap_plan.SwapPlan.state_after) and swaps back to the old placement,
-exactly: weights are copied, never recomputed. The result says what failed. If the rollback
-itself fails, :class:`HotSwapError` is raised (weights undefined).
+that group's agreement, settles the group posted after it, lets their transfers finish, copies
+the backups back, computes the same partial state (eplb.hotswap_plan.SwapPlan.state_after) and
+swaps back to the old placement, exactly: weights are copied, never recomputed. The result says
+what failed. If the rollback itself fails, :class:`HotSwapError` is raised (weights undefined).
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import torch.distributed as dist
 
 from eplb.hotswap_checksum import checksum_backends
 from eplb.hotswap_exec import SwapRuntime
+from eplb.hotswap_group import GroupRun
 from eplb.hotswap_layout import PlainLayout, SlotLayout
 from eplb.hotswap_plan import SwapPlan, plan_swap
 from eplb.hotswap_program import GroupProgram, compile_group
@@ -119,31 +124,56 @@ class PreparedSwap:
         num_nodes: int,
         moved: tuple[int, int, int],
         programs: list[GroupProgram],
+        fingerprint: int,
     ) -> None:
         self.runtime, self.plan, self.cur_LP, self.layers = runtime, plan, cur_LP, layers
         self.options, self.num_nodes, self.moved, self.programs = options, num_nodes, moved, programs
         self.executed = False
+        self.checked = False
+        self.fingerprint = fingerprint
+        # Index tensors were copied to the device on the preparing thread's stream.
+        self.bound: torch.cuda.Event | None = None
+        if runtime.device.type == "cuda":
+            self.bound = torch.cuda.Event()
+            self.bound.record(torch.cuda.current_stream(runtime.device))
+
+    def check(self) -> None:
+        """Collective (a CPU all-reduce): reserve the backups; raise unless every rank runs this swap."""
+        if self.checked:
+            return
+        with self.runtime.timed("check"):
+            self.runtime.check_same_swap(
+                self.fingerprint, max((self.runtime.backup_bytes(p) for p in self.programs), default=0)
+            )
+        self.checked = True
 
     def execute(
         self, *, update_maps: Callable[[], None] | None = None, fault: FaultHook | None = None
     ) -> HotSwapResult:
-        """Move the weights (collective); ``update_maps`` runs after every weight landed and was agreed."""
+        """Move the weights (collective); ``update_maps`` runs after every weight landed and was agreed.
+
+        Runs :meth:`check` first unless it ran already (``prepare_swap(check=True)``).
+        """
         if self.executed:
             raise RuntimeError("a prepared swap runs once; prepare again from the current placement")
         self.executed = True
         start = time.perf_counter()
+        self.check()
+        if self.bound is not None:
+            torch.cuda.current_stream(self.runtime.device).wait_event(self.bound)
         failure = self._run(self.programs, 0, fault)
         error = None
         if failure is not None:
-            done, errors, restore_error = failure
+            done, errors, restore_error, posted = failure
             error = "; ".join(errors) or "another rank failed"
-            state = self.plan.state_after(self.cur_LP, done=done, partial=(done,))
+            partial = tuple(range(done, posted))
+            state = self.plan.state_after(self.cur_LP, done=done, partial=partial)
             try:
                 back = self._compile(self._plan(state, self.cur_LP))
                 self.runtime.reserve_backups(max((self.runtime.backup_bytes(p) for p in back), default=0))
                 again = self._run(back, 1, None, fatal=restore_error is not None)
                 if not back and self.runtime.agree_flags(False, restore_error is not None)[1]:
-                    again = (0, ["a restore failed on some rank"], None)
+                    again = (0, ["a restore failed on some rank"], None, 0)
             except HotSwapError:
                 raise
             except Exception as exc:
@@ -170,15 +200,40 @@ class PreparedSwap:
 
     def _run(
         self, programs: list[GroupProgram], epoch: int, fault: FaultHook | None, fatal: bool = False
-    ) -> tuple[int, list[str], str | None] | None:
-        """Run every group; None on success, else (failed group, errors, restore error) on every rank."""
-        for g, prog in enumerate(programs):
-            out = self.runtime.run_group(prog, epoch, fault, fatal and g == 0)
+    ) -> tuple[int, list[str], str | None, int] | None:
+        """Run every group; None on success, else on every rank (first failed group, errors,
+        restore error, groups posted): groups from the failed one on were undone."""
+        rt = self.runtime
+        runs: list[GroupRun] = []
+        settled = 0
+        failed_at: int | None = None
+        errors: list[str] = []
+
+        def settle_next() -> None:
+            nonlocal settled, failed_at
+            out = rt.finish_group(runs[settled])
             if out.fatal:
                 raise HotSwapError("a failed chunk's backups could not be restored on some rank")
             if out.failed:
-                return g, out.errors, out.restore_error
-        return None
+                failed_at = settled if failed_at is None else failed_at
+                errors.extend(out.errors)
+            settled += 1
+
+        for g, prog in enumerate(programs):
+            # At most one group stays open while the next is posted, and only one that may overlap.
+            while len(runs) - settled > (1 if prog.overlaps_previous else 0):
+                settle_next()
+            if failed_at is not None:
+                break
+            runs.append(rt.start_group(prog, epoch, fault, slot=g % 2, fatal=fatal and g == 0))
+        while settled < len(runs):
+            settle_next()
+        if failed_at is None:
+            return None
+        restore_error = None
+        for run in reversed(runs[failed_at:]):  # overlapping groups back nothing up: any order
+            restore_error = rt.restore_group(run) or restore_error
+        return failed_at, errors, restore_error, len(runs)
 
     def _plan(self, from_LP: np.ndarray, to_LP: np.ndarray) -> SwapPlan:
         return _plan_between(self.runtime, self.options, self.num_nodes, self.layers, from_LP, to_LP)
@@ -233,12 +288,15 @@ def prepare_swap(
     group: dist.ProcessGroup | None = None,
     options: HotSwapOptions | None = None,
     layout: SlotLayout | None = None,
+    check: bool = True,
 ) -> PreparedSwap:
     """Plan, compile and check the swap of this rank's slots of ``layers`` from ``old`` to ``new``.
 
-    Collective over ``group`` (one small all-reduce). ``slots_L[l]`` maps tensor names to this
-    rank's slot buffers [S, ...] of layer l (weights, scales), in the engine layout that ``layout``
-    describes. Holds the backup buffer (at most about ``staging_budget_bytes``) until executed.
+    ``slots_L[l]`` maps tensor names to this rank's slot buffers [S, ...] of layer l (weights,
+    scales), in the engine layout that ``layout`` describes. With ``check`` (collective over the
+    ranks of ``group``: one small CPU all-reduce) it reserves the backup buffer (at most about
+    ``staging_budget_bytes``, held until executed); without, it is host work only (a helper thread
+    may run it) and :meth:`PreparedSwap.execute` checks first.
     """
     options = options or HotSwapOptions()
     runtime = SwapRuntime.create(
@@ -262,12 +320,13 @@ def prepare_swap(
     # What moves, in the foundation's terms; the plan moves exactly that (one receive per arrival).
     assert diff.experts_moved_across_gpus == plan.cross_gpu_transfers, "one receive per arrival"
     programs = _compile_all(runtime, options, plan)
-    with runtime.timed("check"):
-        runtime.check_same_swap(
-            _fingerprint(cur_LP, tgt_LP, layer_list, options),
-            max((runtime.backup_bytes(p) for p in programs), default=0),
-        )
-    return PreparedSwap(runtime, plan, cur_LP, layer_list, options, old.num_nodes, moved, programs)
+    fingerprint = _fingerprint(cur_LP, tgt_LP, layer_list, options)
+    prepared = PreparedSwap(
+        runtime, plan, cur_LP, layer_list, options, old.num_nodes, moved, programs, fingerprint
+    )
+    if check:
+        prepared.check()
+    return prepared
 
 
 def hot_swap(

@@ -9,8 +9,9 @@ summation order, so sender and receiver agree bit for bit; any changed word chan
 number, a swapped pair of rows the second. One pass over the data, no host synchronisation.
 
 :class:`SlotChecksum` checksums chosen slots of one slot buffer into fixed positions of a vector
-(hot-swap's agreement vector): one launch of eplb.kernels.slot_checksum (Triton, a bounded grid)
-where the words are int32 on CUDA, else :func:`block_checksums` per run of consecutive slots.
+(hot-swap's agreement vector): one launch of eplb.kernels.slot_checksum (Triton, a bounded grid,
+adding straight into the vector) where the words are int32 on CUDA, else :func:`block_checksums`
+per run of consecutive slots.
 """
 
 from __future__ import annotations
@@ -107,9 +108,11 @@ class SlotChecksum:
         self.rows = list(rows)
         self.word_shape = (int(one.shape[0]), int(one.shape[1]))
         self.word_dtype = one.dtype
+        self.pos = list(pos)
         self.pos2_list = [p + j for p in pos for j in (0, 1)]
         self.pos2 = torch.empty(0, dtype=torch.int64)
         self.rows_t: torch.Tensor | None = None
+        self.pos_t: torch.Tensor | None = None
         self.runs = _runs(self.rows)
         if bind:
             bind_all([self], device)
@@ -118,10 +121,10 @@ class SlotChecksum:
         """Write the checksums of ``buffer[rows]`` into ``out``; ``programs`` bounds the Triton grid."""
         if not self.rows:
             return
-        sums = None
         if self.triton and not (self.backend == "auto" and TRITON_FAILURES):
             try:
-                sums = self._triton(buffer, programs)
+                self._triton(buffer, out, programs)
+                return
             except Exception as exc:
                 if self.backend != "auto":
                     raise
@@ -130,34 +133,34 @@ class SlotChecksum:
                 warnings.warn(
                     f"Triton slot checksum failed, using torch: {exc}", RuntimeWarning, stacklevel=2
                 )
-        if sums is None:
-            sums = torch.cat([block_checksums([buffer[a:b]]) for a, b in self.runs])
+        sums = torch.cat([block_checksums([buffer[a:b]]) for a, b in self.runs])
         out.index_copy_(0, self.pos2, sums.reshape(-1))
 
-    def _triton(self, buffer: torch.Tensor, programs: int) -> torch.Tensor:
-        from eplb.kernels.slot_checksum import slot_checksum_partials
+    def _triton(self, buffer: torch.Tensor, out: torch.Tensor, programs: int) -> None:
+        from eplb.kernels.slot_checksum import slot_checksum_into
 
         words = buffer.reshape(-1).view(torch.uint8).view(self.word_dtype)
         words = words.view(buffer.shape[0], *self.word_shape)
-        assert self.rows_t is not None
-        return slot_checksum_partials(words, self.rows_t, programs or 1 << 30).sum(dim=1)
+        assert self.rows_t is not None and self.pos_t is not None
+        slot_checksum_into(words, self.rows_t, self.pos_t, out, programs or 1 << 30)
 
 
 def bind_all(tasks: Sequence[SlotChecksum], device: torch.device) -> None:
     """Give every task its index tensors on ``device``, from one host-to-device copy."""
     parts: list[int] = []
     for t in tasks:
-        parts += t.pos2_list + (t.rows if t.triton else [])
+        parts += t.pos2_list + (t.rows + t.pos if t.triton else [])
     if not tasks:
         return
     packed = torch.tensor(parts, dtype=torch.int64).to(device)
     at = 0
     for t in tasks:
-        t.pos2 = packed[at : at + len(t.pos2_list)]
+        t.pos2 = packed[at : at + len(t.pos2_list)]  # the torch path's (also auto's fallback)
         at += len(t.pos2_list)
         if t.triton:
-            t.rows_t = packed[at : at + len(t.rows)]
-            at += len(t.rows)
+            n = len(t.rows)
+            t.rows_t, t.pos_t = packed[at : at + n], packed[at + n : at + 2 * n]
+            at += 2 * n
 
 
 def _runs(rows: list[int]) -> list[tuple[int, int]]:

@@ -2,10 +2,12 @@
 
 Shape legend: S slots per GPU, V views per slot; programs come from eplb.hotswap_program.
 
-Data moves over ``group`` (NCCL on GPUs, Gloo on CPU) as raw bytes; the agreement and the
-fingerprint check are all-reduces over the same group. :meth:`SwapRuntime.run_group` runs one
-compiled group (eplb.hotswap_group: backups, pieces, checksums, the agreement) and, if any rank
-failed, lets its transfers finish and copies its backups back.
+Data moves over ``group`` (NCCL on GPUs, Gloo on CPU) as raw bytes, and each group's agreement
+is an all-reduce over the same group; the fingerprint check runs on a CPU (Gloo) group over the
+same ranks (:func:`control_group`), so it never waits for the device. :meth:`SwapRuntime.start_group`
+posts one compiled group (eplb.hotswap_group: backups, pieces, checksums, and on CUDA the queued
+agreement), :meth:`SwapRuntime.finish_group` settles it, and :meth:`SwapRuntime.restore_group`
+lets a failed group's transfers finish and copies its backups back.
 
 Nothing here raises on a transfer failure: errors are recorded and settled by the agreement, so
 every rank keeps taking part in every collective. A dead peer is left to the process group's own
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from eplb.hotswap_group import GroupRun, agree_now, agree_queued
+from eplb.hotswap_group import GroupRun, agree_now, queue_agreement, read_agreement
 from eplb.hotswap_layout import SlotLayout
 from eplb.hotswap_program import Check, GroupProgram, Span, Stage
 from eplb.placement import Placement
@@ -39,7 +41,6 @@ class GroupOutcome:
     failed: bool
     fatal: bool
     errors: list[str]
-    restore_error: str | None = None
 
 
 @dataclass
@@ -133,7 +134,7 @@ class SwapRuntime:
         """Allocate the backup buffer; raise on every rank unless all ranks run the same swap and have it.
 
         Sums of the fingerprint's two 16-bit halves and of their squares: all ranks agree exactly
-        when each half has zero variance over ranks.
+        when each half has zero variance over ranks. On the CPU control group: no device sync.
         """
         failed = 0
         try:
@@ -141,8 +142,10 @@ class SwapRuntime:
         except Exception:  # out of memory here is reported on every rank below
             failed = 1
         hi, lo = (fingerprint >> 16) & 0xFFFF, fingerprint & 0xFFFF
-        vec = torch.tensor([hi, lo, hi * hi, lo * lo, failed], dtype=torch.int64, device=self.agree_device)
-        got = self.all_reduce_sum(vec).tolist()
+        vec = torch.tensor([hi, lo, hi * hi, lo * lo, failed], dtype=torch.int64)
+        if self.world_size > 1:
+            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=control_group(self.group))
+        got = vec.tolist()
         n = self.world_size
         if got[4]:
             raise RuntimeError(f"{got[4]} rank(s) could not allocate {backup_bytes} bytes of swap backups")
@@ -195,15 +198,27 @@ class SwapRuntime:
         return (backups[check.layer] if check.backup else self.base_views(check.layer))[check.view]
 
     # ---- one group -------------------------------------------------------------------------
-    def run_group(
-        self, prog: GroupProgram, epoch: int, fault: Callable[..., None] | None, fatal: bool = False
-    ) -> GroupOutcome:
-        """Run group ``prog`` on this rank and agree on it; a failed group is drained and restored."""
+    def start_group(
+        self,
+        prog: GroupProgram,
+        epoch: int,
+        fault: Callable[..., None] | None,
+        *,
+        slot: int = 0,
+        fatal: bool = False,
+    ) -> GroupRun:
+        """Post group ``prog`` on this rank (and on CUDA queue its agreement); settle it later."""
         with self.timed("setup"):
-            run = GroupRun(self, prog, fault)
+            run = GroupRun(self, prog, fault, slot, fatal)
         with self.timed("post"):
             run.post(epoch)
-        timed_out = False
+            if not run.defer:
+                queue_agreement(run)
+        return run
+
+    def finish_group(self, run: GroupRun) -> GroupOutcome:
+        """Settle a started group: every rank learns whether any rank failed (collective on CPU)."""
+        prog, timed_out = run.prog, False
         if run.defer:
             with self.timed("wait"):
                 landed = run.waiter.wait()
@@ -212,24 +227,25 @@ class SwapRuntime:
                 with self.timed("verify"):
                     run.land_deferred()
             with self.timed("agree"):
-                failed, any_fatal, mismatch = agree_now(self, run.vec, bool(run.errors), fatal, prog)
+                failed, any_fatal, mismatch = agree_now(self, run.vec, bool(run.errors), run.fatal, prog)
         else:
             with self.timed("agree"):  # queued behind the transfers: this is also the wait for them
-                failed, any_fatal, mismatch, timed_out = agree_queued(run, fatal)
+                failed, any_fatal, mismatch, timed_out = read_agreement(run)
         if timed_out and failed:
             run.errors.append(f"chunk {prog.chunk} wait: TimeoutError: not done after {self.timeout_s} s")
         if mismatch:
             run.errors.append(f"chunk {prog.chunk} verify: checksum mismatch in transfers {mismatch}")
-        if not failed:
-            return GroupOutcome(False, any_fatal, run.errors)
+        return GroupOutcome(failed, any_fatal, run.errors)
+
+    def restore_group(self, run: GroupRun) -> str | None:
+        """Undo a started group that did not commit: let its transfers finish, copy its backups back."""
         with self.timed("restore"):
             run.waiter.drain()
-            restore_error = None
             try:
-                self.copy_all(prog.restore, run.backups)
+                self.copy_all(run.prog.restore, run.backups)
             except Exception as exc:
-                restore_error = f"chunk {prog.chunk} restore: {type(exc).__name__}: {exc}"
-        return GroupOutcome(True, any_fatal, run.errors, restore_error)
+                return f"chunk {run.prog.chunk} restore: {type(exc).__name__}: {exc}"
+        return None
 
     def p2p_ops(self, piece: Stage, backups: dict[int, list[torch.Tensor]], tag: int) -> list[dist.P2POp]:
         ops = []

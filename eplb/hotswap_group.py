@@ -7,8 +7,11 @@ and every piece's ``batch_isend_irecv`` is posted from it (so NCCL waits only fo
 piece needs); a checksum stream checksums what this rank sends as soon as it is backed up, then
 what it receives as soon as each piece has landed, while later pieces are on the wire. The
 agreement (an all-reduce of the vector [2 flags, n W source sums, n W destination sums]) is
-queued behind all of it, so the host waits once. On CPU, or with a fault hook, the host waits for
-the transfers (with a deadline) first and checksums what arrived itself.
+queued behind all of it (:func:`queue_agreement`), so the host waits once
+(:func:`read_agreement`), and a group that overlaps the previous one
+(``GroupProgram.overlaps_previous``) is posted before the host waits for that one. On CPU, or
+with a fault hook, the host waits for the transfers (with a deadline) first and checksums what
+arrived itself.
 """
 
 from __future__ import annotations
@@ -28,14 +31,25 @@ if TYPE_CHECKING:
     from eplb.hotswap_exec import SwapRuntime
 
 _STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-_PINNED: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+_PINNED: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 class GroupRun:
-    """One group on this rank: its agreement vector, backups, transfers and recorded errors."""
+    """One group on this rank: its agreement vector, backups, transfers and recorded errors.
 
-    def __init__(self, rt: SwapRuntime, prog: GroupProgram, fault: Callable[..., None] | None) -> None:
-        self.rt, self.prog, self.fault = rt, prog, fault
+    ``slot`` (0 or 1) picks the pinned flag and result buffers: two groups may be unsettled at once.
+    """
+
+    def __init__(
+        self,
+        rt: SwapRuntime,
+        prog: GroupProgram,
+        fault: Callable[..., None] | None,
+        slot: int = 0,
+        fatal: bool = False,
+    ) -> None:
+        self.rt, self.prog, self.fault, self.slot, self.fatal = rt, prog, fault, slot, fatal
+        self.done: torch.cuda.Event | None = None
         self.cuda = rt.device.type == "cuda"
         self.streams = _streams(rt.device) if self.cuda else None
         self.defer = fault is not None or not self.cuda  # receivers checksum after the host wait
@@ -69,8 +83,11 @@ class GroupRun:
     def post(self, epoch: int) -> None:
         """Backups and every piece's transfers; source checksums, then arrival checksums, queued behind."""
         prog, rt = self.prog, self.rt
-        self._follow(0, None)
-        self._follow(1, None)
+        if not prog.overlaps_previous:
+            # Everything before, the previous group included. An overlapping group touches no slot
+            # the previous one does, so it need not wait behind that group's agreement.
+            self._follow(0, None)
+            self._follow(1, None)
         if self.fault is not None:
             with self.recording("prepare"):
                 self.fault("prepare", prog.chunk, [])
@@ -212,29 +229,36 @@ def agree_now(
     return got[0] > 0 or got[2] > 0, got[1] > 0, _mismatched(vec, prog) if got[2] else []
 
 
-def agree_queued(run: GroupRun, fatal: bool) -> tuple[bool, bool, list[int], bool]:
-    """The agreement, queued on the GPU behind the transfers and checksums; then the host waits.
+def queue_agreement(run: GroupRun) -> None:
+    """Queue the agreement on the GPU behind the group's transfers and checksums (no host wait).
 
     The failure flag is read from pinned host memory when the stream reaches it, i.e. once
-    every transfer of this rank has landed: a host whose deadline passes before then sets it,
-    so a late transfer fails the group on every rank, as agreed. (failed, fatal, rows, timed out)
+    every transfer of this rank has landed: a host whose deadline passes before then sets it
+    (:func:`read_agreement`), so a late transfer fails the group on every rank, as agreed.
     """
     rt = run.rt
-    flag, result = _pinned(rt.device)
-    flag[0], flag[1] = int(bool(run.errors)), int(fatal)
+    flag, result = _pinned(rt.device, run.slot)
+    flag[0], flag[1] = int(bool(run.errors)), int(run.fatal)
     run.vec[:2].copy_(flag, non_blocking=True)
     rt.all_reduce_sum(run.vec)
     summary = _summary(run.vec, run.prog)
+    result.zero_()
     result[: summary.numel()].copy_(summary, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    deadline = time.monotonic() + rt.timeout_s
+    run.done = torch.cuda.Event()
+    run.done.record()
+
+
+def read_agreement(run: GroupRun) -> tuple[bool, bool, list[int], bool]:
+    """Wait (deadline: ``timeout_s`` from now) for a queued agreement. (failed, fatal, rows, timed out)"""
+    flag, result = _pinned(run.rt.device, run.slot)
+    assert run.done is not None, "queue_agreement first"
+    deadline = time.monotonic() + run.rt.timeout_s
     timed_out = False
-    while not done.query():
+    while not run.done.query():
         if not timed_out and time.monotonic() > deadline:
             flag[0] = 1  # too late for the copy if it already ran: the transfers had landed then
             timed_out = True
-    got = result[: summary.numel()].tolist() + [0] * (3 - summary.numel())
+    got = result.tolist()
     rows = _mismatched(run.vec, run.prog) if got[2] else []
     return got[0] > 0 or got[2] > 0, got[1] > 0, rows, timed_out
 
@@ -268,12 +292,12 @@ def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream
     return _STREAMS[index]
 
 
-def _pinned(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pinned int64 [2] flags and [3] result of this device's agreements (groups run one at a time)."""
+def _pinned(device: torch.device, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pinned int64 [2] flags and [3] result of this device's agreements in ``slot`` (0 or 1)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _PINNED:
-        _PINNED[index] = (
+    if (index, slot) not in _PINNED:
+        _PINNED[(index, slot)] = (
             torch.zeros(2, dtype=torch.int64, pin_memory=True),
             torch.zeros(3, dtype=torch.int64, pin_memory=True),
         )
-    return _PINNED[index]
+    return _PINNED[(index, slot)]

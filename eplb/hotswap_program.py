@@ -149,6 +149,8 @@ class GroupProgram:
     """(backup span, slot span): what a failed group copies back."""
     pieces: list[Stage]
     local: Stage
+    overlaps_previous: bool = False
+    """It may be posted before the previous group is agreed (see :func:`may_overlap`)."""
 
     @property
     def vector_length(self) -> int:
@@ -223,7 +225,20 @@ def compile_group(
         stages.append(stage)
     checks.bind()
     restore = [(b, s) for s, b in (x for st in stages for x in st.backups)]
-    return GroupProgram(k, n, W if verify else 0, backup_rows, restore, stages[:-1], stages[-1])
+    return GroupProgram(
+        k, n, W if verify else 0, backup_rows, restore, stages[:-1], stages[-1], may_overlap(plan, k)
+    )
+
+
+def may_overlap(plan: SwapPlan, k: int) -> bool:
+    """Chunk k may be posted while chunk k - 1 is still unagreed.
+
+    It writes no slot that chunk k - 1 reads (``may_overlap_previous``; nor does chunk k - 1 write
+    one that chunk k reads, by the plan's order), and it backs nothing up, so a failure of either
+    is undone by chunk k - 1's backups alone and the old experts still sit in known slots.
+    The same on every rank: a function of the plan.
+    """
+    return k > 0 and plan.chunks[k].may_overlap_previous and not plan.chunks[k].staged
 
 
 def _cut_pieces(cross: list[Block], fractions: Sequence[float], G: int) -> list[list[Block]]:

@@ -23,8 +23,11 @@ All ranks run the same control logic on agreed inputs, so they take the same ste
    it is, rank 0 broadcasts the decision and the new phy2log (and dispatch weights), so every rank
    adopts the same plan. A plan with ``apply=False`` (gain below the transfer's worth) is skipped.
 4. The swap runs ``--eplb-rebalance-layers-per-chunk`` changed layers per pass (eplb.hotswap);
-   maps follow weights layer by layer. A failed chunk rolls back, and so do the chunks already
-   applied in this rebalance: the model returns to the old placement.
+   maps follow weights layer by layer. Each chunk's swap is planned and compiled ahead, on a
+   helper thread of every rank (``prepare_swap(check=False)``, host work only) while the passes
+   before it run, so the pass that applies a chunk pays its ``execute()`` (a CPU fingerprint
+   check, then the transfers). A failed chunk rolls back, and so do the chunks already applied
+   in this rebalance: the model returns to the old placement.
 
 Every event goes to the :class:`eplb.metrics_sink.MetricsSink`; :meth:`EplbManager.state` exposes
 the rest.
@@ -41,7 +44,7 @@ import torch.distributed as dist
 
 from eplb.balance import gpu_load, model_balancedness
 from eplb.config import EplbConfig
-from eplb.hotswap import FaultHook, HotSwapOptions, hot_swap
+from eplb.hotswap import FaultHook, HotSwapOptions, HotSwapResult, hot_swap, prepare_swap
 from eplb.hotswap_exec import control_group
 from eplb.manager_types import (
     APPLY,
@@ -52,10 +55,10 @@ from eplb.manager_types import (
     Planner,
     RebalanceRecord,
     SwapJob,
+    chunk_steps,
     encode_plan,
     solver_planner,
     timed_plan,
-    with_layers,
 )
 from eplb.metrics_sink import MetricsSink, NullSink, RebalanceOutcome
 from eplb.placement import Placement
@@ -142,6 +145,7 @@ class EplbManager:
             config, placement, bytes_per_expert=bytes_per_expert, num_groups=num_groups
         )
         self._executor: ThreadPoolExecutor | None = None
+        self._preparer: ThreadPoolExecutor | None = None
         self._future: Future[tuple[PlanLike, float]] | None = None
         self._phase = "idle"
         self._passes = 0
@@ -203,9 +207,10 @@ class EplbManager:
         return self._placement
 
     def close(self) -> None:
-        if self._executor is not None:
-            self._executor.shutdown(wait=True, cancel_futures=True)
-            self._executor = None
+        for pool in (self._executor, self._preparer):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self._executor = self._preparer = None
 
     # ---- steps -------------------------------------------------------------------------------
     def _any_rank(self, flag: bool) -> bool:
@@ -270,31 +275,68 @@ class EplbManager:
         changed = [
             int(x) for x in np.flatnonzero((target.phy2log_LP != self._placement.phy2log_LP).any(axis=1))
         ]
-        self._job = SwapJob(
+        job = SwapJob(
             self._placement, self._weights_LER, target, weights_LER, changed, reason, predicted, solve_s
         )
+        per_chunk = self.config.eplb_rebalance_layers_per_chunk or max(len(changed), 1)
+        job.chunks, job.steps = chunk_steps(
+            self._placement, self._weights_LER, target, weights_LER, changed, per_chunk
+        )
+        self._job = job
         self._phase = "applying"
+        self._prepare(0)
+        self._prepare(1)
         self._apply_next_chunk()
+
+    def _prepare(self, i: int) -> None:
+        """Start planning chunk i's swap on the helper thread (host work; no collective)."""
+        job = self._job
+        assert job is not None
+        if i >= len(job.chunks):
+            return
+        if self._preparer is None:
+            self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb-prepare")
+        before = job.steps[i - 1][0] if i else job.original
+        slots_L = [self.engine.slot_tensors(layer) for layer in range(self._placement.num_layers)]
+        job.prepared[i] = self._preparer.submit(
+            prepare_swap,
+            slots_L,
+            before,
+            job.steps[i][0],
+            layers=job.chunks[i],
+            group=self.group,
+            options=self.swap_options,
+            check=False,
+        )
 
     def _apply_next_chunk(self) -> None:
         job = self._job
         assert job is not None
-        per_chunk = self.config.eplb_rebalance_layers_per_chunk or max(len(job.pending), 1)
-        chunk, job.pending = job.pending[:per_chunk], job.pending[per_chunk:]
-        mixed, mixed_w = with_layers(
-            self._placement, self._weights_LER, job.target, job.target_weights_LER, chunk
-        )
-        slots_L = [self.engine.slot_tensors(layer) for layer in range(self._placement.num_layers)]
-        result = hot_swap(
-            slots_L,
-            self._placement,
-            mixed,
-            layers=chunk,
-            group=self.group,
-            options=self.swap_options,
-            update_maps=lambda: self.engine.set_placement(mixed, mixed_w),
-            fault=self._swap_fault,
-        )
+        i = job.next_chunk
+        job.next_chunk += 1
+        chunk, (mixed, mixed_w) = job.chunks[i], job.steps[i]
+        job.pending = [layer for c in job.chunks[i + 1 :] for layer in c]
+        try:
+            prepared, error = job.prepared.pop(i).result(), ""
+        except Exception as exc:  # the same inputs on every rank: normally every rank gets here
+            prepared, error = None, f"preparing the swap failed: {type(exc).__name__}: {exc}"
+        if self._any_rank(prepared is None) or prepared is None:
+            result = HotSwapResult(
+                ok=False,
+                layers=tuple(chunk),
+                error=error or "preparing the swap failed on another rank",
+                seconds=0.0,
+                experts_moved=0,
+                bytes_moved=0,
+                local_copies=0,
+                chunks=0,
+                phase_seconds={},
+            )
+        else:
+            result = prepared.execute(
+                update_maps=lambda: self.engine.set_placement(mixed, mixed_w), fault=self._swap_fault
+            )
+            self._prepare(i + 2)
         job.transfer_seconds += result.seconds
         if result.ok:
             self._placement, self._weights_LER = mixed, mixed_w
@@ -309,9 +351,12 @@ class EplbManager:
                 )
             return
         reason = f"hot-swap of layers {list(chunk)} failed and was rolled back: {result.error}"
+        for future in job.prepared.values():
+            future.cancel()
+        job.prepared.clear()
         if job.done:  # undo this rebalance's earlier chunks too: back to one consistent old placement
             back = hot_swap(
-                slots_L,
+                [self.engine.slot_tensors(layer) for layer in range(self._placement.num_layers)],
                 self._placement,
                 job.original,
                 layers=job.done,

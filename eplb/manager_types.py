@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from eplb.config import EplbConfig
+from eplb.hotswap import PreparedSwap
 from eplb.metrics_sink import RebalanceOutcome
 from eplb.placement import Placement
 
@@ -105,6 +106,8 @@ FAILED, SKIP, APPLY = 0.0, 1.0, 2.0
 
 @dataclass
 class SwapJob:
+    """One adopted plan, applied a chunk of layers per pass (``steps[i]``: live maps after chunk i)."""
+
     original: Placement
     original_weights_LER: np.ndarray | None
     target: Placement
@@ -117,6 +120,28 @@ class SwapJob:
     transfer_seconds: float = 0.0
     experts_moved: int = 0
     bytes_moved: int = 0
+    chunks: list[list[int]] = field(default_factory=list)
+    steps: list[tuple[Placement, np.ndarray | None]] = field(default_factory=list)
+    prepared: dict[int, Future[PreparedSwap]] = field(default_factory=dict)
+    """Chunk index -> its swap, being prepared on the manager's helper thread."""
+    next_chunk: int = 0
+
+
+def chunk_steps(
+    live: Placement,
+    live_weights_LER: np.ndarray | None,
+    target: Placement,
+    target_weights_LER: np.ndarray | None,
+    changed: list[int],
+    per_chunk: int,
+) -> tuple[list[list[int]], list[tuple[Placement, np.ndarray | None]]]:
+    """The changed layers cut into chunks of ``per_chunk``, and the maps after each chunk."""
+    chunks = [changed[i : i + per_chunk] for i in range(0, len(changed), per_chunk)] or [[]]
+    steps = []
+    for chunk in chunks:
+        live, live_weights_LER = with_layers(live, live_weights_LER, target, target_weights_LER, chunk)
+        steps.append((live, live_weights_LER))
+    return chunks, steps
 
 
 def timed_plan(planner: Planner, load_WLE: np.ndarray, current: Placement) -> tuple[PlanLike, float]:

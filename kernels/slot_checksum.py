@@ -1,18 +1,24 @@
-"""Checksums of selected expert slots of one slot buffer, in one launch with a bounded grid (Triton).
+"""Checksums of selected expert slots of one slot buffer, straight into an int64 vector (Triton).
 
 Shape legend: N rows (slots) of the buffer, R rows of one slot, Wd int32 words per row, n selected
-slots, Tt tiles per slot (TILE_ROWS rows each).
+slots, M length of the output vector; TR x BW the tile one program loads per step.
 
 Same numbers as eplb.hotswap_checksum.block_checksums (the plain-torch reference): per slot, the
 sum of its int32 words and the sum of each row's word sum times (row + 1), both modulo 2**64.
-Integer sums wrap and do not depend on order, so the kernel's tiling gives the reference's bits.
+Integer sums wrap and do not depend on order, so any split of the work gives the reference's bits.
 
-Three layers: the private ``@triton.jit`` kernel; the typed launcher
-:func:`slot_checksum_partials` (checks, block sizes, grid); the public entry point
-eplb.hotswap_checksum.SlotChecksum, which picks this backend or torch and adds the tiles up.
+Work: each selected slot is cut into ``splits`` *segments* of consecutive rows; a program walks
+its segments (a persistent loop when there are more segments than programs). Within a segment it
+loads [TR, BW] tiles (TR rows, BW words of each), row block after row block, and adds them into
+two int64 register tiles, element by element: ``run`` (the sum of every block so far) and ``acc``
+(the sum of ``run`` after each block). Nothing is reduced across threads inside the loop. At the
+segment's end one reduction turns them into the segment's two sums (with J blocks, sum_j j*X_j
+= J*run - acc gives every row its weight), and two int64 atomics add them into the vector.
 
-Grid: a persistent loop over (slot, tile) items with at most ``programs`` programs, so a checksum
-that runs while NCCL moves the next piece leaves SMs free for NCCL's kernel.
+Three layers: the private ``@triton.jit`` kernel; the typed launcher :func:`slot_checksum_into`
+(checks, tile shape, segments, grid); the public entry point eplb.hotswap_checksum.SlotChecksum,
+which picks this backend or torch. ``programs`` bounds the grid, so a checksum that runs while
+NCCL moves the next piece leaves SMs to NCCL's kernel.
 """
 
 from __future__ import annotations
@@ -21,76 +27,132 @@ import torch
 import triton
 import triton.language as tl
 
-TILE_ROWS = 16
-"""Rows of one slot per work item."""
+TILE_CONFIG: tuple[int, int] = (2048, 4)
+"""(words per [TR, BW] tile, warps per program): the default; launchers may pass another."""
+MIN_SEGMENT_BYTES = 64 << 10
+"""A segment carries at least about this many bytes (one reduction and two atomics each)."""
+SEGMENTS_PER_PROGRAM = 4
+"""Segments per program when the slots are large enough: evens out the programs' work."""
 
 
-@triton.jit(do_not_specialize=["n_items", "tiles_per_slot", "rows_per_slot"])
+@triton.jit(do_not_specialize=["n_segments", "splits", "rows_per_slot", "rows_per_split"])
 def _slot_checksum_kernel(  # type: ignore[no-untyped-def]  # Triton types kernel arguments itself
     words_ptr,
-    rows_ptr,
-    part_ptr,
-    n_items,
-    tiles_per_slot,
+    slots_ptr,
+    pos_ptr,
+    out_ptr,
+    n_segments,
+    splits,
     slot_words,
     row_words,
     rows_per_slot,
-    TILE_ROWS: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    rows_per_split,
+    TR: tl.constexpr,
+    BW: tl.constexpr,
+    EVEN_ROWS: tl.constexpr,
+    EVEN_COLS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
-    r = tl.arange(0, TILE_ROWS)
-    c = tl.arange(0, BLOCK_W)
-    for item in range(pid, n_items, nprog):
-        k = item // tiles_per_slot
-        tile = item - k * tiles_per_slot
-        slot = tl.load(rows_ptr + k).to(tl.int64)
-        row = tile * TILE_ROWS + r
-        row_ok = row < rows_per_slot
-        base = words_ptr + slot * slot_words + row.to(tl.int64)[:, None] * row_words
-        acc = tl.zeros([TILE_ROWS], dtype=tl.int64)
-        for c0 in range(0, row_words, BLOCK_W):
-            col = c0 + c
-            mask = row_ok[:, None] & (col < row_words)[None, :]
-            x = tl.load(base + col[None, :], mask=mask, other=0)
-            acc += tl.sum(x.to(tl.int64), axis=1)
-        weighted = acc * (row + 1).to(tl.int64)
-        tl.store(part_ptr + 2 * item, tl.sum(acc, axis=0))
-        tl.store(part_ptr + 2 * item + 1, tl.sum(weighted, axis=0))
+    t = tl.arange(0, TR)
+    c = tl.arange(0, BW)
+    for seg in range(pid, n_segments, nprog):
+        k = seg // splits
+        first = (seg - k * splits) * rows_per_split
+        stop = tl.minimum(first + rows_per_split, rows_per_slot)
+        slot = tl.load(slots_ptr + k)
+        pos = tl.load(pos_ptr + k)
+        base = words_ptr + slot * slot_words  # int64 slot index: a buffer may pass 2**31 words
+        run = tl.zeros([TR, BW], dtype=tl.int64)
+        acc = tl.zeros([TR, BW], dtype=tl.int64)
+        for r0 in range(first, stop, TR):
+            row = r0 + t
+            offs = (row * row_words)[:, None] + c[None, :]  # int32 within a slot: fewer registers
+            for c0 in range(0, row_words, BW):
+                if EVEN_ROWS and EVEN_COLS:
+                    x = tl.load(base + (offs + c0))
+                else:
+                    mask = (row < stop)[:, None] & ((c0 + c) < row_words)[None, :]
+                    x = tl.load(base + (offs + c0), mask=mask, other=0)
+                run += x.to(tl.int64)
+            acc += run
+        blocks = ((stop - first + TR - 1) // TR).to(tl.int64)
+        run_t = tl.sum(run, axis=1)
+        acc_t = tl.sum(acc, axis=1)
+        weight_t = (first + t + 1).to(tl.int64)
+        total = tl.sum(run_t, axis=0)
+        weighted = tl.sum(weight_t * run_t + TR * (blocks * run_t - acc_t), axis=0)
+        tl.atomic_add(out_ptr + pos, total, sem="relaxed")
+        tl.atomic_add(out_ptr + pos + 1, weighted, sem="relaxed")
 
 
-def slot_checksum_partials(words_NRW: torch.Tensor, rows_n: torch.Tensor, programs: int) -> torch.Tensor:
-    """int64 [n, Tt, 2]: per tile, (sum of words, sum of row sums times row + 1) of slots ``rows_n``.
+def tile_shape(rows: int, row_words: int, tile_words: int) -> tuple[int, int]:
+    """(TR, BW), powers of two: BW words of a row per load (little masked waste), TR rows."""
+    bw = min(512, triton.next_power_of_2(max(row_words, 1)))
+    # Narrow the tile until the masked tail of each row wastes at most 1/8 of the lanes.
+    while bw > 1 and triton.cdiv(row_words, bw) * bw * 8 > row_words * 9:
+        bw //= 2
+    tr = max(1, min(tile_words // bw, triton.next_power_of_2(max(rows, 1))))
+    return tr, bw
 
-    ``words_NRW`` is a contiguous int32 view [N, R, Wd] of the slot buffer; ``rows_n`` int64 slot
-    indices on the same device. Summing over tiles gives the slot's checksum (mod 2**64).
+
+def slot_checksum_into(
+    words_NRW: torch.Tensor,
+    slots_n: torch.Tensor,
+    pos_n: torch.Tensor,
+    out_M: torch.Tensor,
+    programs: int,
+    config: tuple[int, int] | None = None,
+) -> None:
+    """Add the checksum of slot ``slots_n[k]`` to ``out_M[pos_n[k]]`` and ``out_M[pos_n[k] + 1]``.
+
+    ``words_NRW`` is a contiguous int32 view [N, R, Wd] of the slot buffer; ``slots_n`` and
+    ``pos_n`` int64 [n] on its device; ``out_M`` int64 [M] there, zero at those positions for a
+    plain checksum (the kernel adds). ``programs`` bounds the grid; ``config`` is
+    (tile words, warps), default :data:`TILE_CONFIG`.
     """
     if words_NRW.dtype != torch.int32 or words_NRW.dim() != 3 or not words_NRW.is_contiguous():
         raise ValueError(
             f"need a contiguous int32 [N, R, Wd] view, got {words_NRW.dtype} {tuple(words_NRW.shape)}"
         )
-    if rows_n.dtype != torch.int64 or rows_n.device != words_NRW.device:
-        raise ValueError("rows must be int64 on the buffer's device")
+    for name, t in (("slots", slots_n), ("positions", pos_n), ("out", out_M)):
+        if t.dtype != torch.int64 or t.device != words_NRW.device or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int64 on the buffer's device, got {t.dtype}")
+    if slots_n.shape != pos_n.shape or slots_n.dim() != 1:
+        raise ValueError("slots and positions must be 1-D and of the same length")
     _, R, Wd = words_NRW.shape
-    n = int(rows_n.numel())
-    tiles = triton.cdiv(R, TILE_ROWS)
-    part = torch.empty(n, tiles, 2, dtype=torch.int64, device=words_NRW.device)
+    if R * Wd >= 2**31:
+        raise ValueError(f"a slot of {R} x {Wd} words is too large (offsets within a slot are int32)")
+    n = int(slots_n.numel())
     if n == 0 or R == 0 or Wd == 0:
-        return part.zero_()
-    block_w = min(512, triton.next_power_of_2(Wd))
-    grid = (max(1, min(programs, n * tiles)),)
+        return  # every checksum is zero
+    tile_words, warps = config or TILE_CONFIG
+    if programs < 1:
+        raise ValueError(f"programs must be >= 1, got {programs}")
+    tr, bw = tile_shape(R, Wd, tile_words)
+    # Segments: a few per program (programs that finish early take more: the grid stays busy
+    # to the end), each at least a row block and about MIN_SEGMENT_BYTES.
+    min_rows = max(tr, triton.cdiv(MIN_SEGMENT_BYTES, 4 * Wd))
+    want = SEGMENTS_PER_PROGRAM * programs
+    splits = max(1, min(triton.cdiv(want, n), triton.cdiv(R, min_rows)))
+    rows_per_split = triton.cdiv(triton.cdiv(R, splits), tr) * tr
+    splits = triton.cdiv(R, rows_per_split)
+    segments = n * splits
+    grid = (min(programs, segments),)
     _slot_checksum_kernel[grid](
         words_NRW,
-        rows_n,
-        part,
-        n * tiles,
-        tiles,
+        slots_n,
+        pos_n,
+        out_M,
+        segments,
+        splits,
         R * Wd,
         Wd,
         R,
-        TILE_ROWS=TILE_ROWS,
-        BLOCK_W=block_w,
-        num_warps=8,
+        rows_per_split,
+        TR=tr,
+        BW=bw,
+        EVEN_ROWS=R % tr == 0,
+        EVEN_COLS=Wd % bw == 0,
+        num_warps=warps,
     )
-    return part

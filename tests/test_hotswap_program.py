@@ -119,18 +119,61 @@ def test_a_trade_is_cut_into_pieces_that_carry_both_directions() -> None:
 
 
 @pytest.mark.interpreter
-@pytest.mark.parametrize("shape", [(5, 40, 24), (4, 3, 8), (3, 1, 100)])
-def test_triton_checksum_equals_torch(shape: tuple[int, int, int]) -> None:
-    from eplb.kernels.slot_checksum import slot_checksum_partials
+@pytest.mark.parametrize(
+    "shape,config,programs",
+    [
+        ((5, 40, 24), (64, 4), 3),  # several row blocks per segment, three column blocks
+        ((4, 3, 8), (4096, 8), 7),
+        ((3, 1, 100), (16, 4), 1),  # one row, masked columns
+        ((3, 37, 17), (32, 4), 50),  # rows and columns both ragged, many segments per slot
+        ((6, 64, 48), (128, 4), 1000),
+        ((3, 5, 3), (8, 4), 4),
+    ],
+)
+def test_triton_checksum_equals_torch(
+    shape: tuple[int, int, int], config: tuple[int, int], programs: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from eplb.kernels import slot_checksum
 
+    monkeypatch.setattr(slot_checksum, "MIN_SEGMENT_BYTES", 0)  # small slots still split into segments
     g = torch.Generator().manual_seed(sum(shape))
     words = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=g)
-    rows = [shape[0] - 1, 0, 1]
-    sums = slot_checksum_partials(words, torch.tensor(rows, dtype=torch.int64), programs=3).sum(dim=1)
+    rows, pos = [shape[0] - 1, 0, 1, 1], [2, 8, 4, 12]  # a slot twice, positions out of order
+    out = torch.zeros(16, dtype=torch.int64)
+    out[0] = 5  # the kernel adds: other positions keep their values
+    slot_checksum.slot_checksum_into(words, torch.tensor(rows), torch.tensor(pos), out, programs, config)
     expected = torch.cat([block_checksums([words[r : r + 1]]) for r in rows])
-    assert torch.equal(sums, expected)
+    assert torch.equal(torch.stack([out[[p, p + 1]] for p in pos]), expected)
+    assert out[0] == 5 and out[[1, 6, 7, 10, 11, 14, 15]].eq(0).all()
     with pytest.raises(ValueError, match="int32"):
-        slot_checksum_partials(words.view(torch.float32), torch.tensor(rows), programs=3)
+        slot_checksum.slot_checksum_into(
+            words.view(torch.float32), torch.tensor(rows), torch.tensor(pos), out, programs
+        )
+    with pytest.raises(ValueError, match="int64"):
+        slot_checksum.slot_checksum_into(words, torch.tensor(rows, dtype=torch.int32), torch.tensor(pos), out, 1)
+
+
+@pytest.mark.interpreter
+def test_triton_checksum_detects_the_corruptions_torch_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flipped bit and two swapped rows change the kernel's checksum, across segment boundaries."""
+    from eplb.kernels import slot_checksum
+
+    monkeypatch.setattr(slot_checksum, "MIN_SEGMENT_BYTES", 0)
+    g = torch.Generator().manual_seed(11)
+    base = torch.randint(-(2**31), 2**31 - 1, (2, 48, 32), dtype=torch.int32, generator=g)
+
+    def checksum(words: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros(2, dtype=torch.int64)
+        slot_checksum.slot_checksum_into(words, torch.tensor([1]), torch.tensor([0]), out, 8, (64, 4))
+        return out
+
+    flipped = base.clone()
+    flipped[1, 30, 7] ^= 1 << 20
+    swapped = base.clone()
+    swapped[1, [3, 40]] = base[1, [40, 3]]  # rows in different segments
+    for bad in (flipped, swapped):
+        assert not torch.equal(checksum(bad), checksum(base))
+    assert torch.equal(checksum(base), block_checksums([base[1:2]])[0])
 
 
 def test_slot_checksum_writes_positions_and_needs_cuda_for_triton() -> None:

@@ -123,6 +123,74 @@ def test_rebalance_applies_a_chunk_of_layers_per_pass() -> None:
     manager.close()
 
 
+def test_each_chunk_is_prepared_on_a_helper_thread_passes_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
+    import eplb.manager as manager_module
+    from eplb.hotswap import PreparedSwap
+
+    model, placement, w = make()
+    target = other_placement(placement, 3)
+    config = EplbConfig(eplb_rebalance_num_iterations=2, eplb_rebalance_layers_per_chunk=1)
+    manager = EplbManager(config, model, placement, device=CPU, planner=lambda load, cur: FakePlan(target))
+    model.recorder = manager.recorder
+    prepared: list[tuple[tuple[int, ...], str, bool]] = []
+    executed: list[tuple[tuple[int, ...], int, str]] = []
+    ahead: list[list[int]] = []  # chunks being prepared when each applying pass ends
+    prepare, execute = manager_module.prepare_swap, PreparedSwap.execute
+
+    def spy_prepare(*args: Any, **kw: Any) -> PreparedSwap:
+        prepared.append((tuple(kw["layers"]), threading.current_thread().name, kw["check"]))
+        return prepare(*args, **kw)
+
+    def spy_execute(self: PreparedSwap, **kw: Any) -> Any:
+        executed.append((self.layers, manager.state().passes, threading.current_thread().name))
+        return execute(self, **kw)
+
+    monkeypatch.setattr(manager_module, "prepare_swap", spy_prepare)
+    monkeypatch.setattr(PreparedSwap, "execute", spy_execute)
+    run_passes(manager, model, 2)
+    while manager.state().phase != "idle":
+        run_passes(manager, model, 1)
+        if manager._job is not None and manager.state().phase == "applying":
+            ahead.append(sorted(manager._job.prepared))
+    # Three changed layers, one per pass; each pass executes a swap prepared before it began.
+    assert [(layers, p) for layers, p, _ in executed] == [((k,), executed[0][1] + k) for k in range(3)]
+    assert ahead == [[1, 2], [2]]
+    assert sorted(layers for layers, _, _ in prepared) == [(0,), (1,), (2,)]
+    assert all(name.startswith("eplb-prepare") and not check for _, name, check in prepared)
+    assert all(name == threading.current_thread().name for *_, name in executed)
+    (record,) = manager.state().history
+    assert record.outcome == "applied" and manager.placement.same_slots(target)
+    x = torch.randn(7, CFG.hidden)
+    torch.testing.assert_close(model(x), reference_forward(CFG, w, x), rtol=1e-5, atol=1e-5)
+    manager.close()
+
+
+def test_a_swap_that_cannot_be_prepared_fails_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import eplb.manager as manager_module
+
+    model, placement, _ = make()
+    before = [{k: v.clone() for k, v in d.items()} for d in model.slots_L]
+    prepare = manager_module.prepare_swap
+
+    def failing_prepare(*args: Any, **kw: Any) -> Any:
+        if list(kw["layers"]) == [1]:
+            raise RuntimeError("no plan for layer 1")
+        return prepare(*args, **kw)
+
+    monkeypatch.setattr(manager_module, "prepare_swap", failing_prepare)
+    config = EplbConfig(eplb_rebalance_num_iterations=2, eplb_rebalance_layers_per_chunk=1)
+    target = other_placement(placement, 4)
+    manager = EplbManager(config, model, placement, device=CPU, planner=lambda load, cur: FakePlan(target))
+    model.recorder = manager.recorder
+    run_passes(manager, model, 2)
+    until_idle(manager, model)
+    (record,) = manager.state().history
+    assert record.outcome == "failed" and "no plan for layer 1" in record.reason
+    assert "layers [0] restored" in record.reason and manager.placement.same_slots(placement)
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(model.slots_L, before, strict=True) for k in a)
+    manager.close()
+
+
 def test_serving_never_waits_for_the_solve() -> None:
     model, placement, _ = make()
     release = threading.Event()
