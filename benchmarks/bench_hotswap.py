@@ -16,6 +16,9 @@ Three parts, one process per GPU (NCCL) or per CPU rank (Gloo, ``--device cpu``,
 
     python benchmarks/bench_hotswap.py --json out.json                  # 2 GPUs
     python benchmarks/bench_hotswap.py --device cpu --small             # Gloo, CPU
+
+``--checksum-tile TILE,WARPS`` sets the slot checksum kernel's tile for this run (default: the
+kernel's ``TILE_CONFIG``; benchmarks/bench_checksum.py --best writes the fastest).
 """
 
 from __future__ import annotations
@@ -115,17 +118,51 @@ def check(ctx: RankContext, small: bool) -> dict[str, Any]:
     out["rollback_ok"] = (not bad.ok) and all(
         torch.equal(a[k], b[k]) for a, b in zip(model.slots_L, snapshot, strict=True) for k in a
     )
+    out["rollback_queued_ok"] = corrupted_local_copy_rolls_back(ctx, model.slots_L, new, old, snapshot)
     out["triton_checksum_equal"] = checksums_agree(ctx.device) if cuda else None
     out["passed"] = bool(
         res.ok
         and out["triton_checksum_equal"] is not False
         and out["ptrs_same"]
         and out["rollback_ok"]
+        and out["rollback_queued_ok"]
         and out["graph_vs_reference_after"] < tol
         and out["graph_vs_reference_before"] < tol
         and out["graph_after_vs_eager_after"] <= (0.0 if not cuda else tol)
     )
     return out
+
+
+def corrupted_local_copy_rolls_back(
+    ctx: RankContext,
+    slots_L: list[dict[str, torch.Tensor]],
+    live: Placement,
+    other: Placement,
+    snapshot: list[dict[str, torch.Tensor]],
+) -> bool:
+    """A byte flipped after a local copy, with no fault hook (on CUDA: the agreement queued on the GPU,
+    checksums on the side stream): every rank rolls back to ``live`` exactly."""
+    from eplb import hotswap_group
+
+    original = hotswap_group.local_copy
+    hit: list[bool] = []
+
+    def corrupting_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
+        original(dst, src)
+        if ctx.rank == 1 and not hit:
+            dst[0].view(torch.uint8).view(-1)[0] ^= 1
+            hit.append(True)
+
+    hotswap_group.local_copy = corrupting_copy
+    try:
+        res = hot_swap(slots_L, live, other)
+    finally:
+        hotswap_group.local_copy = original
+    flag = torch.tensor([int(bool(hit))], device=ctx.device)
+    dist.all_reduce(flag)
+    exact = all(torch.equal(a[k], b[k]) for a, b in zip(slots_L, snapshot, strict=True) for k in a)
+    # Rank 1 always has a local copy in this scenario; if it had none, the swap must have worked.
+    return bool(flag.item()) and not res.ok and "checksum mismatch" in (res.error or "") and exact
 
 
 def checksums_agree(device: torch.device) -> bool:
@@ -214,11 +251,18 @@ def layer_time(ctx: RankContext, reps: int, small: bool) -> dict[str, Any]:
     return out
 
 
-def rank_main(ctx: RankContext, parts: list[str], reps: int, small: bool) -> dict[str, Any]:
+def rank_main(
+    ctx: RankContext, parts: list[str], reps: int, small: bool, tile: tuple[int, int] | None
+) -> dict[str, Any]:
     from eplb.hotswap_checksum import TRITON_FAILURES
 
+    if tile is not None:
+        from eplb.kernels import slot_checksum
+
+        slot_checksum.TILE_CONFIG = tile
     out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
+        "device": torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu",
+        "checksum_tile": list(tile) if tile is not None else None,
     }
     runs: dict[str, Callable[[], Any]] = {
         "check": lambda: check(ctx, small),
@@ -241,10 +285,14 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--small", action="store_true", help="small shapes (for CPU runs)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--checksum-tile", default=None, help="TILE,WARPS of the slot checksum kernel")
     args = parser.parse_args()
+    tile = tuple(int(x) for x in args.checksum_tile.split(",")) if args.checksum_tile else None
+    if tile is not None and len(tile) != 2:
+        parser.error(f"--checksum-tile takes TILE,WARPS, got {args.checksum_tile!r}")
     backend = "nccl" if args.device == "cuda" else "gloo"
     results = run_ranks(
-        rank_main, 2, args=(args.parts, args.reps, args.small), backend=backend, timeout_s=200
+        rank_main, 2, args=(args.parts, args.reps, args.small, tile), backend=backend, timeout_s=200
     )
     print_tables(results)
     if args.json:

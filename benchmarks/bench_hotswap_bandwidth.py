@@ -34,10 +34,12 @@ VARIANTS: dict[str, HotSwapOptions] = {
     "verify (default: pieces 1:2:1)": HotSwapOptions(),
     "verify, torch checksums": HotSwapOptions(checksum_backend="torch"),
     "verify, one piece": HotSwapOptions(piece_fractions=(1.0,)),
-    "verify, pieces 3:1": HotSwapOptions(piece_fractions=(3.0, 1.0)),
     "verify, pieces 1:3:3:1": HotSwapOptions(piece_fractions=(1.0, 3.0, 3.0, 1.0)),
+    "verify, pieces 4:2:1": HotSwapOptions(piece_fractions=(4.0, 2.0, 1.0)),
+    "verify, pieces 1:4:2:1": HotSwapOptions(piece_fractions=(1.0, 4.0, 2.0, 1.0)),
     "verify, 512 MB staging": HotSwapOptions(staging_budget_bytes=512 << 20),
     "no verify": HotSwapOptions(verify=False),
+    "no verify, 512 MB staging": HotSwapOptions(verify=False, staging_budget_bytes=512 << 20),
 }
 WHOLE_CALL = "hot_swap call, default (prepare + execute)"
 
@@ -155,8 +157,8 @@ def checksum_speed(ctx: RankContext, slots: dict[str, torch.Tensor], reps: int) 
     sms = torch.cuda.get_device_properties(ctx.device).multi_processor_count
     out = {}
     for label, backend, programs in (
-        ("triton, 2/3 of the SMs", "triton", 2 * sms // 3),
-        ("triton, full grid", "triton", 4 * sms),
+        ("triton, 2/3 of the SMs (next to a transfer)", "triton", 2 * sms // 3),
+        ("triton, 4 x SMs (after the last piece)", "triton", 4 * sms),
         ("torch", "torch", 0),
     ):
         tasks = [
@@ -166,6 +168,7 @@ def checksum_speed(ctx: RankContext, slots: dict[str, torch.Tensor], reps: int) 
         vec = torch.zeros(2 + 2 * n, dtype=torch.int64, device=ctx.device)
         times = []
         for _ in range(reps + 1):
+            vec.zero_()  # the Triton kernel adds into the vector
             torch.cuda.synchronize()
             start = time.perf_counter()
             for t, task in tasks:

@@ -55,7 +55,8 @@ class GroupRun:
         self.defer = fault is not None or not self.cuda  # receivers checksum after the host wait
         self.errors: list[str] = []
         self.works: list[Any] = []
-        self.vec = torch.zeros(prog.vector_length, dtype=torch.int64, device=rt.device)
+        with self._on(1):  # zeroed in the order of the checksums that add into it (side stream)
+            self.vec = torch.zeros(prog.vector_length, dtype=torch.int64, device=rt.device)
         self.backups = rt.backup_views(prog)
         self.waiter = Waiter(self.works, rt.timeout_s, self.cuda)
         # Checksums next to a transfer leave SMs to NCCL; after the last one they take the GPU.

@@ -16,6 +16,8 @@ from eplb.hotswap_program import GroupProgram, Span, compile_group
 from eplb.moe.model import slot_buffers
 from eplb.placement import Placement
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 VIEWS = [((4, 8), torch.float32), ((8, 4), torch.float32)]  # w13-like and w2-like, 256 bytes per expert
 PER_EXPERT = 2 * 4 * 8 * 4
 
@@ -137,20 +139,19 @@ def test_triton_checksum_equals_torch(
 
     monkeypatch.setattr(slot_checksum, "MIN_SEGMENT_BYTES", 0)  # small slots still split into segments
     g = torch.Generator().manual_seed(sum(shape))
-    words = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=g)
+    words = torch.randint(-(2**31), 2**31 - 1, shape, dtype=torch.int32, generator=g).to(DEVICE)
     rows, pos = [shape[0] - 1, 0, 1, 1], [2, 8, 4, 12]  # a slot twice, positions out of order
-    out = torch.zeros(16, dtype=torch.int64)
+    rows_t, pos_t = torch.tensor(rows, device=DEVICE), torch.tensor(pos, device=DEVICE)
+    out = torch.zeros(16, dtype=torch.int64, device=DEVICE)
     out[0] = 5  # the kernel adds: other positions keep their values
-    slot_checksum.slot_checksum_into(words, torch.tensor(rows), torch.tensor(pos), out, programs, config)
+    slot_checksum.slot_checksum_into(words, rows_t, pos_t, out, programs, config)
     expected = torch.cat([block_checksums([words[r : r + 1]]) for r in rows])
     assert torch.equal(torch.stack([out[[p, p + 1]] for p in pos]), expected)
     assert out[0] == 5 and out[[1, 6, 7, 10, 11, 14, 15]].eq(0).all()
     with pytest.raises(ValueError, match="int32"):
-        slot_checksum.slot_checksum_into(
-            words.view(torch.float32), torch.tensor(rows), torch.tensor(pos), out, programs
-        )
+        slot_checksum.slot_checksum_into(words.view(torch.float32), rows_t, pos_t, out, programs)
     with pytest.raises(ValueError, match="int64"):
-        slot_checksum.slot_checksum_into(words, torch.tensor(rows, dtype=torch.int32), torch.tensor(pos), out, 1)
+        slot_checksum.slot_checksum_into(words, rows_t.to(torch.int32), pos_t, out, 1)
 
 
 @pytest.mark.interpreter
@@ -160,11 +161,12 @@ def test_triton_checksum_detects_the_corruptions_torch_does(monkeypatch: pytest.
 
     monkeypatch.setattr(slot_checksum, "MIN_SEGMENT_BYTES", 0)
     g = torch.Generator().manual_seed(11)
-    base = torch.randint(-(2**31), 2**31 - 1, (2, 48, 32), dtype=torch.int32, generator=g)
+    base = torch.randint(-(2**31), 2**31 - 1, (2, 48, 32), dtype=torch.int32, generator=g).to(DEVICE)
 
     def checksum(words: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(2, dtype=torch.int64)
-        slot_checksum.slot_checksum_into(words, torch.tensor([1]), torch.tensor([0]), out, 8, (64, 4))
+        out = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+        one = torch.tensor([1], device=DEVICE)
+        slot_checksum.slot_checksum_into(words, one, one - 1, out, 8, (64, 4))
         return out
 
     flipped = base.clone()
