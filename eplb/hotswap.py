@@ -106,6 +106,21 @@ class HotSwapResult:
     verify, agree, restore), rollback included. On CUDA without a fault hook the host does not
     wait for the transfers: "agree" then holds that wait too."""
 
+    @classmethod
+    def not_started(cls, layers: tuple[int, ...], error: str) -> HotSwapResult:
+        """A swap that failed before any byte moved (nothing to roll back)."""
+        return cls(
+            ok=False,
+            layers=layers,
+            error=error,
+            seconds=0.0,
+            experts_moved=0,
+            bytes_moved=0,
+            local_copies=0,
+            chunks=0,
+            phase_seconds={},
+        )
+
 
 class HotSwapError(RuntimeError):
     """The swap failed and so did the rollback: this rank's weights are in an undefined state."""

@@ -36,6 +36,7 @@ the rest.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -62,6 +63,7 @@ from eplb.manager_types import (
 )
 from eplb.metrics_sink import MetricsSink, NullSink, RebalanceOutcome
 from eplb.placement import Placement
+from eplb.placement_diff import diff_placements
 from eplb.recorder import ExpertDistributionRecorder, RecorderConfig
 
 __all__ = [
@@ -75,18 +77,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("eplb.manager")
-
-# The RebalanceRecord fields MetricsSink.on_rebalance takes (same names).
-SINK_FIELDS = (
-    "outcome",
-    "reason",
-    "solve_seconds",
-    "transfer_seconds",
-    "experts_moved",
-    "bytes_moved",
-    "balancedness_before",
-    "balancedness_after",
-)
 
 
 class EplbManager:
@@ -272,9 +262,7 @@ class EplbManager:
         target = Placement.from_phy2log(
             phy2log.numpy(), self._placement.num_gpus, self._placement.num_nodes, max_replicas=R
         )
-        changed = [
-            int(x) for x in np.flatnonzero((target.phy2log_LP != self._placement.phy2log_LP).any(axis=1))
-        ]
+        changed = diff_placements(self._placement, target).changed_layers().tolist()
         job = SwapJob(
             self._placement, self._weights_LER, target, weights_LER, changed, reason, predicted, solve_s
         )
@@ -297,10 +285,9 @@ class EplbManager:
         if self._preparer is None:
             self._preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb-prepare")
         before = job.steps[i - 1][0] if i else job.original
-        slots_L = [self.engine.slot_tensors(layer) for layer in range(self._placement.num_layers)]
         job.prepared[i] = self._preparer.submit(
             prepare_swap,
-            slots_L,
+            self._slots(),
             before,
             job.steps[i][0],
             layers=job.chunks[i],
@@ -321,16 +308,8 @@ class EplbManager:
         except Exception as exc:  # the same inputs on every rank: normally every rank gets here
             prepared, error = None, f"preparing the swap failed: {type(exc).__name__}: {exc}"
         if self._any_rank(prepared is None) or prepared is None:
-            result = HotSwapResult(
-                ok=False,
-                layers=tuple(chunk),
-                error=error or "preparing the swap failed on another rank",
-                seconds=0.0,
-                experts_moved=0,
-                bytes_moved=0,
-                local_copies=0,
-                chunks=0,
-                phase_seconds={},
+            result = HotSwapResult.not_started(
+                tuple(chunk), error or "preparing the swap failed on another rank"
             )
         else:
             result = prepared.execute(
@@ -356,7 +335,7 @@ class EplbManager:
         job.prepared.clear()
         if job.done:  # undo this rebalance's earlier chunks too: back to one consistent old placement
             back = hot_swap(
-                [self.engine.slot_tensors(layer) for layer in range(self._placement.num_layers)],
+                self._slots(),
                 self._placement,
                 job.original,
                 layers=job.done,
@@ -404,7 +383,10 @@ class EplbManager:
                 before,
                 after,
             )
-        self.sink.on_rebalance(**{name: getattr(record, name) for name in SINK_FIELDS})
+        record.report_to(self.sink)
+
+    def _slots(self) -> list[Mapping[str, torch.Tensor]]:
+        return [self.engine.slot_tensors(layer) for layer in range(self._placement.num_layers)]
 
     def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
         if self.world_size == 1:

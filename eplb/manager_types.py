@@ -16,7 +16,7 @@ import torch
 
 from eplb.config import EplbConfig
 from eplb.hotswap import PreparedSwap
-from eplb.metrics_sink import RebalanceOutcome
+from eplb.metrics_sink import MetricsSink, RebalanceOutcome
 from eplb.placement import Placement
 
 
@@ -61,6 +61,19 @@ class RebalanceRecord:
     transfer_seconds: float
     experts_moved: int
     bytes_moved: int
+
+    def report_to(self, sink: MetricsSink) -> None:
+        """Hand this record to ``sink.on_rebalance`` (its fields carry the same names)."""
+        sink.on_rebalance(
+            outcome=self.outcome,
+            reason=self.reason,
+            solve_seconds=self.solve_seconds,
+            transfer_seconds=self.transfer_seconds,
+            experts_moved=self.experts_moved,
+            bytes_moved=self.bytes_moved,
+            balancedness_before=self.balancedness_before,
+            balancedness_after=self.balancedness_after,
+        )
 
 
 @dataclass(frozen=True)
