@@ -67,7 +67,7 @@ def main() -> int:
     from eplb.kernels import slot_checksum
 
     from benchmarks.slot_checksum_run2 import run2_checksums
-    from eplb.hotswap_checksum import block_checksums
+    from eplb.hotswap.checksum import block_checksums
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
@@ -112,7 +112,7 @@ def main() -> int:
     print(
         f"device: {torch.cuda.get_device_name(device) if cuda else 'cpu'}, {sms} SMs, {nbytes / 1e9:.2f} GB"
     )
-    overlap, full = max(1, 2 * sms // 3), 4 * sms  # as eplb.hotswap_group uses them
+    overlap, full = max(1, 2 * sms // 3), 4 * sms  # as eplb.hotswap.group uses them
     for programs, where in ((overlap, "2/3 of the SMs"), (4 * sms, "4 x SMs")):
         variant(f"run-2 kernel, {where}", run2(programs), kernel="run2", programs=programs)
     for config in CONFIGS:

@@ -39,9 +39,9 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_hotswap_bandwidth import bandwidth, print_bandwidth, sync
-from eplb.hotswap import HotSwapOptions, hot_swap
+from eplb.hotswap.swap import HotSwapOptions, hot_swap
 from eplb.moe.spawn import RankContext, run_ranks
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 
 
 # ---- 1. correctness ---------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def corrupted_local_copy_rolls_back(
 ) -> bool:
     """A byte flipped after a local copy, with no fault hook (on CUDA: the agreement queued on the GPU,
     checksums on the side stream): every rank rolls back to ``live`` exactly."""
-    from eplb import hotswap_group
+    from eplb.hotswap import group as hotswap_group
 
     original = hotswap_group.local_copy
     hit: list[bool] = []
@@ -167,7 +167,7 @@ def corrupted_local_copy_rolls_back(
 
 def checksums_agree(device: torch.device) -> bool:
     """The Triton checksum and the plain-torch one give the same numbers on fp8 slots (non-consecutive rows)."""
-    from eplb.hotswap_checksum import SlotChecksum
+    from eplb.hotswap.checksum import SlotChecksum
 
     g = torch.Generator(device=device).manual_seed(3)
     buf = torch.randint(0, 256, (6, 272, 7168), dtype=torch.uint8, device=device, generator=g)
@@ -183,10 +183,10 @@ def checksums_agree(device: torch.device) -> bool:
 
 # ---- 3. layer time before / after one rebalance -----------------------------------------------
 def layer_time(ctx: RankContext, reps: int, small: bool) -> dict[str, Any]:
-    from eplb.balance import model_balancedness
-    from eplb.dispatch_tables import DispatchTables
     from eplb.moe.exchange import ExactExchange
     from eplb.moe.layer import ExpertParallelMoE
+    from eplb.placement.balance import model_balancedness
+    from eplb.remap.tables import DispatchTables
     from eplb.solver import SolveOptions, Topology, solve
 
     cuda = ctx.device.type == "cuda"
@@ -254,7 +254,7 @@ def layer_time(ctx: RankContext, reps: int, small: bool) -> dict[str, Any]:
 def rank_main(
     ctx: RankContext, parts: list[str], reps: int, small: bool, tile: tuple[int, int] | None
 ) -> dict[str, Any]:
-    from eplb.hotswap_checksum import TRITON_FAILURES
+    from eplb.hotswap.checksum import TRITON_FAILURES
 
     if tile is not None:
         from eplb.kernels import slot_checksum

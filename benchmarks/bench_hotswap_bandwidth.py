@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb.hotswap import HotSwapOptions, hot_swap, prepare_swap
+from eplb.hotswap.swap import HotSwapOptions, hot_swap, prepare_swap
 from eplb.moe.spawn import RankContext
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 
 VARIANTS: dict[str, HotSwapOptions] = {
     "verify (default: pieces 1:2:1)": HotSwapOptions(),
@@ -148,7 +148,7 @@ def bandwidth(ctx: RankContext, reps: int, small: bool) -> list[dict[str, Any]]:
 
 def checksum_speed(ctx: RankContext, slots: dict[str, torch.Tensor], reps: int) -> dict[str, float]:
     """TB/s of checksumming 32 slots of each tensor, per backend and grid (the swap's receiver side)."""
-    from eplb.hotswap_checksum import SlotChecksum
+    from eplb.hotswap.checksum import SlotChecksum
 
     if ctx.device.type != "cuda":
         return {}

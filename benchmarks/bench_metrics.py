@@ -46,11 +46,11 @@ from prometheus_client import generate_latest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from eplb.balance import gpu_load
-from eplb.metrics import PrometheusSink
-from eplb.metrics_exporter import MetricsExporter
-from eplb.metrics_sink import PassKind
-from eplb.placement import Placement
+from eplb.metrics.exporter import MetricsExporter
+from eplb.metrics.prometheus import PrometheusSink
+from eplb.metrics.sink import PassKind
+from eplb.placement.balance import gpu_load
+from eplb.placement.model import Placement
 from eplb.workloads import PRESETS
 
 # Reads the "on" blocks' [start, end] wall times from stdin once the process under test is warm.

@@ -45,9 +45,9 @@ from eplb.kernels.remap_record import LaunchConfig, default_config, remap_record
 
 from benchmarks.peers import load_sglang_fused_kernel
 from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids, sglang_unfused, triton_copy
-from eplb.dispatch_tables import DispatchTables
-from eplb.placement import Placement
-from eplb.remap import remap_and_record
+from eplb.placement.model import Placement
+from eplb.remap.api import remap_and_record
+from eplb.remap.tables import DispatchTables
 
 GRAPH_CALLS = 20
 

@@ -5,7 +5,7 @@ Shape legend: T tokens, K top-k, E logical experts, P physical slots.
 Measured with the calling thread's CPU clock (``time.thread_time``), so other processes on a busy
 machine do not count; the minimum over ``--rounds`` rounds of ``--calls`` calls. Rows:
 
-- ``checks (stub backend)``: :func:`eplb.remap.remap_and_record` with a backend that does nothing
+- ``checks (stub backend)``: :func:`eplb.remap.api.remap_and_record` with a backend that does nothing
   (argument checks, backend lookup), with ``out_TK`` given and with the output allocated;
 - ``direct path (no-op launcher)``: ``remap_record_triton``'s direct path (eplb.kernels.
   remap_record_direct: launch shape, key, arguments) ending in a launcher that does nothing, alone
@@ -38,9 +38,9 @@ from eplb.kernels.remap_record_direct import RemapDirectLauncher
 
 from benchmarks.peers import load_sglang_fused_kernel
 from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids
-from eplb import remap
-from eplb.dispatch_tables import DispatchTables
-from eplb.placement import Placement
+from eplb.placement.model import Placement
+from eplb.remap import api as remap
+from eplb.remap.tables import DispatchTables
 
 
 class _NoOpCompiled:

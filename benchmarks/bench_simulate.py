@@ -27,7 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for benchmarks.peers as a script
 
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 from eplb.simulate import PastView, Proposal, RunSpec, SimulationConfig, parse_runs, simulate
 from eplb.simulate.planners import solver_available
 from eplb.traces import Trace

@@ -11,7 +11,7 @@ scored on window i+1:
 - balancedness per prefill pass of window i+1 (mean over those passes of the model balancedness,
   mean/max GPU load averaged over layers), the headline;
 - balancedness of window i+1's prefill passes summed (the figure design.md §5 quotes);
-- expert copies moved across GPUs per rebalance (eplb.placement_diff), counted from the second
+- expert copies moved across GPUs per rebalance (eplb.placement.diff), counted from the second
   rebalance on (the first one starts from the trivial placement for everyone);
 - whole-model solve time (median over rebalances).
 
@@ -40,9 +40,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for benchmarks.peers as a script
 
-from eplb.balance import model_balancedness
-from eplb.placement import Placement
-from eplb.placement_diff import diff_placements
+from eplb.placement.balance import model_balancedness
+from eplb.placement.diff import diff_placements
+from eplb.placement.model import Placement
 from eplb.solver import SolveOptions, Topology, solve
 from eplb.workloads import PRESETS, WorkloadConfig, generate
 

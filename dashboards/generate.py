@@ -4,7 +4,7 @@
     python dashboards/generate.py --check    # exit 1 if a query names an unknown metric or label,
                                              # or if the committed JSON differs from what this writes
 
-Metric and label names come from eplb.metrics_names, the one list the exporter also builds from.
+Metric and label names come from eplb.metrics.names, the one list the exporter also builds from.
 The datasource uid matches dashboards/provisioning/datasources/eplb.yaml, so Grafana provisioned
 from this folder shows the dashboard with no clicking.
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eplb import metrics_names as m
+from eplb.metrics import names as m
 
 HERE = Path(__file__).resolve().parent
 DASHBOARD_PATH = HERE / "eplb-expert-load.json"
@@ -444,7 +444,7 @@ def problems(dashboard: dict) -> list[str]:
             found.append(f"{q.where}: queries no eplb metric: {q.expr}")
         for name in metrics:
             if name not in known:
-                found.append(f"{q.where}: metric {name!r} is not defined in eplb.metrics_names")
+                found.append(f"{q.where}: metric {name!r} is not defined in eplb.metrics.names")
         for name, matchers in _SELECTOR.findall(q.expr):
             for label, op, value in _MATCHER.findall(matchers):
                 if name in known and label not in _labels_of(name):

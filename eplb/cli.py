@@ -12,7 +12,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from eplb import __version__
+from eplb._version import __version__
 
 # name -> module; the order is the order shown in --help.
 COMMANDS: dict[str, str] = {

@@ -262,8 +262,8 @@ def unbalanced_imbalance(trace: Trace, num_gpus: int) -> float:
     per layer and step, then averaged. TensorRT-LLM reports (max - mean) / mean = 1.56, that is
     2.56 on this scale, for DeepSeek-R1 at EP32; the deepseek-v3 preset is calibrated to about 2.5.
     """
-    from eplb.balance import imbalance_ratio
-    from eplb.placement import Placement
+    from eplb.placement.balance import imbalance_ratio
+    from eplb.placement.model import Placement
 
     steps = trace.prefill_only() if trace.is_prefill_T.any() else trace
     if steps.num_steps == 0:

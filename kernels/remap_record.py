@@ -4,7 +4,7 @@ Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, 
 
 Three layers, as everywhere in eplb: the private ``@triton.jit`` kernel, the typed launcher
 :func:`remap_record_triton` (block sizes, grid, argument plumbing; the public
-:func:`eplb.remap.remap_and_record` validates before calling it), and the public function.
+:func:`eplb.remap.api.remap_and_record` validates before calling it), and the public function.
 The launcher's first call of each specialisation goes through ``kernel[grid]``; later ones hand
 integer arguments straight to the compiled kernel's launcher (eplb.kernels.remap_record_direct),
 which is what an eager prefill pass pays per MoE layer.
@@ -17,8 +17,8 @@ SGLang's kernel) costs one per bin per block and grows with T. In static mode ea
 one slot, so only the expert histogram (E bins, not P) is kept and the flush scatters it through
 the map into the slot counts.
 
-Semantics (bit-for-bit equal to eplb.remap_torch) are documented in eplb.remap and the hash in
-eplb.dispatch_tables.
+Semantics (bit-for-bit equal to eplb.remap.torch_backend) are documented in eplb.remap.api and the hash in
+eplb.remap.tables.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ import triton.language as tl
 from eplb.kernels.direct_launch import DirectLaunchCache, direct_launch_supported
 from eplb.kernels.remap_record_direct import RemapDirectLauncher
 
-from eplb.dispatch_tables import DispatchTables, as_int32_bits, hash_rank, salt_base
+from eplb.remap.tables import DispatchTables, as_int32_bits, hash_rank, salt_base
 
 MODE_IDS = {"static": 0, "dynamic": 1, "dynamic_row": 2, "fake": 3, "weighted": 4}
 
 
 @triton.jit
 def _mix32(x):  # type: ignore[no-untyped-def]  # Triton types kernel arguments itself
-    # lowbias32 on uint32 (wrapping multiply): the same bits as eplb.remap_torch.mix32.
+    # lowbias32 on uint32 (wrapping multiply): the same bits as eplb.remap.torch_backend.mix32.
     x = x ^ (x >> 16)
     x = x * 0x7FEB352D
     x = x ^ (x >> 15)
@@ -285,7 +285,7 @@ def remap_record_triton(
     record: torch.Tensor | None,
     config: LaunchConfig | None = None,
 ) -> None:
-    """Launch the fused kernel (arguments as in eplb.remap.remap_and_record, already validated).
+    """Launch the fused kernel (arguments as in eplb.remap.api.remap_and_record, already validated).
 
     With the default config, launches after the first of each specialisation go straight to the
     compiled kernel's launcher (eplb.kernels.remap_record_direct); otherwise through ``kernel[grid]``.

@@ -23,7 +23,7 @@ from typing import NamedTuple
 import torch
 from eplb.kernels.direct_launch import DirectLaunchCache
 
-from eplb.dispatch_tables import DispatchTables, as_int32_bits, hash_rank, salt_base
+from eplb.remap.tables import DispatchTables, as_int32_bits, hash_rank, salt_base
 
 _FACTS = "triton_direct"
 
@@ -103,7 +103,7 @@ class RemapDirectLauncher:
 
         The key is None where a direct launch cannot be used now (see DirectLaunchCache.usable, or
         ids on another device than the current one, where ``kernel[grid]`` decides what happens).
-        Arguments are validated (eplb.remap.check_remap_args, and numel > 0).
+        Arguments are validated (eplb.remap.api.check_remap_args, and numel > 0).
         """
         cache = self.cache
         if not cache.usable():

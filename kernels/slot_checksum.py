@@ -3,7 +3,7 @@
 Shape legend: N rows (slots) of the buffer, R rows of one slot, Wd int32 words per row, n selected
 slots, M length of the output vector; TR x BW the tile one program loads per step.
 
-Same numbers as eplb.hotswap_checksum.block_checksums (the plain-torch reference): per slot, the
+Same numbers as eplb.hotswap.checksum.block_checksums (the plain-torch reference): per slot, the
 sum of its int32 words and the sum of each row's word sum times (row + 1), both modulo 2**64.
 Integer sums wrap and do not depend on order, so any split of the work gives the reference's bits.
 
@@ -16,7 +16,7 @@ segment's end one reduction turns them into the segment's two sums (with J block
 = J*run - acc gives every row its weight), and two int64 atomics add them into the vector.
 
 Three layers: the private ``@triton.jit`` kernel; the typed launcher :func:`slot_checksum_into`
-(checks, tile shape, segments, grid); the public entry point eplb.hotswap_checksum.SlotChecksum,
+(checks, tile shape, segments, grid); the public entry point eplb.hotswap.checksum.SlotChecksum,
 which picks this backend or torch. ``programs`` bounds the grid, so a checksum that runs while
 NCCL moves the next piece leaves SMs to NCCL's kernel.
 """

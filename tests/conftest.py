@@ -1,10 +1,10 @@
-"""Shared test setup: Triton's interpreter on CPU-only machines, the gpu marker, random placements."""
+"""Shared test setup: Triton's interpreter on CPU-only machines, the gpu and interpreter markers, fixtures."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
-import numpy as np
 import pytest
 
 try:
@@ -28,12 +28,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
-def random_phy2log(
-    rng: np.random.Generator, num_layers: int, num_logical: int, num_physical: int
-) -> np.ndarray:
-    """int32 [L, P]: every expert at least once, extra replicas drawn at random, slots shuffled."""
-    rows = []
-    for _ in range(num_layers):
-        extra = rng.integers(0, num_logical, size=num_physical - num_logical)
-        rows.append(rng.permutation(np.concatenate([np.arange(num_logical), extra])))
-    return np.asarray(rows, dtype=np.int32).reshape(num_layers, num_physical)
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Tiny ops on a shared 2-core machine: intra-op threads only add spin-waiting."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import random_phy2log
 
-from eplb.balance import balancedness, gpu_load, imbalance_ratio, model_balancedness
-from eplb.dispatch_map import static_dispatch_map, static_dispatch_maps
-from eplb.placement import Placement
-from eplb.placement_diff import diff_placements
+from eplb.placement.balance import balancedness, gpu_load, imbalance_ratio, model_balancedness
+from eplb.placement.diff import diff_placements
+from eplb.placement.dispatch_map import static_dispatch_map, static_dispatch_maps
+from eplb.placement.model import Placement
+from tests.helpers.placements import random_phy2log
 
 
 def _random_placement(seed: int, L: int = 3, E: int = 12, G: int = 8, S: int = 2, N: int = 2) -> Placement:

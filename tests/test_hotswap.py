@@ -5,12 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import random_phy2log
-from moe_helpers import one_thread  # noqa: F401  (autouse fixture)
 
-from eplb.hotswap import HotSwapOptions, hot_swap
-from eplb.hotswap_checksum import expert_checksum
-from eplb.hotswap_layout import (
+from eplb.hotswap.checksum import expert_checksum
+from eplb.hotswap.layout import (
     BlockShuffleLayout,
     PlainLayout,
     get_layout,
@@ -19,10 +16,14 @@ from eplb.hotswap_layout import (
     unshuffle_scale_tiles,
     unshuffle_weight_tiles,
 )
+from eplb.hotswap.swap import HotSwapOptions, hot_swap
 from eplb.moe.model import slot_buffers
-from eplb.placement import Placement
+from eplb.placement.model import Placement
+from tests.helpers.placements import random_phy2log
 
 L, E, P = 3, 6, 10
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def logical(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -113,7 +114,7 @@ def test_injected_failure_rolls_back_exactly(stage: str, fractions: tuple[float,
 
 def test_local_copy_corruption_is_caught_by_checksum(monkeypatch: pytest.MonkeyPatch) -> None:
     # One rank receives nothing, so corrupt the first local copy once, after it landed.
-    from eplb import hotswap_group
+    from eplb.hotswap import group as hotswap_group
 
     w = logical(3)
     old, new = placements(3)
@@ -210,8 +211,8 @@ def test_layout_registry() -> None:
 
 
 def test_consecutive_slots_move_as_one_block() -> None:
-    from eplb.hotswap_plan import plan_swap
-    from eplb.hotswap_program import chunk_blocks
+    from eplb.hotswap.plan import plan_swap
+    from eplb.hotswap.program import chunk_blocks
 
     # GPU 0 holds experts 0..5 and 0..1 again; GPU 1 holds 6..11 and 6..7 (S = 8).
     cur = np.array([[0, 1, 2, 3, 4, 5, 0, 1, 6, 7, 8, 9, 10, 11, 6, 7]], dtype=np.int32)

@@ -15,12 +15,11 @@ from eplb.moe.spawn import RankContext, run_ranks
 
 
 def scenario(ctx: RankContext, seed: int) -> dict[str, Any]:
-    from conftest import random_phy2log
-
-    from eplb.hotswap import HotSwapOptions, hot_swap
+    from eplb.hotswap.swap import HotSwapOptions, hot_swap
     from eplb.moe.model import MoEModel, MoEModelConfig, logical_weights
     from eplb.moe.reference import dense_moe, reference_forward
-    from eplb.placement import Placement
+    from eplb.placement.model import Placement
+    from tests.helpers.placements import random_phy2log
 
     G, rank = ctx.world_size, ctx.rank
     cfg = MoEModelConfig(num_layers=3, num_experts=8, top_k=3, hidden=32, intermediate=16)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import random_phy2log
 
-from eplb.hotswap_plan import SwapPlan, plan_swap
-from eplb.placement import Placement
-from eplb.placement_diff import diff_placements
+from eplb.hotswap.plan import SwapPlan, plan_swap
+from eplb.placement.diff import diff_placements
+from eplb.placement.model import Placement
+from tests.helpers.placements import random_phy2log
 
 GARBAGE = -7  # what a slot holds after a write that was never agreed
 

@@ -7,14 +7,14 @@ from collections import Counter
 import numpy as np
 import pytest
 import torch
-from conftest import random_phy2log
 
-from eplb.hotswap import HotSwapOptions, hot_swap, prepare_swap
-from eplb.hotswap_checksum import SlotChecksum, block_checksums
-from eplb.hotswap_plan import SwapPlan, plan_swap
-from eplb.hotswap_program import GroupProgram, Span, compile_group
+from eplb.hotswap.checksum import SlotChecksum, block_checksums
+from eplb.hotswap.plan import SwapPlan, plan_swap
+from eplb.hotswap.program import GroupProgram, Span, compile_group
+from eplb.hotswap.swap import HotSwapOptions, hot_swap, prepare_swap
 from eplb.moe.model import slot_buffers
-from eplb.placement import Placement
+from eplb.placement.model import Placement
+from tests.helpers.placements import random_phy2log
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

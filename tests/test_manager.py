@@ -14,18 +14,19 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import random_phy2log
-from moe_helpers import one_thread  # noqa: F401  (autouse fixture)
 
 from eplb.config import EplbConfig
-from eplb.manager import EplbManager
+from eplb.manager.manager import EplbManager
 from eplb.moe.model import MoEModel, MoEModelConfig, logical_weights
 from eplb.moe.reference import reference_forward
 from eplb.moe.spawn import RankContext, run_ranks
-from eplb.placement import Placement
+from eplb.placement.model import Placement
+from tests.helpers.placements import random_phy2log
 
 CPU = torch.device("cpu")
 CFG = MoEModelConfig(num_layers=3, num_experts=8, top_k=2, hidden=32, intermediate=16)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 class RecordingSink:
@@ -124,8 +125,8 @@ def test_rebalance_applies_a_chunk_of_layers_per_pass() -> None:
 
 
 def test_each_chunk_is_prepared_on_a_helper_thread_passes_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
-    import eplb.manager as manager_module
-    from eplb.hotswap import PreparedSwap
+    import eplb.manager.manager as manager_module
+    from eplb.hotswap.swap import PreparedSwap
 
     model, placement, w = make()
     target = other_placement(placement, 3)
@@ -166,7 +167,7 @@ def test_each_chunk_is_prepared_on_a_helper_thread_passes_ahead(monkeypatch: pyt
 
 
 def test_a_swap_that_cannot_be_prepared_fails_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
-    import eplb.manager as manager_module
+    import eplb.manager.manager as manager_module
 
     model, placement, _ = make()
     before = [{k: v.clone() for k, v in d.items()} for d in model.slots_L]

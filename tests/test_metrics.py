@@ -1,4 +1,4 @@
-"""PrometheusSink: values against plain numpy, names against eplb.metrics_names, bounded series, copies.
+"""PrometheusSink: values against plain numpy, names against eplb.metrics.names, bounded series, copies.
 
 Shape legend: L layers, E logical experts, G GPUs, K hottest experts per layer.
 """
@@ -15,9 +15,9 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from eplb import __version__
-from eplb import metrics_names as names
-from eplb.metrics import MAX_REASON_CHARS, PrometheusSink
-from eplb.metrics_sink import MetricsSink, NullSink
+from eplb.metrics import names
+from eplb.metrics.prometheus import MAX_REASON_CHARS, PrometheusSink
+from eplb.metrics.sink import MetricsSink, NullSink
 
 Sample = tuple[str, tuple[tuple[str, str], ...], float]
 

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dashboards_import import generate, promstack
 
-from eplb import metrics_names as names
+from eplb.metrics import names
+from tests.helpers.dashboards import generate, promstack
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = REPO / "dashboards"

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from eplb import metrics_names as names
-from eplb.metrics import PrometheusSink
-from eplb.metrics_exporter import CONTENT_TYPE, MetricsExporter, sink_for_rank
-from eplb.metrics_sink import NullSink
+from eplb.metrics import names
+from eplb.metrics.exporter import CONTENT_TYPE, MetricsExporter, sink_for_rank
+from eplb.metrics.prometheus import PrometheusSink
+from eplb.metrics.sink import NullSink
 
 
 def get(url: str) -> tuple[int, str, bytes]:

@@ -6,16 +6,18 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import random_phy2log
-from moe_helpers import one_thread, rank1_fails  # noqa: F401  (one_thread: autouse fixture)
 
 from eplb.moe.experts import expert_ffn, grouped_mm_works
 from eplb.moe.model import MoEModel, MoEModelConfig, logical_weights
 from eplb.moe.reference import dense_moe, reference_forward
 from eplb.moe.spawn import run_ranks
-from eplb.placement import Placement
+from eplb.placement.model import Placement
+from tests.helpers.placements import random_phy2log
+from tests.helpers.ranks import rank1_fails
 
 CPU = torch.device("cpu")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def per_row_ffn(x: torch.Tensor, slot: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import random_phy2log
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from eplb.placement import Placement
+from eplb.placement.model import Placement
+from tests.helpers.placements import random_phy2log
 
 
 def reference_log2phy(phy2log: np.ndarray, num_logical: int) -> list[list[list[int]]]:

@@ -14,7 +14,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from dashboards_import import generate, promstack
+
+from tests.helpers.dashboards import generate, promstack
 
 pytestmark = [
     pytest.mark.slow,

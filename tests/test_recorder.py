@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from eplb.config import EplbConfig
-from eplb.placement import Placement
-from eplb.recorder import ExpertDistributionRecorder, RecorderConfig
-from eplb.remap import DispatchTables, remap_and_record
+from eplb.placement.model import Placement
+from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
+from eplb.remap.api import DispatchTables, remap_and_record
 from eplb.traces import load_trace
 
 L, E, G = 2, 6, 2

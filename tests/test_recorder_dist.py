@@ -1,6 +1,6 @@
 """The recorder over 2 Gloo ranks: prefill-only lockstep (one rank idle), wrap-around, summed dumps.
 
-Each rank runs tests/recorder_workers.py in its own process; the expected counts are computed
+Each rank runs tests/helpers/recorder_workers.py in its own process; the expected counts are computed
 here by plain numpy bincounts of the same router ids.
 """
 
@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import recorder_workers as w
 import torch
 
+import tests.helpers.recorder_workers as w
 from eplb.traces import load_trace
 
 

@@ -1,6 +1,6 @@
-"""eplb.remap: the public function, argument checks, tables and the torch reference backend.
+"""eplb.remap.api: the public function, argument checks, tables and the torch reference backend.
 
-The torch backend is checked against a plain-Python brute force (tests/remap_reference.py).
+The torch backend is checked against a plain-Python brute force (tests/helpers/remap_reference.py).
 """
 
 from __future__ import annotations
@@ -11,12 +11,12 @@ import sys
 import numpy as np
 import pytest
 import torch
-from remap_reference import brute_remap, random_ids, random_tables
 
-from eplb.dispatch_map import static_dispatch_map
-from eplb.dispatch_tables import DispatchTables
-from eplb.placement import Placement
-from eplb.remap import MODES, available_backends, get_backend, remap_and_record
+from eplb.placement.dispatch_map import static_dispatch_map
+from eplb.placement.model import Placement
+from eplb.remap.api import MODES, available_backends, get_backend, remap_and_record
+from eplb.remap.tables import DispatchTables
+from tests.helpers.remap_reference import brute_remap, random_ids, random_tables
 
 
 def _run(ids, tables, layer, mode, nvalid, record, backend="torch"):
@@ -186,8 +186,8 @@ def test_registry_and_lazy_imports() -> None:
     assert get_backend("auto", torch.device("cpu")).__name__ == "remap_record_torch"
     code = (
         "import sys, torch, numpy as np\n"
-        "from eplb.remap import remap_and_record, DispatchTables\n"
-        "from eplb.placement import Placement\n"
+        "from eplb.remap.api import remap_and_record, DispatchTables\n"
+        "from eplb.placement.model import Placement\n"
         "t = DispatchTables.from_placement(Placement.trivial(1, 4, 2), 0)\n"
         "remap_and_record(torch.zeros((2, 2), dtype=torch.int32), t, 0)\n"
         "assert 'triton' not in sys.modules, 'triton imported'\n"

@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from remap_reference import random_ids, random_tables
 
-from eplb.dispatch_tables import DispatchTables
-from eplb.remap import MODES, remap_and_record
+from eplb.remap.api import MODES, remap_and_record
+from eplb.remap.tables import DispatchTables
+from tests.helpers.remap_reference import random_ids, random_tables
 
 kernel = pytest.importorskip("eplb.kernels.remap_record")
 from eplb.kernels.direct_launch import DirectLaunchCache  # noqa: E402

@@ -11,11 +11,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from remap_reference import random_ids, random_tables
 
-from eplb.dispatch_tables import DispatchTables
-from eplb.placement import Placement
-from eplb.remap import MODES, remap_and_record
+from eplb.placement.model import Placement
+from eplb.remap.api import MODES, remap_and_record
+from eplb.remap.tables import DispatchTables
+from tests.helpers.remap_reference import random_ids, random_tables
 
 kernel = pytest.importorskip("eplb.kernels.remap_record")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from eplb.cli import main
-from eplb.placement import Placement
-from eplb.simulate.placement_io import load_placement, save_placement
+from eplb.placement.io import load_placement, save_placement
+from eplb.placement.model import Placement
 from eplb.simulate.sweep import redundant_candidates
 from eplb.traces import load_trace
 

@@ -7,11 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import random_phy2log
 
-from eplb.balance import expert_gpu_share, gpu_load
-from eplb.dispatch_map import static_dispatch_map
-from eplb.placement import Placement
+from eplb.placement.balance import expert_gpu_share, gpu_load
+from eplb.placement.dispatch_map import static_dispatch_map
+from eplb.placement.model import Placement
 from eplb.simulate import (
     CostModel,
     PastView,
@@ -23,6 +22,7 @@ from eplb.simulate import (
     simulate,
 )
 from eplb.traces import Trace, load_trace, write_openevolve
+from tests.helpers.placements import random_phy2log
 
 
 def _random_trace(seed: int, T: int = 24, L: int = 3, E: int = 8, prefill: np.ndarray | None = None) -> Trace:
@@ -228,7 +228,7 @@ def test_every_input_format_gives_the_same_result(tmp_path: Path) -> None:
 
 
 def test_transfer_cost_counts_the_busiest_receiving_gpu() -> None:
-    from eplb.placement_diff import diff_placements
+    from eplb.placement.diff import diff_placements
 
     # 4 GPUs on 2 nodes, 2 slots each: GPU0 [0 1] GPU1 [2 3] | GPU2 [4 5] GPU3 [6 7] becomes
     # GPU0 [1 2] GPU1 [0 4] | GPU2 [3 5] GPU3 [6 7]. GPU0 pulls 2 and GPU1 pulls 0 within node 0,

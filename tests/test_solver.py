@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from eplb.balance import model_balancedness
-from eplb.placement import Placement
-from eplb.placement_diff import diff_placements
+from eplb.placement.balance import model_balancedness
+from eplb.placement.diff import diff_placements
+from eplb.placement.model import Placement
 from eplb.solver import ALGORITHMS, PREDICTIONS, Plan, SolveOptions, Topology, solve
 
 TOPOLOGIES = [

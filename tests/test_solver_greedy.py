@@ -8,18 +8,14 @@ between GPUs: the per-GPU loads, hence the busiest GPU, must still be identical.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from eplb.balance import gpu_load
-from eplb.placement import Placement
+from eplb.placement.balance import gpu_load
+from eplb.placement.model import Placement
 from eplb.solver import SolveOptions, rebalance_experts
 
 

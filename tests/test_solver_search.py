@@ -6,17 +6,17 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import random_phy2log
 
-from eplb.balance import model_balancedness
-from eplb.placement import Placement
-from eplb.placement_diff import diff_placements
+from eplb.placement.balance import model_balancedness
+from eplb.placement.diff import diff_placements
+from eplb.placement.model import Placement
 from eplb.solver import SolveOptions, Topology, solve
 from eplb.solver import local_search as ls
 from eplb.solver.greedy import deepseek_rebalance
 from eplb.solver.migration import relabel, retarget_replicas
 from eplb.solver.milp import milp_polish
 from eplb.solver.predict import Prediction, pass_weights, predict
+from tests.helpers.placements import random_phy2log
 
 
 def _one_scenario(load_LE: np.ndarray) -> Prediction:

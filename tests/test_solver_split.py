@@ -10,11 +10,11 @@ import itertools
 
 import numpy as np
 import pytest
-from conftest import random_phy2log
 
-from eplb.balance import gpu_load
-from eplb.placement import Placement
+from eplb.placement.balance import gpu_load
+from eplb.placement.model import Placement
 from eplb.solver.split import lp_split
+from tests.helpers.placements import random_phy2log
 
 
 def _optimal_peak(load_E: np.ndarray, holders: list[set[int]], num_gpus: int) -> float:

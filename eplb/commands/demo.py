@@ -2,7 +2,7 @@
 
 Each rank runs its own batch per pass (prefill and decode passes as the workload draws them) through
 L expert-parallel MoE layers; the router is biased by the workload's per-step expert popularity
-(eplb.workloads), so load is skewed and drifts. The manager (eplb.manager) records, solves in the
+(eplb.workloads), so load is skewed and drifts. The manager (eplb.manager.manager) records, solves in the
 background and hot-swaps; rank 0 prints the balancedness before and after each rebalance.
 
 ``run_demo(config, sink=...)`` is the entry point for callers with their own metrics sink.
@@ -19,7 +19,7 @@ from typing import Any
 
 from eplb.commands.common import add_json_out, add_seed, emit
 from eplb.config import EplbConfig, add_cli_args, config_from_args
-from eplb.metrics_sink import MetricsSink
+from eplb.metrics.sink import MetricsSink
 
 HELP = "run a small MoE model with EPLB on (CPU ranks over Gloo or GPUs over NCCL), printing balancedness"
 
@@ -112,7 +112,7 @@ def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from eplb.metrics_exporter import sink_for_rank
+    from eplb.metrics.exporter import sink_for_rank
 
     config = config_from_namespace(args)
     # Rank 0 runs in this process and reports the window it aggregated over all ranks.
@@ -191,9 +191,9 @@ def demo_rank(
     import torch
     import torch.distributed as dist
 
-    from eplb.manager import EplbManager
+    from eplb.manager.manager import EplbManager
     from eplb.moe.model import MoEModel, MoEModelConfig
-    from eplb.placement import Placement
+    from eplb.placement.model import Placement
     from eplb.workloads import WorkloadConfig, generate
 
     G, rank = ctx.world_size, ctx.rank

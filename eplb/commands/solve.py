@@ -37,10 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from eplb.balance import model_balancedness
-    from eplb.placement import Placement
+    from eplb.placement.balance import model_balancedness
+    from eplb.placement.io import save_placement
+    from eplb.placement.model import Placement
     from eplb.simulate.options import initial_placement, load_input, simulation_config
-    from eplb.simulate.placement_io import save_placement
     from eplb.simulate.planners import PastView, SolverPlanner
 
     trace = load_input(args, quiet=args.disable_tqdm)

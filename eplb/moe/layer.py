@@ -3,7 +3,7 @@
 Shape legend: T tokens on this rank, K top-k, H hidden, I intermediate, E logical experts,
 P physical slots, G ranks, S = P / G slots per rank, M rows received.
 
-Forward: router ids (int32 [T, K]) -> eplb.remap.remap_and_record (logical -> physical, counts
+Forward: router ids (int32 [T, K]) -> eplb.remap.api.remap_and_record (logical -> physical, counts
 recorded on the device) -> exchange (all-to-all to the ranks owning the slots) -> expert FFN over
 all local slots as one grouped GEMM (eplb.moe.experts) -> exchange back -> combine with the top-k
 weights. The slot buffers and dispatch tables are written in place by a hot-swap, so a captured
@@ -16,10 +16,10 @@ from collections.abc import Mapping
 
 import torch
 
-from eplb.dispatch_tables import DispatchTables
 from eplb.moe.exchange import ExactExchange, PaddedExchange
 from eplb.moe.experts import expert_ffn, grouped_mm_works
-from eplb.remap import remap_and_record
+from eplb.remap.api import remap_and_record
+from eplb.remap.tables import DispatchTables
 
 Exchange = ExactExchange | PaddedExchange
 

@@ -18,12 +18,12 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb.dispatch_tables import DispatchTables
-from eplb.hotswap_layout import PlainLayout, SlotLayout
+from eplb.hotswap.layout import PlainLayout, SlotLayout
 from eplb.moe.exchange import ExactExchange, PaddedExchange
 from eplb.moe.layer import ExpertParallelMoE
-from eplb.placement import Placement
-from eplb.recorder import ExpertDistributionRecorder
+from eplb.placement.model import Placement
+from eplb.recorder.recorder import ExpertDistributionRecorder
+from eplb.remap.tables import DispatchTables
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -111,7 +111,7 @@ def rms_norm(x: torch.Tensor) -> torch.Tensor:
 
 
 class MoEModel:
-    """The model's layers on one rank. ``recorder`` (eplb.recorder), when set, records every layer."""
+    """The model's layers on one rank. ``recorder`` (eplb.recorder.recorder), when set, records every layer."""
 
     def __init__(
         self,

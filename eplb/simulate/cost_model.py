@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.placement_diff import PlacementDiff
+from eplb.placement.diff import PlacementDiff
 
 # One DeepSeek-V3 expert of one layer (3 * H * I with H=7168, I=2048) in fp8: about 44 MB.
 DEEPSEEK_V3_BYTES_PER_EXPERT = 3 * 7168 * 2048

@@ -6,7 +6,7 @@ S slots per GPU.
 - dynamic: each expert's tokens split evenly over its replicas (a uniform pick per token).
 - weighted: the solver's per-replica weights [L, E, R]; an even split when it gave none.
 - static: tokens originate evenly from all ranks and each rank sends an expert's tokens to the
-  one replica its static map picks (eplb.dispatch_map), so a replica's share is the fraction of
+  one replica its static map picks (eplb.placement.dispatch_map), so a replica's share is the fraction of
   ranks mapped to it.
 - fake: uniformly random routing over all slots, independent of the trace (SGLang's benchmark
   mode); see :func:`fake_gpu_load`.
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.balance import expert_gpu_share, slot_share_LP
-from eplb.dispatch_map import static_dispatch_maps
-from eplb.placement import Placement
+from eplb.placement.balance import expert_gpu_share, slot_share_LP
+from eplb.placement.dispatch_map import static_dispatch_maps
+from eplb.placement.model import Placement
 
 DISPATCH_MODES = ("static", "dynamic", "weighted", "fake")
 

@@ -8,7 +8,7 @@ Schedule (SGLang's): a step is *recorded* (all steps, or only prefill steps with
 depend on the algorithm, so every run is cut into the same chunks and all runs advance chunk by
 chunk, sharing the chunk's load arrays. Within a chunk each run's placement is fixed and the
 whole chunk is evaluated at once: one matrix product per layer turns logical
-load [n, E] into GPU load [n, G] (``eplb.balance.expert_gpu_share``).
+load [n, E] into GPU load [n, G] (``eplb.placement.balance.expert_gpu_share``).
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from eplb.balance import balancedness
-from eplb.placement import Placement
-from eplb.placement_diff import diff_placements
+from eplb.placement.balance import balancedness
+from eplb.placement.diff import diff_placements
+from eplb.placement.model import Placement
 from eplb.simulate.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
 from eplb.simulate.dispatch import DISPATCH_MODES, DispatchMatrices, dispatch_matrices, fake_gpu_load
 from eplb.simulate.planners import PastView, Planner, Proposal, RunSpec, make_planner

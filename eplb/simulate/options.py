@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 from eplb.simulate.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.simulate.engine import SimulationConfig
@@ -236,7 +236,7 @@ def initial_placement(args: argparse.Namespace, trace: Trace, config: Simulation
     if source == "trivial":
         return None
     if str(source).endswith(".safetensors"):
-        from eplb.simulate.placement_io import load_placement
+        from eplb.placement.io import load_placement
 
         placement, _ = load_placement(source)
     else:

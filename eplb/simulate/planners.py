@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.traces import Trace
 

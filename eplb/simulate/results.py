@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 from eplb.simulate.planners import RunSpec
 
 

@@ -8,7 +8,7 @@ See docs/solver.md.
 
 from __future__ import annotations
 
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 from eplb.solver.dropin import rebalance_experts
 from eplb.solver.solve import solve
 from eplb.solver.types import ALGORITHMS, PREDICTIONS, Plan, SolveOptions, Topology

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 from eplb.solver import local_search as ls
 from eplb.solver.greedy import deepseek_rebalance
 from eplb.solver.migration import relabel, retarget_replicas

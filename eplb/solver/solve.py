@@ -15,9 +15,9 @@ from typing import Any
 
 import numpy as np
 
-from eplb.balance import model_balancedness
-from eplb.placement import Placement
-from eplb.placement_diff import PlacementDiff, diff_placements
+from eplb.placement.balance import model_balancedness
+from eplb.placement.diff import PlacementDiff, diff_placements
+from eplb.placement.model import Placement
 from eplb.solver.greedy import deepseek_rebalance
 from eplb.solver.predict import Prediction, predict
 from eplb.solver.split import lp_split

@@ -15,7 +15,7 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import linprog
 
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 
 
 def lp_split(load_LE: np.ndarray, placement: Placement, tolerance: float = 1e-6) -> np.ndarray:

@@ -11,8 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from eplb.placement import Placement
-from eplb.placement_diff import PlacementDiff
+from eplb.placement.diff import PlacementDiff
+from eplb.placement.model import Placement
 
 ALGORITHMS = ("deepseek", "deepseek_hierarchical", "scipy", "auto")
 PREDICTIONS = ("auto", "sum", "decay", "recent", "robust")

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 
 FORMAT_NAME = "eplb-placement"
 FORMAT_VERSION = "1"

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
-DASHBOARDS = Path(__file__).resolve().parents[1] / "dashboards"
+DASHBOARDS = Path(__file__).resolve().parents[2] / "dashboards"
 
 
 def _load(name: str) -> ModuleType:

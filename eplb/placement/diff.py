@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""One group of a hot-swap on this rank: post, land, wait, agree (used by eplb.hotswap_exec).
+"""One group of a hot-swap on this rank: post, land, wait, agree (used by eplb.hotswap.runtime).
 
 Shape legend: V views per slot, n transfers of the group, W checksum words per transfer.
 
@@ -25,10 +25,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from eplb.hotswap_program import Check, GroupProgram
+from eplb.hotswap.program import Check, GroupProgram
 
 if TYPE_CHECKING:
-    from eplb.hotswap_exec import SwapRuntime
+    from eplb.hotswap.runtime import SwapRuntime
 
 _STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 _PINNED: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}

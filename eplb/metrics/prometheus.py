@@ -2,15 +2,15 @@
 
 Shape legend: L layers, E logical experts, G GPUs (EP ranks).
 
-``PrometheusSink`` implements :class:`eplb.metrics_sink.MetricsSink`. Every call is O(1) apart
+``PrometheusSink`` implements :class:`eplb.metrics.sink.MetricsSink`. Every call is O(1) apart
 from copying the window arrays it is handed: counters and histograms are pre-bound children, and
-the window goes to :class:`eplb.metrics_window.WindowCollector` as one reference swap. Nothing is
+the window goes to :class:`eplb.metrics.window.WindowCollector` as one reference swap. Nothing is
 registered in prometheus_client's global registry; ``sink.registry`` holds it all, and
 :meth:`PrometheusSink.render` is the fast text exposition the exporter serves
-(:mod:`eplb.metrics_exporter`). Metric names come from :mod:`eplb.metrics_names` only.
+(:mod:`eplb.metrics.exporter`). Metric names come from :mod:`eplb.metrics.names` only.
 
 With several ranks, only rank 0 builds a sink and an exporter (see
-:func:`eplb.metrics_exporter.sink_for_rank`); the manager hands it the window it aggregated
+:func:`eplb.metrics.exporter.sink_for_rank`); the manager hands it the window it aggregated
 over ranks, so Prometheus sees one process and the whole model.
 """
 
@@ -26,10 +26,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, Info, gener
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from eplb import __version__
-from eplb import metrics_names as names
-from eplb.metrics_sink import PassKind, RebalanceOutcome
-from eplb.metrics_window import WindowCollector
+from eplb._version import __version__
+from eplb.metrics import names
+from eplb.metrics.sink import PassKind, RebalanceOutcome
+from eplb.metrics.window import WindowCollector
 
 # Solve: milliseconds (greedy) to the solver's time budget; transfer: one expert (~44 MB at
 # ~300 GB/s, 0.15 ms) to a whole model over a slow link (tens of seconds).
@@ -47,7 +47,7 @@ class PrometheusSink:
         """``hot_experts_per_layer``: K experts exported per layer by ``eplb_hot_expert_tokens``;
         ``per_expert``: also export every (layer, expert) as ``eplb_expert_tokens`` (L x E series);
         ``min_render_interval_s``: scrapes re-render the window at most this often (see
-        :class:`~eplb.metrics_window.WindowCollector`)."""
+        :class:`~eplb.metrics.window.WindowCollector`)."""
         self.registry = CollectorRegistry(auto_describe=True)
         # Event metrics also live in a registry of their own, so render() can write them with
         # prometheus_client and append the window's cached text.

@@ -11,7 +11,7 @@ The engine calls, on every rank and for every forward pass::
 
 All ranks run the same control logic on agreed inputs, so they take the same steps on the same pass:
 
-1. The recorder (eplb.recorder, stat or per_pass mode) keeps the window; with
+1. The recorder (eplb.recorder.recorder, stat or per_pass mode) keeps the window; with
    ``--eplb-record-prefill-only`` it records prefill passes and counts only passes where some
    rank had prefill (an all_reduce of a flag, on a CPU group when the data group is NCCL).
 2. Every ``--eplb-rebalance-num-iterations`` counted passes the window is summed over ranks
@@ -22,14 +22,14 @@ All ranks run the same control logic on agreed inputs, so they take the same ste
 3. While it runs, each pass carries one all_reduce of "rank 0's plan is ready"; on the pass where
    it is, rank 0 broadcasts the decision and the new phy2log (and dispatch weights), so every rank
    adopts the same plan. A plan with ``apply=False`` (gain below the transfer's worth) is skipped.
-4. The swap runs ``--eplb-rebalance-layers-per-chunk`` changed layers per pass (eplb.hotswap);
+4. The swap runs ``--eplb-rebalance-layers-per-chunk`` changed layers per pass (eplb.hotswap.swap);
    maps follow weights layer by layer. Each chunk's swap is planned and compiled ahead, on a
    helper thread of every rank (``prepare_swap(check=False)``, host work only) while the passes
    before it run, so the pass that applies a chunk pays its ``execute()`` (a CPU fingerprint
    check, then the transfers). A failed chunk rolls back, and so do the chunks already applied
    in this rebalance: the model returns to the old placement.
 
-Every event goes to the :class:`eplb.metrics_sink.MetricsSink`; :meth:`EplbManager.state` exposes
+Every event goes to the :class:`eplb.metrics.sink.MetricsSink`; :meth:`EplbManager.state` exposes
 the rest.
 """
 
@@ -43,11 +43,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb.balance import gpu_load, model_balancedness
 from eplb.config import EplbConfig
-from eplb.hotswap import FaultHook, HotSwapOptions, HotSwapResult, hot_swap, prepare_swap
-from eplb.hotswap_exec import control_group
-from eplb.manager_types import (
+from eplb.hotswap.runtime import control_group
+from eplb.hotswap.swap import FaultHook, HotSwapOptions, HotSwapResult, hot_swap, prepare_swap
+from eplb.manager.types import (
     APPLY,
     FAILED,
     ExpertEngine,
@@ -61,10 +60,11 @@ from eplb.manager_types import (
     solver_planner,
     timed_plan,
 )
-from eplb.metrics_sink import MetricsSink, NullSink, RebalanceOutcome
-from eplb.placement import Placement
-from eplb.placement_diff import diff_placements
-from eplb.recorder import ExpertDistributionRecorder, RecorderConfig
+from eplb.metrics.sink import MetricsSink, NullSink, RebalanceOutcome
+from eplb.placement.balance import gpu_load, model_balancedness
+from eplb.placement.diff import diff_placements
+from eplb.placement.model import Placement
+from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 
 __all__ = [
     "EplbManager",
@@ -76,7 +76,7 @@ __all__ = [
     "solver_planner",
 ]
 
-log = logging.getLogger("eplb.manager")
+log = logging.getLogger("eplb.manager.manager")
 
 
 class EplbManager:

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eplb.dispatch_map import static_dispatch_map
-from eplb.placement import Placement
+from eplb.placement.dispatch_map import static_dispatch_map
+from eplb.placement.model import Placement
 
 if TYPE_CHECKING:
     import torch
@@ -71,7 +71,7 @@ class DispatchTables:
     """Device-side dispatch tables for every layer; update in place with :meth:`update_`."""
 
     static_LE: torch.Tensor
-    """int32 [L, E]: this rank's static dispatch slot per logical expert (eplb.dispatch_map)."""
+    """int32 [L, E]: this rank's static dispatch slot per logical expert (eplb.placement.dispatch_map)."""
     log2phy_LER: torch.Tensor
     """int32 [L, E, R]: slots of each expert, padded with -1; R = P - E + 1 (room for any placement)."""
     logcnt_LE: torch.Tensor

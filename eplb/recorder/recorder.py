@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from eplb.config import RECORDER_MODES, EplbConfig
-from eplb.placement import Placement
-from eplb.recorder_buffers import PassInfo, PerPassStaging, StatWindow, TokenBuffer
+from eplb.placement.model import Placement
+from eplb.recorder.buffers import PassInfo, PerPassStaging, StatWindow, TokenBuffer
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -187,7 +187,7 @@ class ExpertDistributionRecorder:
         self.record_flag_1.fill_(1 if self._local_flag else 0)
 
     def layer_kwargs(self, layer: int) -> dict[str, torch.Tensor]:
-        """Keyword arguments for eplb.remap.remap_and_record that record into this pass."""
+        """Keyword arguments for eplb.remap.api.remap_and_record that record into this pass."""
         return {"counts_P": self.pass_counts_LP[layer], "record": self.record_flag_1}
 
     def record_topk(self, layer: int, topk_ids_TK: torch.Tensor) -> None:
@@ -283,8 +283,8 @@ class ExpertDistributionRecorder:
         return out
 
     def dump(self, path: str | Path, *, fmt: str = "eplb", reduce: bool = True) -> Path | None:
-        """Write what was recorded (see eplb.recorder_dump); collective when ``reduce`` and distributed."""
-        from eplb.recorder_dump import dump_recorder
+        """Write what was recorded (see eplb.recorder.dump); collective when ``reduce`` and distributed."""
+        from eplb.recorder.dump import dump_recorder
 
         return dump_recorder(self, Path(path), fmt=fmt, reduce=reduce)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.placement import INT32, Placement
+from eplb.placement.model import INT32, Placement
 
 
 def static_dispatch_maps(placement: Placement) -> np.ndarray:

@@ -6,8 +6,8 @@ swaps references under short locks). Each connection gets a thread, so a stalled
 stall the next scrape.
 
 With several EP ranks only rank 0 exports: :func:`sink_for_rank` gives rank 0 a
-:class:`~eplb.metrics.PrometheusSink` and a started exporter, and every other rank a
-:class:`~eplb.metrics_sink.NullSink`, so the manager can report on every rank unconditionally.
+:class:`~eplb.metrics.prometheus.PrometheusSink` and a started exporter, and every other rank a
+:class:`~eplb.metrics.sink.NullSink`, so the manager can report on every rank unconditionally.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 
-from eplb.metrics import PrometheusSink
-from eplb.metrics_sink import MetricsSink, NullSink
+from eplb.metrics.prometheus import PrometheusSink
+from eplb.metrics.sink import MetricsSink, NullSink
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 DEFAULT_HOST = "127.0.0.1"

@@ -31,8 +31,8 @@ import numpy as np
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from eplb import metrics_names as names
-from eplb.balance import balancedness
+from eplb.metrics import names
+from eplb.placement.balance import balancedness
 
 
 @dataclass

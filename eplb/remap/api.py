@@ -21,7 +21,7 @@ Semantics (every backend, bit for bit):
   replicas, hashed from the element index, rank, layer and ``tables.seed_1``), ``dynamic_row``
   (rank-invariant: replica ``row % logcnt``), ``fake`` (uniform over all P slots, ignoring the
   id; for benchmarks), ``weighted`` (replica drawn by ``tables.cumweights_LER`` from a hash of
-  the element index and layer only, so ranks and replays agree). Hash details: eplb.dispatch_tables.
+  the element index and layer only, so ranks and replays agree). Hash details: eplb.remap.tables.
 - Counting: each valid element adds 1 to ``counts_P[physical id]`` and to
   ``logical_counts_E[logical id]``, when those int32 buffers are given, and only when the
   device-side int32 scalar ``record`` is nonzero (None: always). Neither flag nor
@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from eplb.dispatch_tables import DispatchTables
+from eplb.remap.tables import DispatchTables
 
 if TYPE_CHECKING:
     RemapBackend = Callable[..., None]
@@ -50,9 +50,9 @@ MODES = ("static", "dynamic", "dynamic_row", "fake", "weighted")
 
 # name -> "module:function"; imported on first use only.
 _BACKENDS: dict[str, str] = {
-    "torch": "eplb.remap_torch:remap_record_torch",
+    "torch": "eplb.remap.torch_backend:remap_record_torch",
     "triton": "eplb.kernels.remap_record:remap_record_triton",
-    "aiter": "eplb.remap_aiter:remap_record_aiter",
+    "aiter": "eplb.remap.aiter_backend:remap_record_aiter",
 }
 
 

@@ -1,7 +1,7 @@
-"""Plain-Python brute force of the remap+record semantics (eplb.remap), and random test inputs.
+"""Plain-Python brute force of the remap+record semantics (eplb.remap.api), and random test inputs.
 
 Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
-Independent of eplb.remap_torch: one loop over elements, Python ints for the hash.
+Independent of eplb.remap.torch_backend: one loop over elements, Python ints for the hash.
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from conftest import random_phy2log
 
-from eplb.dispatch_tables import DispatchTables, mix32_int, salt_base
-from eplb.placement import Placement
+from eplb.placement.model import Placement
+from eplb.remap.tables import DispatchTables, mix32_int, salt_base
+from tests.helpers.placements import random_phy2log
 
 
 @dataclass

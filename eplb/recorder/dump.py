@@ -25,11 +25,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from eplb.balance import balancedness
+from eplb.placement.balance import balancedness
 from eplb.traces import Trace
 
 if TYPE_CHECKING:
-    from eplb.recorder import ExpertDistributionRecorder
+    from eplb.recorder.recorder import ExpertDistributionRecorder
 
 PER_TOKEN_FORMAT = "eplb-per-token"
 INT32_MAX = np.iinfo(np.int32).max

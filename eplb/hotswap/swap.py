@@ -6,15 +6,15 @@ Shape legend: L layers, P physical slots, G GPUs (ranks), S slots per GPU.
 forward passes). It is :func:`prepare_swap` then :meth:`PreparedSwap.execute`; an engine may
 prepare earlier (the plan only needs the two placements) and execute when the swap is due.
 
-Prepare: plan the moves (eplb.hotswap_plan: unchanged slots untouched, same-GPU copies local,
+Prepare: plan the moves (eplb.hotswap.plan: unchanged slots untouched, same-GPU copies local,
 cross-GPU sources spread over holders, chunks of at most ``staging_budget_bytes`` written per
-rank) and compile this rank's part of each chunk (eplb.hotswap_program: messages of consecutive
+rank) and compile this rank's part of each chunk (eplb.hotswap.program: messages of consecutive
 slots, pieces, backups, checksum tasks); host work only, so it may run on a helper thread
 (``check=False``). Check (one small all-reduce on a CPU group; with ``check=True`` part of
 prepare, else the start of execute): reserve the backup buffer, and make sure every rank is about
 to run the same swap.
 
-Execute, per chunk ("group"; eplb.hotswap_exec): back up the slots the group both reads and
+Execute, per chunk ("group"; eplb.hotswap.runtime): back up the slots the group both reads and
 overwrites, post its pieces (``batch_isend_irecv``), receive straight into the destination slots,
 checksum what was sent and what arrived while the next piece travels, wait (with a deadline),
 then agree once: one all-reduce of failure flags and checksums over the data group. A group that
@@ -25,7 +25,7 @@ only after every group was agreed.
 
 On any failure (an exception on any rank, a timeout, a checksum mismatch) every rank learns it at
 that group's agreement, settles the group posted after it, lets their transfers finish, copies
-the backups back, computes the same partial state (eplb.hotswap_plan.SwapPlan.state_after) and
+the backups back, computes the same partial state (eplb.hotswap.plan.SwapPlan.state_after) and
 swaps back to the old placement, exactly: weights are copied, never recomputed. The result says
 what failed. If the rollback itself fails, :class:`HotSwapError` is raised (weights undefined).
 """
@@ -41,14 +41,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb.hotswap_checksum import checksum_backends
-from eplb.hotswap_exec import SwapRuntime
-from eplb.hotswap_group import GroupRun
-from eplb.hotswap_layout import PlainLayout, SlotLayout
-from eplb.hotswap_plan import SwapPlan, plan_swap
-from eplb.hotswap_program import GroupProgram, compile_group
-from eplb.placement import Placement
-from eplb.placement_diff import diff_placements
+from eplb.hotswap.checksum import checksum_backends
+from eplb.hotswap.group import GroupRun
+from eplb.hotswap.layout import PlainLayout, SlotLayout
+from eplb.hotswap.plan import SwapPlan, plan_swap
+from eplb.hotswap.program import GroupProgram, compile_group
+from eplb.hotswap.runtime import SwapRuntime
+from eplb.placement.diff import diff_placements
+from eplb.placement.model import Placement
 
 FaultHook = Callable[[str, int, list[torch.Tensor]], None]
 """``fault(stage, chunk, buffers)``: tests inject failures ("prepare": before a chunk is posted;

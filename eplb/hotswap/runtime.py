@@ -1,11 +1,11 @@
 """This rank's runtime of a hot-swap: buffers, views, collectives, one group end to end.
 
-Shape legend: S slots per GPU, V views per slot; programs come from eplb.hotswap_program.
+Shape legend: S slots per GPU, V views per slot; programs come from eplb.hotswap.program.
 
 Data moves over ``group`` (NCCL on GPUs, Gloo on CPU) as raw bytes, and each group's agreement
 is an all-reduce over the same group; the fingerprint check runs on a CPU (Gloo) group over the
 same ranks (:func:`control_group`), so it never waits for the device. :meth:`SwapRuntime.start_group`
-posts one compiled group (eplb.hotswap_group: backups, pieces, checksums, and on CUDA the queued
+posts one compiled group (eplb.hotswap.group: backups, pieces, checksums, and on CUDA the queued
 agreement), :meth:`SwapRuntime.finish_group` settles it, and :meth:`SwapRuntime.restore_group`
 lets a failed group's transfers finish and copies its backups back.
 
@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from eplb.hotswap_group import GroupRun, agree_now, queue_agreement, read_agreement
-from eplb.hotswap_layout import SlotLayout
-from eplb.hotswap_program import Check, GroupProgram, Span, Stage
-from eplb.placement import Placement
+from eplb.hotswap.group import GroupRun, agree_now, queue_agreement, read_agreement
+from eplb.hotswap.layout import SlotLayout
+from eplb.hotswap.program import Check, GroupProgram, Span, Stage
+from eplb.placement.model import Placement
 
 _CONTROL_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 _ALIGN = 512

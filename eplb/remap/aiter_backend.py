@@ -4,14 +4,14 @@ amd-aiter ships no remap+record operator, so this backend runs the project's Tri
 (``eplb.kernels.remap_record``) with launch settings for CDNA GPUs (64-wide wavefronts, so
 fewer warps per program). It exists so an engine that selects its MoE ops by the name ``aiter``
 can select this one the same way. It is registered only where amd-aiter imports on a ROCm build
-of torch (:func:`eplb.remap.available_backends`); elsewhere asking for it fails with a message.
+of torch (:func:`eplb.remap.api.available_backends`); elsewhere asking for it fails with a message.
 """
 
 from __future__ import annotations
 
 import torch
 
-from eplb.dispatch_tables import DispatchTables
+from eplb.remap.tables import DispatchTables
 
 
 def remap_record_aiter(
@@ -25,7 +25,7 @@ def remap_record_aiter(
     num_valid_tokens: torch.Tensor | None,
     record: torch.Tensor | None,
 ) -> None:
-    """Same arguments and semantics as eplb.remap_torch.remap_record_torch."""
+    """Same arguments and semantics as eplb.remap.torch_backend.remap_record_torch."""
     if getattr(torch.version, "hip", None) is None:
         raise RuntimeError("the aiter remap backend runs only on a ROCm build of torch")
     import aiter  # noqa: F401  (fails with ImportError where amd-aiter is missing)

@@ -2,7 +2,7 @@
 
 Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
 
-Arguments arrive validated by :func:`eplb.remap.remap_and_record`. Counting uses ``scatter_add_``
+Arguments arrive validated by :func:`eplb.remap.api.remap_and_record`. Counting uses ``scatter_add_``
 with a 0/1 weight (valid element times the record flag), so nothing here reads a device value
 back to the host: no synchronisation, and the whole function can be captured in a CUDA graph.
 Hash arithmetic runs in int64 holding uint32 values (torch has no wrapping uint32 multiply).
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from eplb.dispatch_tables import MASK32, MIX_MUL1, MIX_MUL2, DispatchTables, salt_base
+from eplb.remap.tables import MASK32, MIX_MUL1, MIX_MUL2, DispatchTables, salt_base
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -33,7 +33,7 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 def element_hash(
     num_elements: int, tables: DispatchTables, layer: int, rank: int, seeded: bool
 ) -> torch.Tensor:
-    """int64 [T*K] uint32 hashes of flat element indices (see eplb.dispatch_tables)."""
+    """int64 [T*K] uint32 hashes of flat element indices (see eplb.remap.tables)."""
     device = tables.device
     base = torch.tensor(salt_base(layer, rank), dtype=torch.int64, device=device)
     seed = (
@@ -57,7 +57,7 @@ def remap_record_torch(
     num_valid_tokens: torch.Tensor | None,
     record: torch.Tensor | None,
 ) -> None:
-    """Write int32 physical ids into ``out_TK`` and add this pass's counts (see eplb.remap)."""
+    """Write int32 physical ids into ``out_TK`` and add this pass's counts (see eplb.remap.api)."""
     T, K = topk_ids_TK.shape
     E, P = tables.num_logical, tables.num_physical
     device = topk_ids_TK.device

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb.placement import Placement
-from eplb.recorder import ExpertDistributionRecorder, RecorderConfig
-from eplb.remap import DispatchTables, remap_and_record
+from eplb.placement.model import Placement
+from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
+from eplb.remap.api import DispatchTables, remap_and_record
 
 L, E, K, G = 2, 6, 2, 2
 # (has_prefill, tokens) per rank, per pass. Pass 1: rank 0 idle while rank 1 has prefill.

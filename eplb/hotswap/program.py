@@ -1,4 +1,4 @@
-"""One rank's part of a hot-swap plan, compiled ahead of the transfer (used by eplb.hotswap).
+"""One rank's part of a hot-swap plan, compiled ahead of the transfer (used by eplb.hotswap.swap).
 
 Shape legend: L layers, S slots per GPU, G GPUs, V views (tensors) per slot, W = 2 * V checksum
 words per expert, n transfers of a group.
@@ -10,7 +10,7 @@ all-reduce) whether all of them arrived intact. Within a group:
   cycle) are copied to a *backup* buffer first. Reads of such a slot come from its backup, so
   receives and local copies write every destination in place, in any order, and a failed group is
   undone by copying the backups back; every other overwritten slot's old expert still sits in a
-  slot the group does not touch (eplb.hotswap_plan's invariant).
+  slot the group does not touch (eplb.hotswap.plan's invariant).
 - Cross-GPU moves go as *blocks* (consecutive source and destination slots, one message per view)
   cut into a few *pieces*, one ``batch_isend_irecv`` each, by ``piece_fractions`` of what arrives
   at each GPU: the receiver checksums piece k while piece k+1 is on the wire, so only the last
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from eplb.hotswap_checksum import SlotChecksum, bind_all
-from eplb.hotswap_plan import SwapPlan
+from eplb.hotswap.checksum import SlotChecksum, bind_all
+from eplb.hotswap.plan import SwapPlan
 
 
 @dataclass(frozen=True)

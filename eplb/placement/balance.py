@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from eplb.placement import Placement
+from eplb.placement.model import Placement
 
 
 def slot_share_LP(placement: Placement, weights_LER: np.ndarray | None = None) -> np.ndarray:

@@ -15,9 +15,9 @@ import numpy as np
 import torch
 
 from eplb.config import EplbConfig
-from eplb.hotswap import PreparedSwap
-from eplb.metrics_sink import MetricsSink, RebalanceOutcome
-from eplb.placement import Placement
+from eplb.hotswap.swap import PreparedSwap
+from eplb.metrics.sink import MetricsSink, RebalanceOutcome
+from eplb.placement.model import Placement
 
 
 class PlanLike(Protocol):

@@ -1,0 +1,1 @@
+"""Shared test code (imported by tests, never collected): references, workers, data builders."""
