@@ -1,6 +1,6 @@
 """EPLB configuration: one frozen dataclass and the SGLang-compatible command-line flags.
 
-Flag names and meanings follow SGLang's server arguments (design.md §4), so an operator who
+Flag names and meanings follow SGLang's server arguments, so an operator who
 knows ``--enable-eplb --expert-distribution-recorder-mode stat`` needs nothing new. Every invalid
 combination fails when the flags are parsed, with a message that names the flag.
 """
@@ -12,9 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from eplb.policy.dispatch import dispatch_mode, dispatch_mode_names
+from eplb.policy.registry import policy_names
+
 RECORDER_MODES = ("stat", "per_pass", "per_token")
-DISPATCH_ALGORITHMS = ("static", "dynamic", "fake", "weighted")
-EPLB_ALGORITHMS = ("auto", "deepseek", "deepseek_hierarchical", "scipy")
+DISPATCH_ALGORITHMS = dispatch_mode_names(flags_only=True)
+"""--ep-dispatch-algorithm choices, from the one registry of dispatch modes."""
+EPLB_ALGORITHMS = policy_names()
+"""--eplb-algorithm choices, from the one registry of placement policies."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,7 +114,9 @@ class EplbConfig:
             "needs expert parallelism: --ep-size must be > 1 (with one rank there is nothing to balance)",
         )
         _check(
-            self.ep_dispatch_algorithm != "weighted" or self.enable_eplb,
+            self.ep_dispatch_algorithm is None
+            or not dispatch_mode(self.ep_dispatch_algorithm).needs_weights
+            or self.enable_eplb,
             "--ep-dispatch-algorithm",
             "weighted dispatch needs --enable-eplb (the weights come from the rebalancer)",
         )

@@ -51,7 +51,7 @@ class ModelPreset:
 PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (
-        # DeepSeek-V3/R1: 3 * H * I weights of H=7168, I=2048 in fp8 (design.md §6: about 44 MB).
+        # DeepSeek-V3/R1: 3 * H * I weights of H=7168, I=2048 in fp8 (about 44 MB).
         ModelPreset(
             name="deepseek-v3",
             num_layers=58,

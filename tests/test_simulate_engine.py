@@ -11,10 +11,10 @@ import torch
 from eplb.placement.balance import expert_gpu_share, gpu_load
 from eplb.placement.dispatch_map import static_dispatch_map
 from eplb.placement.model import Placement
+from eplb.policy import Proposal
 from eplb.simulate import (
     CostModel,
     PastView,
-    Proposal,
     RunSpec,
     SimulationConfig,
     parse_runs,
@@ -102,7 +102,8 @@ class _Recorder:
         self.placement = placement
         self.calls: list[tuple[int, np.ndarray]] = []
 
-    def plan(self, window_WLE: np.ndarray, current: Placement, past: PastView) -> Proposal:
+    def __call__(self, window_WLE: np.ndarray, current: Placement, past: PastView | None = None) -> Proposal:
+        assert past is not None
         self.calls.append((past.now, window_WLE.copy()))
         return Proposal(self.placement)
 
@@ -110,7 +111,8 @@ class _Recorder:
 class _Peeker:
     """Reads the steps its own plan will serve: forbidden."""
 
-    def plan(self, window_WLE: np.ndarray, current: Placement, past: PastView) -> Proposal:
+    def __call__(self, window_WLE: np.ndarray, current: Placement, past: PastView | None = None) -> Proposal:
+        assert past is not None
         future = past.counts(np.arange(past.now, past.now + 3))
         return Proposal(current, predicted_balancedness=float(future.sum()))
 

@@ -9,7 +9,10 @@ import torch
 from eplb.placement.balance import model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
-from eplb.solver import ALGORITHMS, PREDICTIONS, Plan, SolveOptions, Topology, solve
+from eplb.policy import policy_names
+from eplb.solver import PREDICTIONS, Plan, SolveOptions, Topology, solve
+
+ALGORITHMS = policy_names()
 
 TOPOLOGIES = [
     Topology(num_gpus=4, num_nodes=2, num_physical=20, num_groups=4),

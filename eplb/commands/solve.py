@@ -40,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
     from eplb.placement.balance import model_balancedness
     from eplb.placement.io import save_placement
     from eplb.placement.model import Placement
+    from eplb.policy import dispatch_mode
     from eplb.simulate.options import initial_placement, load_input, simulation_config
-    from eplb.simulate.planners import PastView, SolverPlanner
+    from eplb.simulate.planners import PastView
+    from eplb.solver.planner import SolverPlanner
 
     trace = load_input(args, quiet=args.disable_tqdm)
     # The window is the whole trace unless --expert-distribution-recorder-buffer-size says less.
@@ -62,17 +64,17 @@ def run(args: argparse.Namespace) -> int:
         algorithm=args.eplb_algorithm,
         num_groups=config.num_groups,
         bytes_per_expert=config.bytes_per_expert,
-        weighted=args.ep_dispatch_algorithm == "weighted",
+        weighted=dispatch_mode(args.ep_dispatch_algorithm).needs_weights,
         seed=args.seed,
         extra_options=config.solver_options,
     )
-    proposal = planner.plan(window_WLE, start, past)
+    proposal = planner(window_WLE, start, past)
     placement = proposal.placement
     out_dir: Path = args.out
     out_dir.mkdir(parents=True, exist_ok=True)
     trace_meta = {k: v for k, v in trace.meta.items() if k != "generator"}
     meta = {"algorithm": args.eplb_algorithm, "window_steps": int(window_WLE.shape[0]), "trace": trace_meta}
-    own = save_placement(out_dir / "placement.safetensors", placement, proposal.weights_LER, meta)
+    own = save_placement(out_dir / "placement.safetensors", placement, proposal.dispatch_weights_LER, meta)
     sglang = placement.write_sglang_json(out_dir / "init_expert_location.json")
     load_LE = window_WLE.sum(axis=0, dtype=np.int64)
     result: dict[str, Any] = {
@@ -83,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
         "physical_slots": placement.num_physical,
         "ep_size": placement.num_gpus,
         "nnodes": placement.num_nodes,
-        "balancedness_on_window": float(model_balancedness(load_LE, placement, proposal.weights_LER)),
+        "balancedness_on_window": float(
+            model_balancedness(load_LE, placement, proposal.dispatch_weights_LER)
+        ),
         "balancedness_on_window_before": float(model_balancedness(load_LE, start)),
         "solver_predicted_balancedness": proposal.predicted_balancedness,
         "solver_says_apply": proposal.apply,

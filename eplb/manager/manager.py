@@ -51,19 +51,17 @@ from eplb.manager.types import (
     FAILED,
     ExpertEngine,
     ManagerState,
-    PlanLike,
-    Planner,
     RebalanceRecord,
     SwapJob,
     chunk_steps,
     encode_plan,
-    solver_planner,
     timed_plan,
 )
 from eplb.metrics.sink import MetricsSink, NullSink, RebalanceOutcome
 from eplb.placement.balance import gpu_load, model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
+from eplb.policy import PlanLike, Planner, dispatch_mode
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 
 __all__ = [
@@ -73,7 +71,6 @@ __all__ = [
     "PlanLike",
     "Planner",
     "RebalanceRecord",
-    "solver_planner",
 ]
 
 log = logging.getLogger("eplb.manager.manager")
@@ -131,8 +128,13 @@ class EplbManager:
         self._kind: str = "decode"
         views = engine.slot_tensors(0)
         bytes_per_expert = sum(t[0].numel() * t.element_size() for t in views.values())
-        self._planner = planner or solver_planner(
-            config, placement, bytes_per_expert=bytes_per_expert, num_groups=num_groups
+        from eplb.solver.planner import SolverPlanner  # SciPy only where the default planner is used
+
+        self._planner: Planner = planner or SolverPlanner(
+            algorithm=config.eplb_algorithm,
+            num_groups=num_groups,
+            bytes_per_expert=bytes_per_expert,
+            weighted=dispatch_mode(config.dispatch_algorithm).needs_weights,
         )
         self._executor: ThreadPoolExecutor | None = None
         self._preparer: ThreadPoolExecutor | None = None

@@ -1,4 +1,4 @@
-"""The manager's types and plan helpers: planner and engine protocols, records, state, swap jobs.
+"""The manager's types and plan helpers: the engine protocol, records, state, swap jobs.
 
 Shape legend: W window (passes), L layers, E logical experts, P physical slots, R max replicas.
 """
@@ -6,7 +6,7 @@ Shape legend: W window (passes), L layers, E logical experts, P physical slots, 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -14,29 +14,10 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from eplb.config import EplbConfig
 from eplb.hotswap.swap import PreparedSwap
 from eplb.metrics.sink import MetricsSink, RebalanceOutcome
 from eplb.placement.model import Placement
-
-
-class PlanLike(Protocol):
-    """What a planner returns (eplb.solver.Plan satisfies it)."""
-
-    @property
-    def placement(self) -> Placement: ...
-    @property
-    def dispatch_weights_LER(self) -> np.ndarray | None: ...
-    @property
-    def predicted_balancedness(self) -> float: ...
-    @property
-    def apply(self) -> bool: ...
-    @property
-    def reason(self) -> str: ...
-
-
-Planner = Callable[[np.ndarray, Placement], PlanLike]
-"""``planner(window_WLE float64 [W, L, E], current) -> plan``; runs on rank 0's worker thread."""
+from eplb.policy.base import PlanLike, Planner
 
 
 class ExpertEngine(Protocol):
@@ -92,26 +73,6 @@ class ManagerState:
     history: tuple[RebalanceRecord, ...] = field(default_factory=tuple)
     windows: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     """(pass, balancedness of the window summed over ranks under the live placement) at each check."""
-
-
-def solver_planner(
-    config: EplbConfig, placement: Placement, *, bytes_per_expert: int, num_groups: int = 1
-) -> Planner:
-    """The default planner: eplb.solver.solve with the config's algorithm (weights for weighted dispatch)."""
-    from eplb.solver import SolveOptions, Topology, solve
-
-    topology = Topology(
-        num_gpus=placement.num_gpus,
-        num_nodes=placement.num_nodes,
-        num_physical=placement.num_physical,
-        num_groups=num_groups,
-    )
-    options = SolveOptions(
-        algorithm=config.eplb_algorithm,
-        weighted=config.dispatch_algorithm == "weighted",
-        bytes_per_expert=bytes_per_expert,
-    )
-    return lambda load_WLE, current: solve(load_WLE, topology, current, options)
 
 
 FAILED, SKIP, APPLY = 0.0, 1.0, 2.0

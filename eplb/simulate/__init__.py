@@ -9,7 +9,7 @@ from __future__ import annotations
 from eplb.simulate.cost_model import CostModel
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.simulate.engine import SimulationConfig, rebalance_steps, simulate
-from eplb.simulate.planners import ALGORITHMS, PastView, Planner, Proposal, RunSpec, parse_runs
+from eplb.simulate.planners import ALGORITHMS, PastView, RunSpec, parse_runs
 from eplb.simulate.results import RebalanceEvent, RunResult, SimulationResult
 
 __all__ = [
@@ -17,8 +17,6 @@ __all__ = [
     "DISPATCH_MODES",
     "CostModel",
     "PastView",
-    "Planner",
-    "Proposal",
     "RebalanceEvent",
     "RunResult",
     "RunSpec",

@@ -3,8 +3,8 @@
 Shape legend: T steps, L layers, E logical experts, G GPUs.
 
 Per step and layer, GPU g spends ``a + max(b * active_experts_g, c * tokens_g)`` µs on its
-experts (a roofline fitted to grouped-GEMM timings on an H200 with DeepSeek-V3 dims, design.md
-§6): in decode the GPU is bound by reading its distinct active experts' weights, in prefill by
+experts (a roofline fitted to grouped-GEMM timings on an H200 with DeepSeek-V3 dims):
+in decode the GPU is bound by reading its distinct active experts' weights, in prefill by
 its routed tokens. The layer waits for its busiest GPU and a step is the sum over layers. A
 rebalance stalls serving for the time the busiest receiving GPU needs to pull its new experts:
 intra-node bytes over NVLink, cross-node bytes over the inter-node network.

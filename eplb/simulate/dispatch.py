@@ -21,8 +21,10 @@ import numpy as np
 from eplb.placement.balance import expert_gpu_share, slot_share_LP
 from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
+from eplb.policy.dispatch import dispatch_mode_names
 
-DISPATCH_MODES = ("static", "dynamic", "weighted", "fake")
+DISPATCH_MODES = dispatch_mode_names(flags_only=True)
+"""The modes the simulator models: those offered as --ep-dispatch-algorithm (eplb.policy)."""
 
 
 @dataclass(frozen=True)

@@ -25,9 +25,10 @@ from threadpoolctl import threadpool_limits
 from eplb.placement.balance import balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
+from eplb.policy import PlanLike, Planner
 from eplb.simulate.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
 from eplb.simulate.dispatch import DISPATCH_MODES, DispatchMatrices, dispatch_matrices, fake_gpu_load
-from eplb.simulate.planners import PastView, Planner, Proposal, RunSpec, make_planner
+from eplb.simulate.planners import PastView, RunSpec, make_planner
 from eplb.simulate.results import RebalanceEvent, RunResult, SimulationResult
 from eplb.traces import Trace
 
@@ -272,7 +273,7 @@ class _RunState:
             )
             return
         started = time.perf_counter()
-        proposal: Proposal = self.planner.plan(window_WLE, self.placement, self.past)
+        proposal: PlanLike = self.planner(window_WLE, self.placement, self.past)
         skipped = RebalanceEvent(
             step=step,
             window_steps=len(window_WLE),
@@ -298,7 +299,7 @@ class _RunState:
                 bytes_moved=diff.bytes_across_gpus,
             )
         )
-        self.placement, self.weights_LER = proposal.placement, proposal.weights_LER
+        self.placement, self.weights_LER = proposal.placement, proposal.dispatch_weights_LER
         self.matrices = dispatch_matrices(self.placement, self.spec.dispatch, self.weights_LER)
         self.apply_seconds += time.perf_counter() - started
 

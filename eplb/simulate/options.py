@@ -131,7 +131,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
 
 def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     d = CostModel()
-    g = parser.add_argument_group("cost model (defaults: DeepSeek-V3 dims on an H200, design.md §6)")
+    g = parser.add_argument_group("cost model (defaults: DeepSeek-V3 dims on an H200, docs/simulate.md)")
     g.add_argument(
         "--cost-base-us", type=float, default=d.base_us, help="a: µs per GPU per layer (%(default)s)"
     )

@@ -5,23 +5,25 @@ Shape legend: T steps, W window (recorded steps), L layers, E logical experts, R
 A planner turns the recorded window into a new placement. Everything it learns about the trace
 comes through :class:`PastView`, which refuses (``AssertionError``) any step at or after the
 first step that will run on the plan: planning sees only the past. The solver-backed planners
-adapt ``eplb.solver.solve`` (imported lazily, so the simulator runs without it for "none").
+are ``eplb.solver.SolverPlanner`` (imported lazily, so "none" runs without SciPy); every planner
+follows ``eplb.policy.Planner`` and is handed the guarded view as its ``history``.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from eplb.placement.model import Placement
+from eplb.policy import Planner, dispatch_mode, policy_names
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.traces import Trace
 
-ALGORITHMS = ("none", "deepseek", "deepseek_hierarchical", "scipy", "auto")
+ALGORITHMS = ("none", *policy_names())
+"""Every registered policy, and "none" (keep the initial placement)."""
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ class RunSpec:
     """One simulated configuration: a planning algorithm and a dispatch mode."""
 
     algorithm: str
-    """none | deepseek | deepseek_hierarchical | scipy | auto."""
+    """none, or a registered policy (eplb.policy.policy_names())."""
     dispatch: str
     """static | dynamic | weighted | fake."""
 
@@ -89,81 +91,6 @@ class PastView:
         return self.counts(steps[max(len(steps) - size, 0) :])
 
 
-@dataclass(frozen=True)
-class Proposal:
-    """What a planner proposes at one rebalance."""
-
-    placement: Placement
-    weights_LER: np.ndarray | None = None
-    """float [L, E, R] per-replica dispatch weights (weighted dispatch), or None."""
-    apply: bool = True
-    """False: keep the current placement (the planner judged the move not worth it)."""
-    reason: str = ""
-    predicted_balancedness: float | None = None
-    """The planner's own forecast of model balancedness under ``placement``, when it makes one."""
-
-
-class Planner(Protocol):
-    """Turns the recorded window into a placement; reads nothing else of the trace than ``past``."""
-
-    def plan(self, window_WLE: np.ndarray, current: Placement, past: PastView) -> Proposal: ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class SolverPlanner:
-    """``eplb.solver.solve`` with one algorithm; ``weighted`` asks for per-replica weights."""
-
-    algorithm: str
-    num_groups: int
-    bytes_per_expert: int
-    weighted: bool = False
-    seed: int = 0
-    extra_options: Mapping[str, Any] = field(default_factory=dict)
-    """More ``SolveOptions`` fields by name (prediction, time_budget_s, min_gain, ...)."""
-
-    def options(self) -> Any:
-        """The ``SolveOptions`` this planner passes; unknown or invalid fields raise ValueError."""
-        from eplb.solver import SolveOptions
-
-        try:
-            return SolveOptions(
-                algorithm=self.algorithm,
-                weighted=self.weighted,
-                bytes_per_expert=self.bytes_per_expert,
-                seed=self.seed,
-                **dict(self.extra_options),
-            )
-        except TypeError as exc:
-            raise ValueError(f"--solver-option: {exc}") from None
-
-    def plan(self, window_WLE: np.ndarray, current: Placement, past: PastView) -> Proposal:
-        from eplb.solver import Topology, solve
-
-        topology = Topology(
-            num_gpus=current.num_gpus,
-            num_nodes=current.num_nodes,
-            num_physical=current.num_physical,
-            num_groups=self.num_groups,
-        )
-        plan = solve(window_WLE, topology=topology, current=current, options=self.options())
-        return Proposal(
-            placement=plan.placement,
-            weights_LER=plan.dispatch_weights_LER,
-            apply=bool(plan.apply),
-            reason=str(plan.reason),
-            predicted_balancedness=float(plan.predicted_balancedness),
-        )
-
-
-def solver_available() -> bool:
-    """Whether ``eplb.solver.solve`` can be imported (it is developed alongside the simulator)."""
-    try:
-        from eplb.solver import solve  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def parse_solver_options(items: Sequence[str]) -> dict[str, Any]:
     """``["prediction=robust", "time_budget_s=0.2"]`` -> a dict; values are JSON when they parse as JSON."""
     options: dict[str, Any] = {}
@@ -189,15 +116,13 @@ def make_planner(
     """The planner of ``run``; None for "none" (the initial placement is kept throughout)."""
     if run.algorithm == "none":
         return None
-    if not solver_available():
-        raise ValueError(f"algorithm {run.algorithm!r} needs eplb.solver, which is not installed here")
-    planner = SolverPlanner(
+    from eplb.solver.planner import SolverPlanner
+
+    return SolverPlanner(
         algorithm=run.algorithm,
         num_groups=num_groups,
         bytes_per_expert=bytes_per_expert,
-        weighted=run.dispatch == "weighted",
+        weighted=dispatch_mode(run.dispatch).needs_weights,
         seed=seed,
         extra_options=dict(solver_options or {}),
     )
-    planner.options()  # fail now, not at the first rebalance
-    return planner

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 from eplb.placement.model import Placement
 from eplb.solver.dropin import rebalance_experts
+from eplb.solver.planner import SolverPlanner
 from eplb.solver.solve import solve
-from eplb.solver.types import ALGORITHMS, PREDICTIONS, Plan, SolveOptions, Topology
+from eplb.solver.types import PREDICTIONS, Plan, SolveOptions, Topology
 
 __all__ = [
-    "ALGORITHMS",
     "PREDICTIONS",
     "Placement",
     "Plan",
     "SolveOptions",
+    "SolverPlanner",
     "Topology",
     "rebalance_experts",
     "solve",

@@ -9,8 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eplb.policy.registry import get_policy
 from eplb.solver.greedy import log2phy_from_rank
-from eplb.solver.solve import deepseek_phy2log, resolve_algorithm, solve
+from eplb.solver.policies import DeepSeekPolicy
+from eplb.solver.solve import solve
 from eplb.solver.types import SolveOptions, Topology, as_load_array, check_shapes
 
 if TYPE_CHECKING:
@@ -52,10 +54,10 @@ def rebalance_experts(
     algorithm = options.algorithm
     if algorithm == "deepseek" and topology.hierarchical_ok(E):
         algorithm = "deepseek_hierarchical"
-    algorithm = resolve_algorithm(algorithm, topology, E)
-    if algorithm in ("deepseek", "deepseek_hierarchical"):
+    policy = get_policy(algorithm)
+    if isinstance(policy, DeepSeekPolicy):
         # DeepSeek plans on the plain sum and orders each expert's replicas by replica rank.
-        phy2log, rank = deepseek_phy2log(load_WLE.sum(axis=0), topology, algorithm == "deepseek_hierarchical")
+        phy2log, rank = policy.place_with_rank(load_WLE.sum(axis=0), topology)
         logcnt = np.stack([np.bincount(row, minlength=E) for row in phy2log]).astype(np.int32)
         log2phy = log2phy_from_rank(phy2log, rank, E, int(logcnt.max()))
         phy2log32 = phy2log.astype(np.int32)

@@ -3,7 +3,7 @@
 Shape legend: W window (passes), L layers, E logical experts, K scenarios.
 
 Expert popularity drifts, so the plain sum of the window is stale by half a window before the next
-one starts (design.md §5: fitting the past harder does not help). The predictors:
+one starts (measured in docs/benchmarks.md: fitting the past harder does not help). The predictors:
 
 - ``sum``: the window's total (what DeepSeek's EPLB plans on);
 - ``recent``: the total of the last ``recent_fraction`` of the window;

@@ -4,7 +4,7 @@ Shape legend: W window (passes), L layers, E logical experts, P physical slots, 
 R max replicas.
 
 Steps: check the input, forecast the load (eplb.solver.predict), place replicas with the chosen
-algorithm, optionally split each expert's load over its replicas (eplb.solver.split), then compare
+policy (eplb.policy registry), optionally split each expert's load over its replicas (eplb.solver.split), then compare
 with the current placement and decide whether the predicted gain pays for the transfer.
 """
 
@@ -13,34 +13,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import numpy as np
-
 from eplb.placement.balance import model_balancedness
 from eplb.placement.diff import PlacementDiff, diff_placements
 from eplb.placement.model import Placement
-from eplb.solver.greedy import deepseek_rebalance
+from eplb.policy.registry import get_policy
 from eplb.solver.predict import Prediction, predict
 from eplb.solver.split import lp_split
 from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check_shapes
-
-
-def resolve_algorithm(algorithm: str, topology: Topology, num_logical: int) -> str:
-    """The concrete algorithm ``algorithm`` stands for (auto -> scipy)."""
-    if algorithm == "deepseek_hierarchical" and not topology.hierarchical_ok(num_logical):
-        raise ValueError(
-            f"deepseek_hierarchical needs num_groups ({topology.num_groups}) to divide the experts "
-            f"({num_logical}) and to be divisible by num_nodes ({topology.num_nodes})"
-        )
-    return "scipy" if algorithm == "auto" else algorithm
-
-
-def deepseek_phy2log(
-    load_LE: np.ndarray, topology: Topology, hierarchical: bool
-) -> tuple[np.ndarray, np.ndarray]:
-    """DeepSeek's placement of ``load_LE`` [L, E]: (phy2log int64 [L, P], replica rank int64 [L, P])."""
-    groups, nodes = (topology.num_groups, topology.num_nodes) if hierarchical else (1, 1)
-    phy2log, rank, _ = deepseek_rebalance(load_LE, topology.num_physical, groups, nodes, topology.num_gpus)
-    return phy2log, rank
 
 
 def solve(
@@ -66,17 +45,11 @@ def solve(
     load_WLE = as_load_array(load)
     _, L, E = load_WLE.shape
     check_shapes(L, E, topology, current)
-    algorithm = resolve_algorithm(options.algorithm, topology, E)
-    method = options.resolved_prediction(algorithm, load_WLE.shape[0])
+    policy = get_policy(options.algorithm)
+    method = policy.prediction(options, load_WLE.shape[0])
     prediction = predict(load_WLE, options, method)
     stats: dict[str, float] = {}
-
-    if algorithm in ("deepseek", "deepseek_hierarchical"):
-        phy2log_LP, _ = deepseek_phy2log(prediction.point_LE, topology, algorithm == "deepseek_hierarchical")
-    else:
-        from eplb.solver.scipy_solver import scipy_phy2log
-
-        phy2log_LP = scipy_phy2log(prediction, topology, current, options, stats)
+    phy2log_LP = policy.place(prediction, topology, current, options, stats)
     placement = Placement.from_phy2log(
         phy2log_LP, topology.num_gpus, topology.num_nodes, max_replicas=topology.num_physical - E + 1
     )
@@ -85,7 +58,7 @@ def solve(
     diff = None if current is None else diff_placements(current, placement, options.bytes_per_expert)
     apply, reason = _decide(prediction, predicted, current, diff, options, stats)
     stats["solve_seconds"] = time.perf_counter() - start
-    stats["algorithm_scipy"] = float(algorithm == "scipy")
+    stats["algorithm_scipy"] = float(policy.name == "scipy")
     stats["prediction_robust"] = float(method == "robust")
     return Plan(
         placement=placement,

@@ -4,7 +4,7 @@ Shape legend: L layers, E logical experts, P physical slots, G GPUs, S slots per
 
 For a fixed placement, the split x[l, p] >= 0 of expert load over the slots holding it that
 minimises the busiest GPU is a linear program. Many splits reach that optimum; the one furthest
-from the even split overfits the window it was fitted on (design.md §5), so a second LP picks,
+from the even split overfits the window it was fitted on (docs/benchmarks.md, Solver), so a second LP picks,
 among the optimal splits, the one closest to the even split in L1 distance. Both LPs cover all
 layers at once (block-diagonal, one ``scipy.optimize.linprog`` call each, HiGHS).
 """

@@ -13,8 +13,8 @@ import numpy as np
 
 from eplb.placement.diff import PlacementDiff
 from eplb.placement.model import Placement
+from eplb.policy.registry import check_policy_name, get_policy
 
-ALGORITHMS = ("deepseek", "deepseek_hierarchical", "scipy", "auto")
 PREDICTIONS = ("auto", "sum", "decay", "recent", "robust")
 
 
@@ -59,7 +59,7 @@ class SolveOptions:
     """How :func:`eplb.solver.solve` plans. The defaults are the ones docs/benchmarks.md supports."""
 
     algorithm: str = "auto"
-    """deepseek | deepseek_hierarchical | scipy | auto (auto: scipy; see docs/solver.md)."""
+    """A registered policy (eplb.policy.policy_names(): auto | deepseek | deepseek_hierarchical | scipy)."""
     prediction: str = "auto"
     """How a window [W, L, E] becomes the load to plan for: auto | sum | decay | recent | robust.
     auto, for scipy: robust on windows of at least ``robust_from_passes`` passes, decay on shorter
@@ -92,8 +92,7 @@ class SolveOptions:
     gives the same plan whatever the seed; the field keeps callers stable if one is added."""
 
     def __post_init__(self) -> None:
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"unknown algorithm {self.algorithm!r}; choose from {ALGORITHMS}")
+        check_policy_name(self.algorithm)
         if self.prediction not in PREDICTIONS:
             raise ValueError(f"unknown prediction {self.prediction!r}; choose from {PREDICTIONS}")
         if not self.decay_half_life > 0:
@@ -116,12 +115,8 @@ class SolveOptions:
             raise ValueError(f"min_gain must be finite, got {self.min_gain}")
 
     def resolved_prediction(self, algorithm: str, num_passes: int) -> str:
-        """The predictor ``prediction`` stands for with the concrete ``algorithm`` and window length."""
-        if self.prediction != "auto":
-            return self.prediction
-        if algorithm != "scipy":
-            return "sum"
-        return "robust" if num_passes >= self.robust_from_passes else "decay"
+        """The forecast ``prediction`` stands for with policy ``algorithm`` and a window of ``num_passes``."""
+        return get_policy(algorithm).prediction(self, num_passes)
 
     @property
     def max_copies(self) -> int | None:

@@ -1,0 +1,83 @@
+"""The built-in placement policies the registry (eplb.policy) names: DeepSeek's EPLB and scipy.
+
+Shape legend: L layers, E logical experts, P physical slots.
+
+Each is a :class:`eplb.policy.Policy`: it says which forecast it plans on and turns that forecast
+into phy2log [L, P]; ``solve`` does everything around it (checks, forecast, weights, the gate).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from eplb.placement.model import Placement
+from eplb.solver.greedy import deepseek_rebalance
+from eplb.solver.predict import Prediction
+from eplb.solver.types import SolveOptions, Topology
+
+
+@dataclass(frozen=True)
+class DeepSeekPolicy:
+    """DeepSeek's EPLB (greedy replicate + balanced packing), global or hierarchical, on the window sum."""
+
+    name: str
+    hierarchical: bool
+
+    def prediction(self, options: SolveOptions, num_passes: int) -> str:
+        # SGLang runs DeepSeek's algorithm on the plain sum of the window.
+        return "sum" if options.prediction == "auto" else options.prediction
+
+    def place_with_rank(self, load_LE: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+        """(phy2log int64 [L, P], replica rank int64 [L, P]) as DeepSeek's code returns them."""
+        num_logical = load_LE.shape[1]
+        if self.hierarchical and not topology.hierarchical_ok(num_logical):
+            raise ValueError(
+                f"deepseek_hierarchical needs num_groups ({topology.num_groups}) to divide the experts "
+                f"({num_logical}) and to be divisible by num_nodes ({topology.num_nodes})"
+            )
+        groups, nodes = (topology.num_groups, topology.num_nodes) if self.hierarchical else (1, 1)
+        phy2log, rank, _ = deepseek_rebalance(
+            load_LE, topology.num_physical, groups, nodes, topology.num_gpus
+        )
+        return phy2log, rank
+
+    def place(
+        self,
+        prediction: Prediction,
+        topology: Topology,
+        current: Placement | None,
+        options: SolveOptions,
+        stats: dict[str, float],
+    ) -> np.ndarray:
+        return self.place_with_rank(prediction.point_LE, topology)[0]
+
+
+@dataclass(frozen=True)
+class ScipyPolicy:
+    """Forecast, greedy packing refined by swap search and MILP, incremental migration-aware plans."""
+
+    name: str = "scipy"
+
+    def prediction(self, options: SolveOptions, num_passes: int) -> str:
+        if options.prediction != "auto":
+            return options.prediction
+        return "robust" if num_passes >= options.robust_from_passes else "decay"
+
+    def place(
+        self,
+        prediction: Prediction,
+        topology: Topology,
+        current: Placement | None,
+        options: SolveOptions,
+        stats: dict[str, float],
+    ) -> np.ndarray:
+        from eplb.solver.scipy_solver import scipy_phy2log
+
+        return scipy_phy2log(prediction, topology, current, options, stats)
+
+
+DEEPSEEK = DeepSeekPolicy("deepseek", hierarchical=False)
+DEEPSEEK_HIERARCHICAL = DeepSeekPolicy("deepseek_hierarchical", hierarchical=True)
+SCIPY = ScipyPolicy()
