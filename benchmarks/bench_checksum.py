@@ -11,24 +11,22 @@ events, median of ``reps`` after a warm-up; TB/s = bytes read / time.
 ``--best FILE`` writes the fastest "tile,warps" on the full grid (for bench_hotswap's
 ``--checksum-tile``).
 
-    python benchmarks/bench_checksum.py --json out.json --best best_tile
-    TRITON_INTERPRET=1 python benchmarks/bench_checksum.py --small      # CPU smoke run
+    python -m benchmarks.bench_checksum --json out.json --best best_tile
+    TRITON_INTERPRET=1 python -m benchmarks.bench_checksum --small      # CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.harness import event_times_us, wall_times, write_result
 
 CONFIGS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (8192, 16)]
 """(tile words, warps) of the new kernel."""
@@ -44,23 +42,11 @@ def slots(device: torch.device, small: bool) -> dict[str, torch.Tensor]:
     return {"w13": rand(S, 2 * inter, H), "w2": rand(S, H, inter)}
 
 
-def timed(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
-    """Median seconds of ``fn`` over ``reps`` runs after one warm-up."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def median_s(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs after one warm-up (CUDA events on a GPU)."""
+    if cuda:
+        return statistics.median(event_times_us(fn, reps, warmup=1)) / 1e6
+    return statistics.median(wall_times(fn, reps, warmup=1))
 
 
 def main() -> int:
@@ -90,7 +76,7 @@ def main() -> int:
     def variant(label: str, run: Callable[[], dict[str, torch.Tensor]], **info: Any) -> None:
         got = run()
         exact = all(torch.equal(got[k].view(-1, 2).cpu(), expected[k].cpu()) for k in bufs)
-        seconds = timed(run, args.reps, cuda)
+        seconds = median_s(run, args.reps, cuda)
         row = {"variant": label, "tb_s": nbytes / seconds / 1e12, "exact": exact, **info}
         results.append(row)
         print(f"{label:<48} {row['tb_s']:7.3f} TB/s  exact={exact}", flush=True)
@@ -132,7 +118,7 @@ def main() -> int:
     if args.best:
         args.best.write_text(f"{best['config'][0]},{best['config'][1]}\n")
     if args.json:
-        args.json.write_text(json.dumps({"torch": torch.__version__, "sms": sms, "rows": results}, indent=2))
+        write_result(args.json, {"torch": torch.__version__, "sms": sms, "rows": results}, indent=2)
     return 0 if all(r["exact"] for r in results) else 1
 
 

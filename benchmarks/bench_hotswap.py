@@ -14,11 +14,11 @@ Three parts, one process per GPU (NCCL) or per CPU rank (Gloo, ``--device cpu``,
 3. ``layer``: one MoE layer at DeepSeek-V3 dims (bf16, E=32 + 4 redundant, top-8) under a router
    skewed onto GPU 0's experts, timed before and after one rebalance (eplb.solver + hot-swap).
 
-    python benchmarks/bench_hotswap.py --json out.json                  # 2 GPUs
-    python benchmarks/bench_hotswap.py --device cpu --small             # Gloo, CPU
+    python -m benchmarks.bench_hotswap --json out.json                  # 2 GPUs
+    python -m benchmarks.bench_hotswap --device cpu --small             # Gloo, CPU
 
 ``--checksum-tile TILE,WARPS`` sets the slot checksum kernel's tile for this run (default: the
-kernel's ``TILE_CONFIG``; benchmarks/bench_checksum.py --best writes the fastest).
+kernel's ``TILE_CONFIG``; ``python -m benchmarks.bench_checksum --best FILE`` writes the fastest).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,9 +35,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from benchmarks.bench_hotswap_bandwidth import bandwidth, print_bandwidth, sync
+from benchmarks.harness import wall_times, write_result
 from eplb.hotswap.swap import HotSwapOptions, hot_swap
 from eplb.moe.spawn import RankContext, run_ranks
 from eplb.placement.model import Placement
@@ -218,14 +216,10 @@ def layer_time(ctx: RankContext, reps: int, small: bool) -> dict[str, Any]:
         result[f"T{tokens}"] = {"ids": ids, "x": x, "weights": weights}
 
     def timed(batch: dict[str, torch.Tensor]) -> float:
-        times = []
-        for _ in range(reps + 2):
-            sync(ctx)
-            start = time.perf_counter()
+        def run() -> None:
             layer(batch["x"], batch["ids"], batch["weights"])
-            sync(ctx)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times[2:])
+
+        return statistics.median(wall_times(run, reps, warmup=2, sync=lambda: sync(ctx)))
 
     counts = torch.zeros(E, dtype=torch.int32, device=ctx.device)
     big = result[f"T{4096 if not small else 256}"]
@@ -296,7 +290,7 @@ def main() -> int:
     )
     print_tables(results)
     if args.json:
-        args.json.write_text(json.dumps({"torch": torch.__version__, "ranks": results}, indent=2) + "\n")
+        write_result(args.json, {"torch": torch.__version__, "ranks": results}, indent=2)
     ok = all(r.get("check", {}).get("passed", True) for r in results)
     return 0 if ok else 1
 

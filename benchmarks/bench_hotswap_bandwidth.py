@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from benchmarks.harness import wall_times
 from eplb.hotswap.swap import HotSwapOptions, hot_swap, prepare_swap
 from eplb.moe.spawn import RankContext
 from eplb.placement.model import Placement
@@ -63,15 +64,12 @@ def expert_slots(ctx: RankContext, S: int, small: bool) -> dict[str, torch.Tenso
 
 def time_batches(ctx: RankContext, ops: list[dist.P2POp], reps: int) -> list[float]:
     """Seconds per ``batch_isend_irecv(ops)`` between synchronised starts (the first run is a warm-up)."""
-    times = []
-    for _ in range(reps + 1):
-        sync(ctx)
-        start = time.perf_counter()
+
+    def run() -> None:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
-        sync(ctx)
-        times.append(time.perf_counter() - start)
-    return times[1:]
+
+    return wall_times(run, reps, warmup=1, sync=lambda: sync(ctx))
 
 
 def raw_transfer(ctx: RankContext, send_bytes: int, recv_bytes: int, reps: int) -> list[float]:
@@ -166,16 +164,18 @@ def checksum_speed(ctx: RankContext, slots: dict[str, torch.Tensor], reps: int) 
             for t in slots.values()
         ]
         vec = torch.zeros(2 + 2 * n, dtype=torch.int64, device=ctx.device)
-        times = []
-        for _ in range(reps + 1):
-            vec.zero_()  # the Triton kernel adds into the vector
-            torch.cuda.synchronize()
-            start = time.perf_counter()
+
+        def run(
+            tasks: list[tuple[torch.Tensor, SlotChecksum]] = tasks,
+            vec: torch.Tensor = vec,
+            programs: int = programs,
+        ) -> None:
             for t, task in tasks:
                 task(t, vec, programs)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        out[label] = nbytes / statistics.median(times[1:]) / 1e12
+
+        # zeroed before each run, untimed: the Triton kernel adds into the vector
+        times = wall_times(run, reps, warmup=1, sync=torch.cuda.synchronize, setup=vec.zero_)
+        out[label] = nbytes / statistics.median(times) / 1e12
     return out
 
 

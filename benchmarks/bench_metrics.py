@@ -24,8 +24,8 @@ mean and median, the median over "on" blocks of the change against the "off" blo
 (robust to drift), and (synthetic) the CPU this process spent outside the stepping thread. The
 target is a change below 5%.
 
-    python benchmarks/bench_metrics.py --mode demo --json bench_metrics_demo.json
-    python benchmarks/bench_metrics.py --mode synthetic --json bench_metrics_synthetic.json
+    python -m benchmarks.bench_metrics --mode demo --json bench_metrics_demo.json
+    python -m benchmarks.bench_metrics --mode synthetic --json bench_metrics_synthetic.json
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from prometheus_client import generate_latest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
+from benchmarks.harness import wall_times, write_result
 from eplb.metrics.exporter import MetricsExporter
 from eplb.metrics.prometheus import PrometheusSink
 from eplb.metrics.sink import PassKind
@@ -157,13 +157,8 @@ def micro_costs(logical_LE: np.ndarray, gpu_LG: np.ndarray) -> dict[str, float]:
     """Median microseconds of each sink call and of a scrape's render (fresh window vs cached)."""
     sink = PrometheusSink(min_render_interval_s=0.0)  # every render after a new window is fresh
 
-    def timed(fn: Any, repeat: int) -> float:
-        samples = []
-        for _ in range(repeat):
-            t0 = time.perf_counter()
-            fn()
-            samples.append(time.perf_counter() - t0)
-        return 1e6 * statistics.median(samples)
+    def timed(fn: Callable[[], object], repeat: int) -> float:
+        return 1e6 * statistics.median(wall_times(fn, repeat))
 
     def fresh() -> None:
         sink.on_window(logical_load_LE=logical_LE, gpu_load_LG=gpu_LG)
@@ -404,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
             f" prometheus_client's writer on a fresh window {result['on_window_plus_generate_latest_us']:.0f} us"
         )
     if args.json is not None:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_result(args.json, result, indent=2)
     return 0
 
 

@@ -18,8 +18,8 @@ dynamic`` / ``eplb weighted``,
 and ``sglang-unfused`` (gather through the dispatch map, then ``scatter_add_`` into the counts, as
 SGLang's recorder does). ``--sweep`` also times a grid of launch configs of this kernel.
 
-    python benchmarks/bench_remap.py --json out.json            # on a CUDA machine
-    TRITON_INTERPRET=1 python benchmarks/bench_remap.py --check-only --tokens 64 512   # CPU
+    python -m benchmarks.bench_remap --json out.json            # on a CUDA machine
+    TRITON_INTERPRET=1 python -m benchmarks.bench_remap --check-only --tokens 64 512   # CPU
 """
 
 from __future__ import annotations
@@ -38,11 +38,9 @@ from typing import Any
 import numpy as np
 import torch
 import triton
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from eplb.kernels.remap_record import LaunchConfig, default_config, remap_record_triton
 
+from benchmarks.harness import capture_graph, event_us, graph_us, run_info, warm_up_gpu, write_result
 from benchmarks.peers import load_sglang_fused_kernel
 from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids, sglang_unfused, triton_copy
 from eplb.placement.model import Placement
@@ -52,33 +50,6 @@ from eplb.remap.tables import DispatchTables
 GRAPH_CALLS = 20
 
 
-def _timed(run: Callable[[], Any]) -> float:
-    """µs between device events around one call of ``run``."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    run()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3
-
-
-def capture(fn: Callable[[], Any], calls: int) -> torch.cuda.CUDAGraph:
-    """A CUDA graph holding ``calls`` back-to-back calls of ``fn`` (compiled and warmed up first)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
-        for _ in range(calls):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    for _ in range(10):
-        graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
 def time_interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, dict[str, float]]:
     """Median µs per call of every variant: eager, graph of 1 call, graph of GRAPH_CALLS calls.
 
@@ -86,8 +57,8 @@ def time_interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[
     or host load, and what ran just before (in a fixed order, the eager calls placed right after a
     ``kernel[grid]`` launch ran 4-17 µs slower than the same path elsewhere), hit all alike.
     """
-    g1 = {name: capture(fn, 1) for name, fn in variants.items()}
-    gn = {name: capture(fn, GRAPH_CALLS) for name, fn in variants.items()}
+    g1 = {name: capture_graph(fn, 1) for name, fn in variants.items()}
+    gn = {name: capture_graph(fn, GRAPH_CALLS) for name, fn in variants.items()}
     for fn in variants.values():
         for _ in range(100):
             fn()
@@ -98,9 +69,9 @@ def time_interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[
         shuffle(order)
         for name in order:
             fn = variants[name]
-            samples[name]["eager"].append(_timed(fn))
-            samples[name]["g1"].append(_timed(g1[name].replay))
-            samples[name]["gn"].append(_timed(gn[name].replay) / GRAPH_CALLS)
+            samples[name]["eager"].append(event_us(fn))
+            samples[name]["g1"].append(event_us(g1[name].replay))
+            samples[name]["gn"].append(event_us(gn[name].replay) / GRAPH_CALLS)
     return {
         name: {
             "eager_us": statistics.median(s["eager"]),
@@ -113,22 +84,6 @@ def time_interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[
         }
         for name, s in samples.items()
     }
-
-
-def time_graph(fn: Callable[[], Any], calls: int, reps: int) -> float:
-    """Median µs per call of replaying a graph that holds ``calls`` calls (used by the sweep)."""
-    graph = capture(fn, calls)
-    return statistics.median(_timed(graph.replay) / calls for _ in range(reps))
-
-
-def warm_up_gpu(seconds: float = 2.0) -> None:
-    """Keep the GPU busy until its clocks have left idle (the first timings ran slow without this)."""
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        for _ in range(20):
-            a = (a @ a).clamp_(-1, 1)
-        torch.cuda.synchronize()
 
 
 def build_variants(
@@ -290,7 +245,7 @@ def sweep(bufs: dict[str, Any], reps: int) -> list[dict[str, Any]]:
                 "block": cfg.block,
                 "warps": cfg.num_warps,
                 "per_sm": cfg.programs_per_sm,
-                "graph20_us": time_graph(run, GRAPH_CALLS, reps),
+                "graph20_us": graph_us(run, GRAPH_CALLS, reps),
             }
         )
     return rows
@@ -316,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     sglang = None if args.no_sglang else load_sglang_fused_kernel()
     if device.type == "cpu" and sglang is not None:
         sglang = None  # SGLang's wrapper returns None off CUDA
+    info = run_info()
     meta = {
         "date": time.strftime("%Y-%m-%d"),
         "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)",
@@ -352,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     if results:
         print_table(results)
     if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        write_result(args.json, {"meta": meta, "results": results}, info=info)
     return 1 if failed else 0
 
 

@@ -14,28 +14,24 @@ machine do not count; the minimum over ``--rounds`` rounds of ``--calls`` calls.
   ``kernel[grid]`` (an explicit config), SGLang 0.5.23's fused kernel and ``Tensor.copy_`` of
   the same bytes. The GPU work is queued, not waited for (one sync per round).
 
-    python benchmarks/bench_remap_host.py            # CPU: the Python parts
-    python benchmarks/bench_remap_host.py --json out.json   # on a CUDA machine: also real launches
+    python -m benchmarks.bench_remap_host            # CPU: the Python parts
+    python -m benchmarks.bench_remap_host --json out.json   # on a CUDA machine: also real launches
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from eplb.kernels import remap_record as kernel
 from eplb.kernels.direct_launch import DirectLaunchCache
 from eplb.kernels.remap_record_direct import RemapDirectLauncher
 
+from benchmarks.harness import host_us, write_result
 from benchmarks.peers import load_sglang_fused_kernel
 from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids
 from eplb.placement.model import Placement
@@ -52,19 +48,6 @@ class _NoOpCompiled:
 
     def run(self, *args: Any) -> None:
         return None
-
-
-def host_us(fn: Callable[[], Any], calls: int, rounds: int, sync: Callable[[], None]) -> float:
-    """Minimum over rounds of CPU µs per call of ``fn`` (``sync`` after each round, not timed)."""
-    best = float("inf")
-    for _ in range(rounds):
-        sync()
-        start = time.thread_time()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.thread_time() - start) / calls * 1e6)
-    sync()
-    return best
 
 
 def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[], Any]]:
@@ -148,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:42s}" + "".join(f"{results[str(T)][name]:9.2f}" for T in args.tokens))
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d"), "device": str(device), "torch": torch.__version__}
-        args.json.write_text(json.dumps({"meta": meta, "host_us": results}, indent=1))
+        write_result(args.json, {"meta": meta, "host_us": results})
     return 0
 
 

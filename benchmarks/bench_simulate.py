@@ -7,14 +7,13 @@ most 60 s on 2 cores; workload generation is timed separately. The peer is SGLan
 DeepSeek EPLB (``benchmarks.peers``), run as a planner inside the same simulation as ours, so
 balancedness, moves and solve time compare side by side.
 
-    python benchmarks/bench_simulate.py                 # everything (a few minutes on 2 cores)
-    python benchmarks/bench_simulate.py --quick         # smaller scaling grid
+    python -m benchmarks.bench_simulate                 # everything (a few minutes on 2 cores)
+    python -m benchmarks.bench_simulate --quick         # smaller scaling grid
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
@@ -25,11 +24,10 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for benchmarks.peers as a script
-
+from benchmarks.harness import Stopwatch, write_result
 from eplb.placement.model import Placement
-from eplb.simulate import PastView, Proposal, RunSpec, SimulationConfig, parse_runs, simulate
-from eplb.simulate.planners import solver_available
+from eplb.policy import LoadHistory, Proposal
+from eplb.simulate import RunSpec, SimulationConfig, parse_runs, simulate
 from eplb.traces import Trace
 from eplb.workloads import WorkloadConfig, generate
 
@@ -44,7 +42,9 @@ class SGLangDeepSeekPlanner:
         self.num_groups = num_groups
         self.hierarchical = hierarchical
 
-    def plan(self, window_WLE: np.ndarray, current: Placement, past: PastView) -> Proposal:
+    def __call__(
+        self, window_WLE: np.ndarray, current: Placement, history: LoadHistory | None = None
+    ) -> Proposal:
         import torch
 
         weight = torch.from_numpy(window_WLE.sum(axis=0, dtype=np.int64).astype(np.float32))
@@ -62,26 +62,19 @@ class SGLangDeepSeekPlanner:
 
 
 def third_algorithm() -> str:
-    """scipy once eplb.solver ships it; DeepSeek's hierarchical variant until then."""
-    if not solver_available():
-        raise SystemExit("eplb.solver is not importable")
-    try:
-        import eplb.solver.scipy_solver  # noqa: F401
-    except ImportError:
-        return "deepseek_hierarchical"
+    """The third algorithm compared: eplb's scipy policy."""
     return "scipy"
 
 
 def timed_simulation(
     trace: Trace, runs: list[RunSpec], config: SimulationConfig, **kw: Any
 ) -> dict[str, Any]:
-    start, cpu_start = time.perf_counter(), time.process_time()
-    result = simulate(trace, runs, config, **kw)
-    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    with Stopwatch() as clock:
+        result = simulate(trace, runs, config, **kw)
     summaries = result.summaries()
     return {
-        "wall_s": wall,
-        "cpu_s": cpu,
+        "wall_s": clock.wall_s,
+        "cpu_s": clock.cpu_s,
         "eval_s": sum(r.eval_seconds for r in [*result.runs, result.baseline] if r is not None),
         "solve_s": sum(s["solve_seconds_total"] for s in summaries),
         "apply_s": sum(s["apply_seconds"] for s in summaries),
@@ -121,9 +114,9 @@ def main() -> int:
         "algorithms": names,
     }
 
-    start = time.perf_counter()
-    trace = generate(WorkloadConfig(preset="deepseek-v3", num_steps=args.steps, seed=0))
-    out["generate_s"] = time.perf_counter() - start
+    with Stopwatch() as clock:
+        trace = generate(WorkloadConfig(preset="deepseek-v3", num_steps=args.steps, seed=0))
+    out["generate_s"] = clock.wall_s
     print(f"workload: {args.steps} steps x 58 x 256 generated in {out['generate_s']:.1f} s", flush=True)
 
     main_run = timed_simulation(trace, runs, base)
@@ -197,7 +190,7 @@ def main() -> int:
     out["loadavg_end"] = os.getloadavg()
     print(f"load average start {out['loadavg_start']}, end {out['loadavg_end']}")
     if args.json:
-        args.json.write_text(json.dumps(out, indent=2, default=float))
+        write_result(args.json, out, indent=2)
     return 0
 
 

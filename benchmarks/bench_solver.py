@@ -19,9 +19,9 @@ Peers (same run, same windows): SGLang's ``rebalance_experts`` on the window's s
 (what SGLang's ``--eplb-algorithm auto`` picks for DeepSeek-V3: 8 groups divisible by the nodes)
 and global. Ours: ``eplb.solver.solve`` variants (see VARIANTS).
 
-    python benchmarks/bench_solver.py                      # the full table (about 10 min on 2 cores)
-    python benchmarks/bench_solver.py --quick              # EP32 only, fewer windows
-    python benchmarks/bench_solver.py --timing             # solve time vs EP and layers
+    python -m benchmarks.bench_solver                      # the full table (about 10 min on 2 cores)
+    python -m benchmarks.bench_solver --quick              # EP32 only, fewer windows
+    python -m benchmarks.bench_solver --timing             # solve time vs EP and layers
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import argparse
 import json
 import os
 import platform
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,8 +37,8 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for benchmarks.peers as a script
-
+from benchmarks.harness import Stopwatch, write_result
+from benchmarks.peers import load_sglang_deepseek
 from eplb.placement.balance import model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
@@ -78,8 +77,6 @@ def peer_planner(topology: Topology, hierarchical: bool) -> Planner:
     """SGLang 0.5.23's DeepSeek ``rebalance_experts`` on the window's summed load."""
     import torch
 
-    from benchmarks.peers import load_sglang_deepseek
-
     module = load_sglang_deepseek()
 
     def plan(window_WLE: np.ndarray, current: Placement) -> tuple[Placement, np.ndarray | None, bool]:
@@ -116,9 +113,9 @@ def evaluate(
     per_pass, summed, moved, seconds, applied = [], [], [], [], []
     for i in range(counts_TLE.shape[0] // window - 1):
         window_WLE = counts_TLE[i * window : (i + 1) * window]
-        t0 = time.perf_counter()
-        placement, new_weights, apply = planner(window_WLE, current)
-        seconds.append(time.perf_counter() - t0)
+        with Stopwatch() as clock:
+            placement, new_weights, apply = planner(window_WLE, current)
+        seconds.append(clock.wall_s)
         if apply:
             if i > 0:
                 moved.append(diff_placements(current, placement).experts_moved_across_gpus)
@@ -181,8 +178,6 @@ def run_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Whole-model solve time of one fresh and one incremental solve vs EP and layer count."""
     import torch
 
-    from benchmarks.peers import load_sglang_deepseek
-
     module = load_sglang_deepseek()
     preset = PRESETS["deepseek-v3"]
     trace = generate(WorkloadConfig(num_steps=2 * args.timing_window, seed=0))
@@ -199,11 +194,11 @@ def run_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
             w0 = counts[: args.timing_window, :layers]
             w1 = counts[args.timing_window :, :layers]
             weight = torch.from_numpy(w0.sum(axis=0).astype(np.float32))
-            t0 = time.perf_counter()
-            module.rebalance_experts(
-                weight, topology.num_physical, preset.num_groups, topology.num_nodes, ep, True
-            )
-            peer_s = time.perf_counter() - t0
+            with Stopwatch() as clock:
+                module.rebalance_experts(
+                    weight, topology.num_physical, preset.num_groups, topology.num_nodes, ep, True
+                )
+            peer_s = clock.wall_s
             first = solve(w0, topology, None, SolveOptions())
             second = solve(w1, topology, first.placement, SolveOptions())
             no_milp = solve(w1, topology, first.placement, SolveOptions(time_budget_s=0))
@@ -274,8 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         result["quality"] = run_quality(args)
     result["meta"]["load_average_end"] = os.getloadavg()
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=1) + "\n")
+        write_result(args.json, result)
     return 0
 
 

@@ -3,8 +3,8 @@
 ``fetch_sglang()`` downloads the SGLang wheel (``pip download --no-deps``) into the git-ignored
 ``.peers/`` folder and unpacks only the EPLB files; ``load_sglang_deepseek()`` and
 ``load_sglang_fused_kernel()`` import them by file path, with the one SGLang import the fused
-kernel needs replaced by a stub. On the device machine (no network), fetch here first and pass
-``.peers`` in the device tool's ``carry``.
+kernel needs replaced by a stub. On the device machine (no network), fetch here first
+(``python -m benchmarks.peers``) and pass ``.peers`` in the device tool's ``carry``.
 """
 
 from __future__ import annotations
