@@ -19,10 +19,10 @@ import sys
 import time
 from pathlib import Path
 
-import generate
+import panels
 import promstack
 
-REPO = generate.HERE.parent
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _legend(fmt: str, labels: dict[str, str]) -> str:
@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {args.out}")
         return 0
     demo_args = [*args.demo_args.split(), "--duration-s", str(args.seconds + 120)]
-    dashboard = generate.build_dashboard()
+    dashboard = panels.build_dashboard()
     with (
         promstack.LiveDemo(*demo_args) as demo,
         promstack.LocalPrometheus(f"127.0.0.1:{demo.port}", interval_s=args.scrape_interval) as prom,

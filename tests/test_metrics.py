@@ -81,6 +81,16 @@ def test_implements_the_manager_protocol() -> None:
     assert callable(sink.on_window) and callable(null.on_window)
 
 
+def test_null_sink_ignores_every_event() -> None:
+    null = NullSink()
+    logical_LE, gpu_LG = window(np.random.default_rng(0), 2, 8, 2)
+    assert null.on_topology(**GOOD_TOPOLOGY) is None
+    assert null.on_forward_pass(kind="prefill", recorded=True) is None
+    assert null.on_window(logical_load_LE=logical_LE, gpu_load_LG=gpu_LG) is None
+    assert null.on_rebalance(**GOOD_REBALANCE) is None
+    assert vars(null) == {}
+
+
 def test_window_values_match_numpy_reference() -> None:
     sink, logical_LE, gpu_LG = full_sink()
     text = sink.render()

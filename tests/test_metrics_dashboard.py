@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from eplb.metrics import names
-from tests.helpers.dashboards import generate, promstack
+from tests.helpers.dashboards import generate, panels, promql, promstack
 
 REPO = Path(__file__).resolve().parents[1]
 DASHBOARDS = REPO / "dashboards"
@@ -27,11 +27,20 @@ def test_committed_dashboard_passes_check() -> None:
     assert "ok" in done.stdout
 
 
+@pytest.mark.parametrize("argv", [["generate.py", "--check"], ["snapshot.py", "--help"]])
+def test_scripts_find_their_siblings_from_any_folder(tmp_path: Path, argv: list[str]) -> None:
+    # The scripts import each other by file name; that must not depend on the working directory.
+    done = subprocess.run(
+        [sys.executable, str(DASHBOARDS / argv[0]), *argv[1:]], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+
+
 def test_check_fails_on_a_stale_json(tmp_path: Path) -> None:
     stale = tmp_path / "d.json"
-    dashboard = generate.build_dashboard()
+    dashboard = panels.build_dashboard()
     dashboard["panels"][1]["title"] = "edited by hand"
-    stale.write_text(generate.render(dashboard))
+    stale.write_text(panels.render(dashboard))
     assert generate.main(["--check", "--out", str(stale)]) == 1
     assert generate.main(["--check", "--out", str(tmp_path / "missing.json")]) == 1
     assert generate.main(["--out", str(stale)]) == 0
@@ -39,7 +48,7 @@ def test_check_fails_on_a_stale_json(tmp_path: Path) -> None:
 
 
 def _with_expr(expr: str) -> dict:
-    dashboard = copy.deepcopy(generate.build_dashboard())
+    dashboard = copy.deepcopy(panels.build_dashboard())
     dashboard["panels"][1]["targets"][0]["expr"] = expr
     return dashboard
 
@@ -57,7 +66,7 @@ def _with_expr(expr: str) -> dict:
     ],
 )
 def test_check_names_the_bad_query(expr: str, complaint: str) -> None:
-    found = generate.problems(_with_expr(expr))
+    found = promql.problems(_with_expr(expr))
     assert len(found) == 1 and complaint in found[0], found
 
 
@@ -68,12 +77,12 @@ def test_good_variants_pass() -> None:
         'eplb_expert_tokens{layer=~"$layer", expert="007"}',
         "eplb_forward_passes_created",
     ):
-        assert generate.problems(_with_expr(expr)) == []
+        assert promql.problems(_with_expr(expr)) == []
 
 
 def test_dashboard_covers_every_default_metric_and_the_required_panels() -> None:
-    dashboard = generate.build_dashboard()
-    used = " ".join(q.expr for q in generate.queries(dashboard))
+    dashboard = panels.build_dashboard()
+    used = " ".join(q.expr for q in promql.queries(dashboard))
     for spec in names.METRICS:
         if not spec.per_expert:
             assert any(series in used for series in spec.series_names()), f"no panel shows {spec.name}"
@@ -100,7 +109,7 @@ def test_dashboard_covers_every_default_metric_and_the_required_panels() -> None
 def test_every_panel_and_target_uses_the_provisioned_datasource() -> None:
     datasources = yaml.safe_load((DASHBOARDS / "provisioning/datasources/eplb.yaml").read_text())
     (source,) = datasources["datasources"]
-    assert source["uid"] == generate.DATASOURCE_UID and source["type"] == "prometheus"
+    assert source["uid"] == panels.DATASOURCE_UID and source["type"] == "prometheus"
     dashboard = json.loads(generate.DASHBOARD_PATH.read_text())
     for panel in dashboard["panels"]:
         if panel["type"] == "row":

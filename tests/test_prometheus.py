@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from tests.helpers.dashboards import generate, promstack
+from tests.helpers.dashboards import panels, promql, promstack
 
 pytestmark = [
     pytest.mark.slow,
@@ -58,7 +58,7 @@ def test_target_is_up(prometheus: Any) -> None:
     assert [t["health"] for t in targets] == ["up"], targets
 
 
-@pytest.mark.parametrize("query", generate.queries(generate.build_dashboard()), ids=lambda q: q.where)
+@pytest.mark.parametrize("query", promql.queries(panels.build_dashboard()), ids=lambda q: q.where)
 def test_every_dashboard_query_returns_data(prometheus: Any, query: Any) -> None:
     expr = promstack.expand(query.expr, rate_interval="5s")
     now = time.time()

@@ -2,9 +2,10 @@
 
 Shape legend: L layers, E logical experts, G GPUs (EP ranks).
 
-``PrometheusSink`` implements :class:`eplb.metrics.sink.MetricsSink`. Every call is O(1) apart
-from copying the window arrays it is handed: counters and histograms are pre-bound children, and
-the window goes to :class:`eplb.metrics.window.WindowCollector` as one reference swap. Nothing is
+``PrometheusSink`` subclasses :class:`eplb.metrics.sink.MetricsSink` (where the events are
+documented) and overrides every event. Every call is O(1) apart from copying the window arrays
+it is handed: counters and histograms are pre-bound children, and the window goes to
+:class:`eplb.metrics.window.WindowCollector` as one reference swap. Nothing is
 registered in prometheus_client's global registry; ``sink.registry`` holds it all, and
 :meth:`PrometheusSink.render` is the fast text exposition the exporter serves
 (:mod:`eplb.metrics.exporter`). Metric names come from :mod:`eplb.metrics.names` only.
@@ -28,7 +29,7 @@ from prometheus_client.registry import Collector
 
 from eplb._version import __version__
 from eplb.metrics import names
-from eplb.metrics.sink import PassKind, RebalanceOutcome
+from eplb.metrics.sink import MetricsSink, PassKind, RebalanceOutcome
 from eplb.metrics.window import WindowCollector
 
 # Solve: milliseconds (greedy) to the solver's time budget; transfer: one expert (~44 MB at
@@ -38,7 +39,7 @@ TRANSFER_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 
 MAX_REASON_CHARS = 80
 
 
-class PrometheusSink:
+class PrometheusSink(MetricsSink):
     """Receives manager events and keeps them as Prometheus metrics in ``self.registry``."""
 
     def __init__(
@@ -95,7 +96,7 @@ class PrometheusSink:
         self.registry.register(self.window)
         self._topology: tuple[int, int, int, int, int] | None = None
 
-    # -- MetricsSink -------------------------------------------------------------------------
+    # -- MetricsSink (each event's meaning is documented there) ------------------------------
 
     def on_forward_pass(self, *, kind: PassKind, recorded: bool) -> None:
         try:

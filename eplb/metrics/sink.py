@@ -1,10 +1,13 @@
-"""The events the control loop reports, as a small protocol: the manager calls it, metrics implement it.
+"""The events the control loop reports, as one protocol: the manager calls it, metrics implement it.
 
 Shape legend: L layers, E logical experts, G GPUs (EP ranks).
 
 Keeping this protocol apart from the Prometheus code lets the manager, the simulator and tests
-report events without importing prometheus_client; ``NullSink`` ignores them. Implementations
-must return quickly and never block: they are called on the serving process's control path.
+report events without importing prometheus_client. Its methods are written once, here, with
+no-op bodies: ``NullSink`` is the protocol as it stands, and a sink that subclasses it (as
+``PrometheusSink`` does) overrides only what it records; any object with these four methods is
+also a sink (structural typing). Implementations must return quickly and never block: they are
+called on the serving process's control path.
 """
 
 from __future__ import annotations
@@ -18,13 +21,16 @@ PassKind = Literal["prefill", "decode"]
 
 
 class MetricsSink(Protocol):
-    """Receiver of EPLB control-loop events (all arguments keyword-only)."""
+    """Receiver of EPLB control-loop events (all arguments keyword-only); each event is ignored
+    unless a subclass overrides it."""
 
     def on_forward_pass(self, *, kind: PassKind, recorded: bool) -> None:
         """A forward pass ended; ``recorded`` says whether the recorder counted it."""
+        return None
 
     def on_window(self, *, logical_load_LE: np.ndarray, gpu_load_LG: np.ndarray) -> None:
         """Load of the recorder's current window: per logical expert, and per GPU under the live placement."""
+        return None
 
     def on_rebalance(
         self,
@@ -39,37 +45,14 @@ class MetricsSink(Protocol):
         balancedness_after: float,
     ) -> None:
         """A rebalance was decided: applied, skipped (gain too small, threshold) or failed (rolled back)."""
+        return None
 
     def on_topology(
         self, *, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, num_nodes: int
     ) -> None:
         """The model and EP topology the manager serves (reported once at start)."""
-
-
-class NullSink:
-    """A sink that ignores every event."""
-
-    def on_forward_pass(self, *, kind: PassKind, recorded: bool) -> None:
         return None
 
-    def on_window(self, *, logical_load_LE: np.ndarray, gpu_load_LG: np.ndarray) -> None:
-        return None
 
-    def on_rebalance(
-        self,
-        *,
-        outcome: RebalanceOutcome,
-        reason: str,
-        solve_seconds: float,
-        transfer_seconds: float,
-        experts_moved: int,
-        bytes_moved: int,
-        balancedness_before: float,
-        balancedness_after: float,
-    ) -> None:
-        return None
-
-    def on_topology(
-        self, *, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, num_nodes: int
-    ) -> None:
-        return None
+class NullSink(MetricsSink):
+    """A sink that ignores every event: the protocol's no-op methods, unchanged."""
