@@ -27,7 +27,7 @@ _EXPORTS: dict[str, str] = {
     "EplbConfig": "eplb.config",
     "add_cli_args": "eplb.config",
     # policies (placement algorithms) and dispatch modes
-    "Policy": "eplb.policy",
+    "Policy": "eplb.solver",
     "get_policy": "eplb.policy",
     "policy_names": "eplb.policy",
     # traces and synthetic workloads
@@ -97,11 +97,11 @@ if TYPE_CHECKING:  # static checkers see the real names
         save_placement,
         static_dispatch_maps,
     )
-    from eplb.policy import Policy, get_policy, policy_names
+    from eplb.policy import get_policy, policy_names
     from eplb.recorder import ExpertDistributionRecorder, RecorderConfig
     from eplb.remap import DispatchTables, remap_and_record
     from eplb.simulate import RunSpec, SimulationConfig, simulate
-    from eplb.solver import Plan, SolveOptions, Topology, rebalance_experts, solve
+    from eplb.solver import Plan, Policy, SolveOptions, Topology, rebalance_experts, solve
     from eplb.traces import Trace, load_trace
     from eplb.workloads import WorkloadConfig
     from eplb.workloads import generate as generate_workload

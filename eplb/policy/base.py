@@ -1,11 +1,11 @@
-"""The protocols every placement algorithm and every planner follows.
+"""The protocol every planner follows, and what it returns.
 
 Shape legend: W window (passes), L layers, E logical experts, P physical slots, R max replicas.
 
-A :class:`Policy` is a placement algorithm: from a load forecast to phy2log [L, P]. A
-:class:`Planner` is what the manager, the simulator and the engine adapters call on a recorded
+A :class:`Planner` is what the manager, the simulator and the engine adapters call on a recorded
 window: ``planner(window_WLE, current) -> PlanLike``; ``eplb.solver.SolverPlanner`` runs ``solve``
-with a registered policy, and tests or users may pass their own.
+with a registered policy (the placement algorithms, ``eplb.solver.Policy``), and tests or users may
+pass their own.
 """
 
 from __future__ import annotations
@@ -17,30 +17,6 @@ import numpy as np
 
 if TYPE_CHECKING:
     from eplb.placement.model import Placement
-    from eplb.solver.predict import Prediction
-    from eplb.solver.types import SolveOptions, Topology
-
-
-class Policy(Protocol):
-    """A placement algorithm (see eplb.solver.policies for the built-in ones)."""
-
-    @property
-    def name(self) -> str: ...
-
-    def prediction(self, options: SolveOptions, num_passes: int) -> str:
-        """The forecast method (``sum`` | ``decay`` | ``recent`` | ``robust``) this policy plans on."""
-        ...
-
-    def place(
-        self,
-        prediction: Prediction,
-        topology: Topology,
-        current: Placement | None,
-        options: SolveOptions,
-        stats: dict[str, float],
-    ) -> np.ndarray:
-        """phy2log int [L, P] for the forecast; may add numbers to ``stats``."""
-        ...
 
 
 class PlanLike(Protocol):

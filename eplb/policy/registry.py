@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from eplb.policy.base import Policy
+from typing import Any
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,7 +19,7 @@ class PolicyEntry:
     name: str
     """The name users pass (``--eplb-algorithm NAME``)."""
     target: str
-    """``module:attribute`` of the :class:`~eplb.policy.base.Policy` object; an alias names no target."""
+    """``module:attribute`` of the policy object (an ``eplb.solver.Policy``); an alias names no target."""
     summary: str
     """One line for ``--help`` and docs."""
     alias_of: str | None = None
@@ -57,7 +54,7 @@ POLICIES: dict[str, PolicyEntry] = {
 }
 """name -> entry; insertion order is the order shown to users."""
 
-_LOADED: dict[str, Policy] = {}
+_LOADED: dict[str, Any] = {}
 
 
 def policy_names() -> tuple[str, ...]:
@@ -78,8 +75,12 @@ def check_policy_name(name: str, flag: str = "algorithm") -> None:
         raise ValueError(f"{flag}: unknown algorithm {name!r}; choose from {policy_names()}")
 
 
-def get_policy(name: str) -> Policy:
-    """The policy object of ``name`` (alias resolved), imported on first use."""
+def get_policy(name: str) -> Any:
+    """The policy object of ``name`` (alias resolved), imported on first use.
+
+    Typed loosely on purpose: the registry must not import the solver that defines the protocol
+    (``eplb.solver.Policy``); ``eplb.solver.policies.load_policy`` is the typed access.
+    """
     concrete = resolve_policy_name(name)
     policy = _LOADED.get(concrete)
     if policy is None:

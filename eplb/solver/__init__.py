@@ -11,6 +11,7 @@ from __future__ import annotations
 from eplb.placement.model import Placement
 from eplb.solver.dropin import rebalance_experts
 from eplb.solver.planner import SolverPlanner
+from eplb.solver.policies import Policy
 from eplb.solver.solve import solve
 from eplb.solver.types import PREDICTIONS, Plan, SolveOptions, Topology
 
@@ -18,6 +19,7 @@ __all__ = [
     "PREDICTIONS",
     "Placement",
     "Plan",
+    "Policy",
     "SolveOptions",
     "SolverPlanner",
     "Topology",

@@ -9,9 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eplb.policy.registry import get_policy
 from eplb.solver.greedy import log2phy_from_rank
-from eplb.solver.policies import DeepSeekPolicy
+from eplb.solver.policies import DeepSeekPolicy, load_policy
 from eplb.solver.solve import solve
 from eplb.solver.types import SolveOptions, Topology, as_load_array, check_shapes
 
@@ -54,7 +53,7 @@ def rebalance_experts(
     algorithm = options.algorithm
     if algorithm == "deepseek" and topology.hierarchical_ok(E):
         algorithm = "deepseek_hierarchical"
-    policy = get_policy(algorithm)
+    policy = load_policy(algorithm)
     if isinstance(policy, DeepSeekPolicy):
         # DeepSeek plans on the plain sum and orders each expert's replicas by replica rank.
         phy2log, rank = policy.place_with_rank(load_WLE.sum(axis=0), topology)

@@ -9,13 +9,43 @@ into phy2log [L, P]; ``solve`` does everything around it (checks, forecast, weig
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
 from eplb.placement.model import Placement
+from eplb.policy.registry import get_policy
 from eplb.solver.greedy import deepseek_rebalance
 from eplb.solver.predict import Prediction
 from eplb.solver.types import SolveOptions, Topology
+
+
+class Policy(Protocol):
+    """A placement algorithm that the registry (eplb.policy) can name."""
+
+    @property
+    def name(self) -> str: ...
+
+    def prediction(self, options: SolveOptions, num_passes: int) -> str:
+        """The forecast method (``sum`` | ``decay`` | ``recent`` | ``robust``) this policy plans on."""
+        ...
+
+    def place(
+        self,
+        prediction: Prediction,
+        topology: Topology,
+        current: Placement | None,
+        options: SolveOptions,
+        stats: dict[str, float],
+    ) -> np.ndarray:
+        """phy2log int [L, P] for the forecast; may add numbers to ``stats``."""
+        ...
+
+
+def load_policy(name: str) -> Policy:
+    """The registered policy ``name`` (aliases resolved), typed; ValueError for an unknown name."""
+    policy: Policy = get_policy(name)
+    return policy
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from typing import Any
 from eplb.placement.balance import model_balancedness
 from eplb.placement.diff import PlacementDiff, diff_placements
 from eplb.placement.model import Placement
-from eplb.policy.registry import get_policy
+from eplb.solver.policies import load_policy
 from eplb.solver.predict import Prediction, predict
 from eplb.solver.split import lp_split
 from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check_shapes
@@ -45,7 +45,7 @@ def solve(
     load_WLE = as_load_array(load)
     _, L, E = load_WLE.shape
     check_shapes(L, E, topology, current)
-    policy = get_policy(options.algorithm)
+    policy = load_policy(options.algorithm)
     method = policy.prediction(options, load_WLE.shape[0])
     prediction = predict(load_WLE, options, method)
     stats: dict[str, float] = {}
