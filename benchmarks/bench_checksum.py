@@ -50,10 +50,9 @@ def median_s(fn: Callable[[], Any], reps: int, cuda: bool) -> float:
 
 
 def main() -> int:
-    from eplb.kernels import slot_checksum
-
     from benchmarks.slot_checksum_run2 import run2_checksums
     from eplb.hotswap.checksum import block_checksums
+    from eplb.kernels import slot_checksum
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=20)
