@@ -2,16 +2,10 @@
 
 Shape legend: n experts, V tensors per expert (views of one slot), W = 2 * V checksum words.
 
-Each tensor's bytes are read as int32 words (int16 or uint8 when its row size demands), grouped in
-rows (its first dimension). Its checksum is two int64 numbers: the sum of all words and the sum of
-each row's sum times (row index + 1). Integer sums wrap modulo 2**64 and do not depend on
-summation order, so sender and receiver agree bit for bit; any changed word changes the first
-number, a swapped pair of rows the second. One pass over the data, no host synchronisation.
-
-:class:`SlotChecksum` checksums chosen slots of one slot buffer into fixed positions of a vector
-(hot-swap's agreement vector): one launch of eplb.kernels.slot_checksum (Triton, a bounded grid,
-adding straight into the vector) where the words are int32 on CUDA, else :func:`block_checksums`
-per run of consecutive slots.
+Sender and receiver must agree bit for bit with no host synchronisation, so the checksum is a pair
+of wrapping integer sums (order-independent) rather than a hash: :func:`block_checksums` defines
+it; :class:`SlotChecksum` computes it for chosen slots straight into hot-swap's agreement vector
+(eplb.kernels.slot_checksum, Triton, on CUDA; torch elsewhere).
 """
 
 from __future__ import annotations
@@ -40,7 +34,14 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def block_checksums(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """int64 [m, 2V]: the checksum of each of m consecutive slots held by V block views [m, ...]."""
+    """int64 [m, 2V]: the checksum of each of m consecutive slots held by V block views [m, ...].
+
+    Each tensor's bytes are read as int32 words (int16 or uint8 when its row size demands), grouped
+    in rows (its first dimension). Its checksum is two int64 numbers: the sum of all words and the
+    sum of each row's sum times (row index + 1). Integer sums wrap modulo 2**64 and do not depend
+    on summation order, so sender and receiver agree bit for bit; any changed word changes the
+    first number, a swapped pair of rows the second. One pass over the data.
+    """
     if not blocks:
         raise ValueError("block_checksums needs at least one tensor")
     m = int(blocks[0].shape[0])
@@ -78,6 +79,9 @@ def checksum_backends() -> list[str]:
 
 class SlotChecksum:
     """Checksums of slots ``rows`` of a slot buffer [N, ...] into ``out[pos[k]]``, ``out[pos[k] + 1]``.
+
+    One launch of eplb.kernels.slot_checksum (a bounded grid, adding straight into ``out``) where
+    the words are int32 on CUDA, else :func:`block_checksums` per run of consecutive slots.
 
     Built once (index tensors on ``device``); called with the buffer, which may be bound later
     (hot-swap's backup buffers exist only while a group runs). ``out`` is int64 [M] and must hold

@@ -1,17 +1,9 @@
-"""One group of a hot-swap on this rank: post, land, wait, agree (used by eplb.hotswap.runtime).
+"""One group of a hot-swap on this rank: post, land, wait, agree, and undo it if it failed.
 
-Shape legend: V views per slot, n transfers of the group, W checksum words per transfer.
-
-On CUDA two side streams keep the link busy: a copy stream takes the backups and local copies,
-and every piece's ``batch_isend_irecv`` is posted from it (so NCCL waits only for the backups the
-piece needs); a checksum stream checksums what this rank sends as soon as it is backed up, then
-what it receives as soon as each piece has landed, while later pieces are on the wire. The
-agreement (an all-reduce of the vector [2 flags, n W source sums, n W destination sums]) is
-queued behind all of it (:func:`queue_agreement`), so the host waits once
-(:func:`read_agreement`), and a group that overlaps the previous one
-(``GroupProgram.overlaps_previous``) is posted before the host waits for that one. On CPU, or
-with a fault hook, the host waits for the transfers (with a deadline) first and checksums what
-arrived itself.
+:class:`GroupRun` runs one compiled group (eplb.hotswap.program) on this rank's buffers
+(eplb.hotswap.runtime) and settles it through its agreement (eplb.hotswap.agreement). Nothing
+here raises on a transfer failure: errors are recorded and settled by the agreement, so every
+rank keeps taking part in every collective; a dead peer is left to the process group's timeout.
 """
 
 from __future__ import annotations
@@ -20,24 +12,43 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from eplb.hotswap.agreement import agree_now, queue_agreement, read_agreement
 from eplb.hotswap.program import Check, GroupProgram
-
-if TYPE_CHECKING:
-    from eplb.hotswap.runtime import SwapRuntime
+from eplb.hotswap.runtime import SwapRuntime
 
 _STREAMS: dict[int, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-_PINNED: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+@dataclass
+class GroupOutcome:
+    """How one group ended on this rank (``failed`` and ``fatal`` are the same on every rank)."""
+
+    failed: bool
+    fatal: bool
+    errors: list[str]
 
 
 class GroupRun:
     """One group on this rank: its agreement vector, backups, transfers and recorded errors.
 
-    ``slot`` (0 or 1) picks the pinned flag and result buffers: two groups may be unsettled at once.
+    :meth:`start` posts it, :meth:`finish` settles it and :meth:`restore` lets a failed group's
+    transfers finish and copies its backups back. On CUDA two side streams keep the link busy: a
+    copy stream takes the backups and local copies, and every piece's ``batch_isend_irecv`` is
+    posted from it (so NCCL waits only for the backups the piece needs); a checksum stream
+    checksums what this rank sends as soon as it is backed up, then what it receives as soon as
+    each piece has landed, while later pieces are on the wire. The agreement is queued behind all
+    of it, so the host waits once, and a group that overlaps the previous one
+    (``GroupProgram.overlaps_previous``) is posted before the host waits for that one. On CPU, or
+    with a fault hook, the host waits for the transfers (with a deadline) first and checksums what
+    arrived itself.
+
+    ``slot`` (0 or 1) picks the agreement's pinned buffers: two groups may be unsettled at once.
     """
 
     def __init__(
@@ -61,6 +72,60 @@ class GroupRun:
         self.waiter = Waiter(self.works, rt.timeout_s, self.cuda)
         # Checksums next to a transfer leave SMs to NCCL; after the last one they take the GPU.
         self.overlap, self.full = max(1, 2 * rt.sms // 3), 4 * rt.sms
+
+    @classmethod
+    def start(
+        cls,
+        rt: SwapRuntime,
+        prog: GroupProgram,
+        epoch: int,
+        fault: Callable[..., None] | None,
+        *,
+        slot: int = 0,
+        fatal: bool = False,
+    ) -> GroupRun:
+        """Post group ``prog`` on this rank (and on CUDA queue its agreement); :meth:`finish` it later."""
+        with rt.timed("setup"):
+            run = cls(rt, prog, fault, slot, fatal)
+        with rt.timed("post"):
+            run.post(epoch)
+            if not run.defer:
+                run.done = queue_agreement(rt, run.vec, prog, slot=slot, failed=bool(run.errors), fatal=fatal)
+        return run
+
+    def finish(self) -> GroupOutcome:
+        """Settle the group: every rank learns whether any rank failed (collective on CPU)."""
+        rt, prog, timed_out = self.rt, self.prog, False
+        if self.defer:
+            with rt.timed("wait"):
+                landed = self.waiter.wait()
+                self.errors += [f"chunk {prog.chunk} wait: {e}" for e in self.waiter.errors]
+            if landed:
+                with rt.timed("verify"):
+                    self.land_deferred()
+            with rt.timed("agree"):
+                failed, any_fatal, mismatch = agree_now(rt, self.vec, bool(self.errors), self.fatal, prog)
+        else:
+            assert self.done is not None, "a group not deferred has its agreement queued at start"
+            with rt.timed("agree"):  # queued behind the transfers: this is also the wait for them
+                failed, any_fatal, mismatch, timed_out = read_agreement(
+                    rt, self.vec, prog, slot=self.slot, done=self.done
+                )
+        if timed_out and failed:
+            self.errors.append(f"chunk {prog.chunk} wait: TimeoutError: not done after {rt.timeout_s} s")
+        if mismatch:
+            self.errors.append(f"chunk {prog.chunk} verify: checksum mismatch in transfers {mismatch}")
+        return GroupOutcome(failed, any_fatal, self.errors)
+
+    def restore(self) -> str | None:
+        """Undo a started group that did not commit: let its transfers finish, copy its backups back."""
+        with self.rt.timed("restore"):
+            self.waiter.drain()
+            try:
+                self.rt.copy_all(self.prog.restore, self.backups)
+            except Exception as exc:
+                return f"chunk {self.prog.chunk} restore: {type(exc).__name__}: {exc}"
+        return None
 
     @contextlib.contextmanager
     def recording(self, where: str) -> Iterator[None]:
@@ -219,67 +284,6 @@ class Waiter:
             torch.cuda.synchronize()
 
 
-def agree_now(
-    rt: SwapRuntime, vec: torch.Tensor, failed: bool, fatal: bool, prog: GroupProgram
-) -> tuple[bool, bool, list[int]]:
-    """(failed anywhere or changed in transit, fatal anywhere, mismatched transfer rows)."""
-    if failed or fatal:
-        vec[:2].copy_(torch.tensor([int(failed), int(fatal)], dtype=torch.int64))
-    rt.all_reduce_sum(vec)
-    got = [*_summary(vec, prog).tolist(), 0]
-    return got[0] > 0 or got[2] > 0, got[1] > 0, _mismatched(vec, prog) if got[2] else []
-
-
-def queue_agreement(run: GroupRun) -> None:
-    """Queue the agreement on the GPU behind the group's transfers and checksums (no host wait).
-
-    The failure flag is read from pinned host memory when the stream reaches it, i.e. once
-    every transfer of this rank has landed: a host whose deadline passes before then sets it
-    (:func:`read_agreement`), so a late transfer fails the group on every rank, as agreed.
-    """
-    rt = run.rt
-    flag, result = _pinned(rt.device, run.slot)
-    flag[0], flag[1] = int(bool(run.errors)), int(run.fatal)
-    run.vec[:2].copy_(flag, non_blocking=True)
-    rt.all_reduce_sum(run.vec)
-    summary = _summary(run.vec, run.prog)
-    result.zero_()
-    result[: summary.numel()].copy_(summary, non_blocking=True)
-    run.done = torch.cuda.Event()
-    run.done.record()
-
-
-def read_agreement(run: GroupRun) -> tuple[bool, bool, list[int], bool]:
-    """Wait (deadline: ``timeout_s`` from now) for a queued agreement. (failed, fatal, rows, timed out)"""
-    flag, result = _pinned(run.rt.device, run.slot)
-    assert run.done is not None, "queue_agreement first"
-    deadline = time.monotonic() + run.rt.timeout_s
-    timed_out = False
-    while not run.done.query():
-        if not timed_out and time.monotonic() > deadline:
-            flag[0] = 1  # too late for the copy if it already ran: the transfers had landed then
-            timed_out = True
-    got = result.tolist()
-    rows = _mismatched(run.vec, run.prog) if got[2] else []
-    return got[0] > 0 or got[2] > 0, got[1] > 0, rows, timed_out
-
-
-def _summary(vec: torch.Tensor, prog: GroupProgram) -> torch.Tensor:
-    """int64 [2] or [3] on the vector's device: failures, fatal failures, (checksum halves differ)."""
-    if not prog.checksum_width:
-        return vec[:2]
-    half = prog.num_transfers * prog.checksum_width
-    differ = (vec[2 : 2 + half] != vec[2 + half :]).any().to(torch.int64)
-    return torch.cat([vec[:2], differ.view(1)])
-
-
-def _mismatched(vec: torch.Tensor, prog: GroupProgram) -> list[int]:
-    """Rows (transfers of the group) whose source and destination checksums differ."""
-    half = prog.num_transfers * prog.checksum_width
-    differ = vec[2 : 2 + half] != vec[2 + half :]
-    return [int(x) for x in differ.view(prog.num_transfers, -1).any(dim=1).nonzero().flatten().tolist()]
-
-
 def local_copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
     """A local move of one or more slots (every view); tests patch it to inject a bad copy."""
     for d, s in zip(dst, src, strict=True):
@@ -291,14 +295,3 @@ def _streams(device: torch.device) -> tuple[torch.cuda.Stream, torch.cuda.Stream
     if index not in _STREAMS:
         _STREAMS[index] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
     return _STREAMS[index]
-
-
-def _pinned(device: torch.device, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pinned int64 [2] flags and [3] result of this device's agreements in ``slot`` (0 or 1)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if (index, slot) not in _PINNED:
-        _PINNED[(index, slot)] = (
-            torch.zeros(2, dtype=torch.int64, pin_memory=True),
-            torch.zeros(3, dtype=torch.int64, pin_memory=True),
-        )
-    return _PINNED[(index, slot)]

@@ -3,14 +3,11 @@
 Shape legend: S slots on this rank, N output rows of a projection, Kd its input (reduction) size.
 
 Plain layout: ``w13 [S, 2I, H]``, ``w2 [S, H, I]`` and optional per-slot scales, row-major.
-Engines may pre-shuffle each slot's weights (and scales) into tiles their kernels load directly,
-as aiter's MegaMoE does. A :class:`SlotLayout` converts whole slot tensors both ways and names the
-contiguous views that hold one slot's data in the engine layout; hot-swap moves, checksums and
-writes exactly those views, so an engine layout needs no conversion on the transfer path.
-
-Registry: ``plain`` (identity), ``block_shuffle`` (the tile shuffle of aiter's pre-shuffled
-weights and e8m0 scales, in plain torch: what CPU tests use) and ``aiter`` (registered only where
-amd-aiter imports on ROCm; it shuffles with aiter's own functions).
+Engines (aiter's MegaMoE) may pre-shuffle each slot into tiles their kernels load directly; a
+:class:`SlotLayout` converts slot tensors both ways and names the contiguous views that hold one
+slot, so hot-swap moves and checksums engine-layout bytes with no conversion on the way. Registry:
+``plain``, ``block_shuffle`` (aiter's tile shuffle in plain torch, for CPU tests) and ``aiter``
+(ROCm with amd-aiter only, shuffled by aiter itself).
 """
 
 from __future__ import annotations

@@ -2,22 +2,10 @@
 
 Shape legend: L layers, P physical slots, G GPUs, S slots per GPU, E logical experts.
 
-Input: what every slot holds now (``cur_LP``, int32; -1 marks a slot whose content is unknown,
-which is never used as a source) and what it must hold (``tgt_LP``). Unchanged slots are left
-alone. For each (layer, GPU, expert) whose changed slots need that expert, one
-:class:`Transfer` fills them: a local copy when the GPU already holds the expert, else one
-cross-GPU send from a holder; holders are chosen on the same node first and then by the fewest
-bytes already assigned to send, so receives spread over the ranks that hold a source. Within a
-GPU, an unchanged slot is the preferred source (it is never overwritten).
-
-Writes happen in place, so a slot may be overwritten only once every transfer reading its old
-content has run: transfer u must run no later than transfer t when t writes u's source. Cycles
-(two slots trading experts) run in one chunk, and a destination read in its own chunk is written
-through a staging buffer at the chunk's commit. Chunks follow a topological order and carry at
-most ``chunk_bytes`` arriving at each GPU (a cycle larger than that gets a chunk of its own).
-
-Invariant the executor's rollback relies on: after any chunk is committed, every expert of the
-old placement still sits in a slot whose content is known.
+Every rank computes the same plan from the two placements (pure host work), so sends and receives
+match without talking. Writes happen in place, so the plan orders them (a slot is overwritten
+only after everything reading it) and cuts them into chunks, each agreed on once, such that a
+failed chunk can always be undone from slots whose content is known.
 """
 
 from __future__ import annotations
@@ -116,7 +104,24 @@ def plan_swap(
     chunk_bytes: int,
     layers: Sequence[int] | None = None,
 ) -> SwapPlan:
-    """Plan the moves that turn ``cur_LP`` into ``tgt_LP`` for ``layers`` (default: all)."""
+    """Plan the moves that turn ``cur_LP`` into ``tgt_LP`` for ``layers`` (default: all).
+
+    ``cur_LP`` (int32 [L, P]) is what every slot holds now (-1: content unknown, never a source);
+    ``tgt_LP`` what it must hold. Unchanged slots are left alone. For each (layer, GPU, expert)
+    whose changed slots need that expert, one :class:`Transfer` fills them: a local copy when the
+    GPU already holds the expert, else one cross-GPU send from a holder; holders are chosen on the
+    same node first and then by the fewest bytes already assigned to send, so receives spread over
+    the ranks that hold a source. Within a GPU, an unchanged slot is the preferred source (it is
+    never overwritten).
+
+    Transfer u must run no later than transfer t when t writes u's source. Cycles (two slots
+    trading experts) run in one chunk, and a destination read in its own chunk is written through
+    a staging buffer at the chunk's commit. Chunks follow a topological order and carry at most
+    ``chunk_bytes`` arriving at each GPU (a cycle larger than that gets a chunk of its own).
+
+    Invariant the executor's rollback relies on: after any chunk is committed, every expert of the
+    old placement still sits in a slot whose content is known.
+    """
     cur = np.asarray(cur_LP)
     tgt = np.asarray(tgt_LP)
     if cur.shape != tgt.shape or cur.ndim != 2:

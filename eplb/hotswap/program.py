@@ -3,25 +3,10 @@
 Shape legend: L layers, S slots per GPU, G GPUs, V views (tensors) per slot, W = 2 * V checksum
 words per expert, n transfers of a group.
 
-Each chunk of the plan is one *group*: its transfers run, then every rank agrees once (one
-all-reduce) whether all of them arrived intact. Within a group:
-
-- Slots that the group both reads and overwrites (``Chunk.staged``: the two sides of a trade, a
-  cycle) are copied to a *backup* buffer first. Reads of such a slot come from its backup, so
-  receives and local copies write every destination in place, in any order, and a failed group is
-  undone by copying the backups back; every other overwritten slot's old expert still sits in a
-  slot the group does not touch (eplb.hotswap.plan's invariant).
-- Cross-GPU moves go as *blocks* (consecutive source and destination slots, one message per view)
-  cut into a few *pieces*, one ``batch_isend_irecv`` each, by ``piece_fractions`` of what arrives
-  at each GPU: the receiver checksums piece k while piece k+1 is on the wire, so only the last
-  (small) piece's checksum follows the transfer; a small first piece starts the link early when
-  its sources must be backed up first. Local copies come last.
-- Checksums land in an agreement vector int64 [2 + 2 n W]: two flags, then for each transfer the
-  source's checksum (written by the sending rank) and the destination's (by the receiving rank).
-  After a sum over ranks every position has one writer, so equal halves mean intact arrivals.
-
-Everything here is a pure function of the plan (and of shapes), so every rank cuts the same
-blocks and pieces, and sends and receives match in order.
+Each chunk of the plan becomes one :class:`GroupProgram` of this rank: backups, messages cut into
+pieces, local copies and checksum tasks, all as slot spans. Compiling is a pure function of the
+plan and the slot shapes, so it runs off the serving path, and every rank cuts the same blocks
+and pieces, so sends and receives match in order.
 """
 
 from __future__ import annotations
@@ -138,7 +123,22 @@ class Stage:
 
 @dataclass
 class GroupProgram:
-    """What this rank does for one group (one chunk of the plan)."""
+    """What this rank does for one group (one chunk of the plan); every rank agrees on it once.
+
+    - Slots that the group both reads and overwrites (``Chunk.staged``: the two sides of a trade,
+      a cycle) are copied to a *backup* buffer first. Reads of such a slot come from its backup, so
+      receives and local copies write every destination in place, in any order, and a failed group
+      is undone by copying the backups back; every other overwritten slot's old expert still sits
+      in a slot the group does not touch (eplb.hotswap.plan's invariant).
+    - Cross-GPU moves go as *blocks* (consecutive source and destination slots, one message per
+      view) cut into a few *pieces*, one ``batch_isend_irecv`` each, by ``piece_fractions`` of what
+      arrives at each GPU: the receiver checksums piece k while piece k+1 is on the wire, so only
+      the last (small) piece's checksum follows the transfer; a small first piece starts the link
+      early when its sources must be backed up first. Local copies come last.
+    - Checksums land in an agreement vector int64 [2 + 2 n W] (eplb.hotswap.agreement): two flags,
+      then for each transfer the source's checksum (written by the sending rank) and the
+      destination's (by the receiving rank).
+    """
 
     chunk: int
     num_transfers: int

@@ -1,17 +1,13 @@
-"""This rank's runtime of a hot-swap: buffers, views, collectives, one group end to end.
+"""This rank's side of a hot-swap: its slot and backup buffers, their views, its collectives.
 
-Shape legend: S slots per GPU, V views per slot; programs come from eplb.hotswap.program.
+Shape legend: S slots per GPU, V views per slot; spans and checks come from eplb.hotswap.program.
 
-Data moves over ``group`` (NCCL on GPUs, Gloo on CPU) as raw bytes, and each group's agreement
-is an all-reduce over the same group; the fingerprint check runs on a CPU (Gloo) group over the
-same ranks (:func:`control_group`), so it never waits for the device. :meth:`SwapRuntime.start_group`
-posts one compiled group (eplb.hotswap.group: backups, pieces, checksums, and on CUDA the queued
-agreement), :meth:`SwapRuntime.finish_group` settles it, and :meth:`SwapRuntime.restore_group`
-lets a failed group's transfers finish and copies its backups back.
-
-Nothing here raises on a transfer failure: errors are recorded and settled by the agreement, so
-every rank keeps taking part in every collective. A dead peer is left to the process group's own
-timeout.
+Compiled programs name slots by :class:`~eplb.hotswap.program.Span` (rows of a layer's slot
+buffer or of the backup buffer); :class:`SwapRuntime` turns them into tensor views, point-to-point
+ops and copies, and holds the one backup buffer every group of a swap shares. Data and each
+group's agreement go over ``group`` (NCCL on GPUs, Gloo on CPU) as raw bytes; the fingerprint
+check runs on a CPU (Gloo) group over the same ranks (:func:`control_group`), so it never waits
+for the device. Running a group on top of this is eplb.hotswap.group's concern.
 """
 
 from __future__ import annotations
@@ -19,13 +15,12 @@ from __future__ import annotations
 import contextlib
 import datetime
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from eplb.hotswap.group import GroupRun, agree_now, queue_agreement, read_agreement
 from eplb.hotswap.layout import SlotLayout
 from eplb.hotswap.program import Check, GroupProgram, Span, Stage
 from eplb.placement.model import Placement
@@ -35,17 +30,8 @@ _ALIGN = 512
 
 
 @dataclass
-class GroupOutcome:
-    """How one group ended on this rank (``failed`` and ``fatal`` are the same on every rank)."""
-
-    failed: bool
-    fatal: bool
-    errors: list[str]
-
-
-@dataclass
 class SwapRuntime:
-    """This rank's slot buffers, process group and streams, for one hot-swap."""
+    """This rank's slot buffers, backup buffer and process group, for one hot-swap."""
 
     slots_L: Sequence[Mapping[str, torch.Tensor]]
     group: dist.ProcessGroup | None
@@ -197,56 +183,7 @@ class SwapRuntime:
     def buffer(self, check: Check, backups: dict[int, list[torch.Tensor]]) -> torch.Tensor:
         return (backups[check.layer] if check.backup else self.base_views(check.layer))[check.view]
 
-    # ---- one group -------------------------------------------------------------------------
-    def start_group(
-        self,
-        prog: GroupProgram,
-        epoch: int,
-        fault: Callable[..., None] | None,
-        *,
-        slot: int = 0,
-        fatal: bool = False,
-    ) -> GroupRun:
-        """Post group ``prog`` on this rank (and on CUDA queue its agreement); settle it later."""
-        with self.timed("setup"):
-            run = GroupRun(self, prog, fault, slot, fatal)
-        with self.timed("post"):
-            run.post(epoch)
-            if not run.defer:
-                queue_agreement(run)
-        return run
-
-    def finish_group(self, run: GroupRun) -> GroupOutcome:
-        """Settle a started group: every rank learns whether any rank failed (collective on CPU)."""
-        prog, timed_out = run.prog, False
-        if run.defer:
-            with self.timed("wait"):
-                landed = run.waiter.wait()
-                run.errors += [f"chunk {prog.chunk} wait: {e}" for e in run.waiter.errors]
-            if landed:
-                with self.timed("verify"):
-                    run.land_deferred()
-            with self.timed("agree"):
-                failed, any_fatal, mismatch = agree_now(self, run.vec, bool(run.errors), run.fatal, prog)
-        else:
-            with self.timed("agree"):  # queued behind the transfers: this is also the wait for them
-                failed, any_fatal, mismatch, timed_out = read_agreement(run)
-        if timed_out and failed:
-            run.errors.append(f"chunk {prog.chunk} wait: TimeoutError: not done after {self.timeout_s} s")
-        if mismatch:
-            run.errors.append(f"chunk {prog.chunk} verify: checksum mismatch in transfers {mismatch}")
-        return GroupOutcome(failed, any_fatal, run.errors)
-
-    def restore_group(self, run: GroupRun) -> str | None:
-        """Undo a started group that did not commit: let its transfers finish, copy its backups back."""
-        with self.timed("restore"):
-            run.waiter.drain()
-            try:
-                self.copy_all(run.prog.restore, run.backups)
-            except Exception as exc:
-                return f"chunk {run.prog.chunk} restore: {type(exc).__name__}: {exc}"
-        return None
-
+    # ---- transfers -------------------------------------------------------------------------
     def p2p_ops(self, piece: Stage, backups: dict[int, list[torch.Tensor]], tag: int) -> list[dist.P2POp]:
         ops = []
         for kind, items in ((dist.isend, piece.sends), (dist.irecv, piece.recvs)):

@@ -2,32 +2,11 @@
 
 Shape legend: L layers, P physical slots, G GPUs (ranks), S slots per GPU.
 
-``hot_swap(slots_L, old, new, layers=...)`` runs on every rank at the same point (between two
-forward passes). It is :func:`prepare_swap` then :meth:`PreparedSwap.execute`; an engine may
-prepare earlier (the plan only needs the two placements) and execute when the swap is due.
-
-Prepare: plan the moves (eplb.hotswap.plan: unchanged slots untouched, same-GPU copies local,
-cross-GPU sources spread over holders, chunks of at most ``staging_budget_bytes`` written per
-rank) and compile this rank's part of each chunk (eplb.hotswap.program: messages of consecutive
-slots, pieces, backups, checksum tasks); host work only, so it may run on a helper thread
-(``check=False``). Check (one small all-reduce on a CPU group; with ``check=True`` part of
-prepare, else the start of execute): reserve the backup buffer, and make sure every rank is about
-to run the same swap.
-
-Execute, per chunk ("group"; eplb.hotswap.runtime): back up the slots the group both reads and
-overwrites, post its pieces (``batch_isend_irecv``), receive straight into the destination slots,
-checksum what was sent and what arrived while the next piece travels, wait (with a deadline),
-then agree once: one all-reduce of failure flags and checksums over the data group. A group that
-backs nothing up and writes no slot the previous group reads is posted before that group is
-agreed (at most two groups are open). Every weight tensor keeps its storage: slots are written
-through views with ``copy_`` or received into directly. The maps are updated (``update_maps``)
-only after every group was agreed.
-
-On any failure (an exception on any rank, a timeout, a checksum mismatch) every rank learns it at
-that group's agreement, settles the group posted after it, lets their transfers finish, copies
-the backups back, computes the same partial state (eplb.hotswap.plan.SwapPlan.state_after) and
-swaps back to the old placement, exactly: weights are copied, never recomputed. The result says
-what failed. If the rollback itself fails, :class:`HotSwapError` is raised (weights undefined).
+The public entry points: :func:`hot_swap` is :func:`prepare_swap` (plan and compile: host work an
+engine may do ahead, on a helper thread) then :meth:`PreparedSwap.execute` (move, agree per chunk,
+update the maps, or roll back), which every rank runs at the same point (between two forward
+passes). Every weight tensor keeps its storage, so captured CUDA graphs stay valid, and a failed
+swap leaves every rank on the old placement, exactly.
 """
 
 from __future__ import annotations
@@ -127,7 +106,26 @@ class HotSwapError(RuntimeError):
 
 
 class PreparedSwap:
-    """A planned and checked swap of this rank's slots, ready to :meth:`execute` once."""
+    """A planned and checked swap of this rank's slots, ready to :meth:`execute` once.
+
+    Check (one small all-reduce on a CPU group; with ``check=True`` part of prepare, else the start
+    of execute): reserve the backup buffer, and make sure every rank is about to run the same swap.
+
+    Execute, per chunk ("group"; eplb.hotswap.group): back up the slots the group both reads and
+    overwrites, post its pieces (``batch_isend_irecv``), receive straight into the destination
+    slots, checksum what was sent and what arrived while the next piece travels, wait (with a
+    deadline), then agree once: one all-reduce of failure flags and checksums over the data group.
+    A group that backs nothing up and writes no slot the previous group reads is posted before that
+    group is agreed (at most two groups are open). Slots are written through views with ``copy_``
+    or received into directly. The maps are updated (``update_maps``) only after every group was
+    agreed.
+
+    On any failure (an exception on any rank, a timeout, a checksum mismatch) every rank learns it
+    at that group's agreement, settles the group posted after it, lets their transfers finish,
+    copies the backups back, computes the same partial state (eplb.hotswap.plan.SwapPlan.state_after)
+    and swaps back to the old placement, exactly: weights are copied, never recomputed. The result
+    says what failed. If the rollback itself fails, :class:`HotSwapError` is raised (weights undefined).
+    """
 
     def __init__(
         self,
@@ -226,7 +224,7 @@ class PreparedSwap:
 
         def settle_next() -> None:
             nonlocal settled, failed_at
-            out = rt.finish_group(runs[settled])
+            out = runs[settled].finish()
             if out.fatal:
                 raise HotSwapError("a failed chunk's backups could not be restored on some rank")
             if out.failed:
@@ -240,14 +238,14 @@ class PreparedSwap:
                 settle_next()
             if failed_at is not None:
                 break
-            runs.append(rt.start_group(prog, epoch, fault, slot=g % 2, fatal=fatal and g == 0))
+            runs.append(GroupRun.start(rt, prog, epoch, fault, slot=g % 2, fatal=fatal and g == 0))
         while settled < len(runs):
             settle_next()
         if failed_at is None:
             return None
         restore_error = None
         for run in reversed(runs[failed_at:]):  # overlapping groups back nothing up: any order
-            restore_error = rt.restore_group(run) or restore_error
+            restore_error = run.restore() or restore_error
         return failed_at, errors, restore_error, len(runs)
 
     def _plan(self, from_LP: np.ndarray, to_LP: np.ndarray) -> SwapPlan:
@@ -306,6 +304,11 @@ def prepare_swap(
     check: bool = True,
 ) -> PreparedSwap:
     """Plan, compile and check the swap of this rank's slots of ``layers`` from ``old`` to ``new``.
+
+    The plan (eplb.hotswap.plan) leaves unchanged slots alone, copies within a GPU where it can,
+    spreads cross-GPU sources over the holders and cuts chunks of at most ``staging_budget_bytes``
+    written per rank; compiling (eplb.hotswap.program) turns this rank's part of each chunk into
+    messages of consecutive slots, pieces, backups and checksum tasks.
 
     ``slots_L[l]`` maps tensor names to this rank's slot buffers [S, ...] of layer l (weights,
     scales), in the engine layout that ``layout`` describes. With ``check`` (collective over the

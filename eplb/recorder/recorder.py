@@ -2,27 +2,11 @@
 
 Shape legend: W window (passes), L layers, E logical experts, P physical slots, G GPUs, K top-k.
 
-One recorder per rank. Per forward pass::
-
-    rec.begin_pass(has_prefill=..., num_tokens=T)            # sets the device record flag
-    for layer in layers:                                      # inside the (captured) forward
-        phys = remap_and_record(ids, tables, layer, **rec.layer_kwargs(layer))
-        rec.record_topk(layer, ids)                           # per_token mode only
-    counted = rec.end_pass()                                  # commits the pass, advances the step
-
-``layer_kwargs`` hands the kernel a fixed int32 [P] row of ``pass_counts_LP`` and the int32
-``record_flag_1``; both keep their address for the recorder's life, so a captured CUDA graph
-records or not by the flag alone. After a hot-swap call :meth:`set_placement` before the next
-pass: every stored pass remembers which placement was live, and its slot counts become expert
-counts through that placement's map.
-
-Modes: ``stat`` (circular window of W passes on the device, int32 [W, L, P]), ``per_pass``
-(each pass copied to pinned host memory without a stream stall; the last W kept), ``per_token``
-(logical top-k ids per token, up to a token budget). With ``prefill_only`` a rank records only
-passes that carry prefill locally, and the step counter advances only on passes where SOME rank
-had prefill: ``end_pass`` all-reduces the flag, so every rank must call it on every pass (an
-idle rank with T = 0 too) and all ranks count, rebalance and fill window rows in lockstep.
-Counts are int32 per pass and int64 once summed, so nothing overflows on long runs.
+The remap kernel counts each pass's slot loads into fixed device buffers, so a captured CUDA graph
+records by a flag alone; the recorder keeps a bounded window of those counts (eplb.recorder.buffers)
+and turns them into expert counts through the placement live at each pass, for the manager to
+rebalance from and for dumps (eplb.recorder.dump). :class:`ExpertDistributionRecorder` documents
+the per-pass protocol.
 """
 
 from __future__ import annotations
@@ -37,6 +21,7 @@ import torch
 from eplb.config import RECORDER_MODES, EplbConfig
 from eplb.placement.model import Placement
 from eplb.recorder.buffers import PassInfo, PerPassStaging, StatWindow, TokenBuffer
+from eplb.recorder.dump import WindowDump, check_dump_format, save_per_token, save_window
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +60,31 @@ class RecorderConfig:
 
 
 class ExpertDistributionRecorder:
-    """Records expert load per forward pass; see the module docstring for the protocol."""
+    """Records expert load per forward pass.
+
+    One per rank. Per forward pass::
+
+        rec.begin_pass(has_prefill=..., num_tokens=T)            # sets the device record flag
+        for layer in layers:                                      # inside the (captured) forward
+            phys = remap_and_record(ids, tables, layer, **rec.layer_kwargs(layer))
+            rec.record_topk(layer, ids)                           # per_token mode only
+        counted = rec.end_pass()                                  # commits the pass, advances the step
+
+    ``layer_kwargs`` hands the kernel a fixed int32 [P] row of ``pass_counts_LP`` and the int32
+    ``record_flag_1``; both keep their address for the recorder's life, so a captured CUDA graph
+    records or not by the flag alone. After a hot-swap call :meth:`set_placement` before the next
+    pass: every stored pass remembers which placement was live, and its slot counts become expert
+    counts through that placement's map.
+
+    Modes: ``stat`` (circular window of W passes on the device, int32 [W, L, P]), ``per_pass``
+    (each pass copied to pinned host memory without a stream stall; the last W kept), ``per_token``
+    (logical top-k ids per token, up to a token budget). With ``prefill_only`` a rank records only
+    passes that carry prefill locally, and the step counter advances only on passes where SOME rank
+    had prefill: ``end_pass`` all-reduces the flag, so every rank must call it on every pass (an
+    idle rank with T = 0 too) and all ranks count, rebalance and fill window rows in lockstep.
+    Counts are int32 per pass and int64 once summed, so nothing overflows on long runs.
+    :meth:`dump` sums the window over ranks and hands it to eplb.recorder.dump as plain arrays.
+    """
 
     def __init__(
         self,
@@ -283,10 +292,67 @@ class ExpertDistributionRecorder:
         return out
 
     def dump(self, path: str | Path, *, fmt: str = "eplb", reduce: bool = True) -> Path | None:
-        """Write what was recorded (see eplb.recorder.dump); collective when ``reduce`` and distributed."""
-        from eplb.recorder.dump import dump_recorder
+        """Write what was recorded (formats: eplb.recorder.dump); collective when ``reduce`` and distributed.
 
-        return dump_recorder(self, Path(path), fmt=fmt, reduce=reduce)
+        With ``reduce`` under torch.distributed, counts and token numbers are summed over the ranks
+        (every rank must call), a pass counts as prefill if it was on any rank, and rank 0 writes the
+        file (other ranks return None). per_token dumps are per rank: with several ranks, the rank is
+        added to the file name.
+        """
+        path = Path(path)
+        check_dump_format(fmt, self.config.mode)
+        rank, world = _rank_and_world(self.group)
+        if self.config.mode == "per_token":
+            ids_NLK, pass_N, dropped = self.recorded_tokens()
+            return save_per_token(
+                path if world == 1 else path.with_suffix(f".rank{rank}.npz"), ids_NLK, pass_N, dropped
+            )
+        reduce = reduce and world > 1
+        infos, phys_FLP = self.window_passes(reduce=reduce)
+        logical_FLE = self.to_logical(phys_FLP, [info.map_version for info in infos])
+        prefill_F = np.array([info.had_prefill for info in infos], dtype=np.int64)
+        tokens_F = np.array([info.num_tokens for info in infos], dtype=np.int64)
+        if reduce:
+            prefill_F, tokens_F = _reduce_pass_facts(prefill_F, tokens_F, self.group, self.device)
+            if rank != 0:
+                return None
+        window = WindowDump(
+            mode=self.config.mode,
+            pass_ids=[info.pass_id for info in infos],
+            phys_FLP=phys_FLP,
+            logical_FLE=logical_FLE,
+            prefill_F=prefill_F,
+            tokens_F=tokens_F,
+            phy2log_LP=self._placement.phy2log_LP,
+            num_gpus=self._placement.num_gpus,
+            rank=rank,
+            ranks_summed=world if reduce else 1,
+            prefill_only=self.config.prefill_only,
+            top_k=self.config.top_k,
+        )
+        return save_window(window, path, fmt=fmt)
+
+
+def _rank_and_world(group: Any) -> tuple[int, int]:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(group), dist.get_world_size(group)
+    return 0, 1
+
+
+def _reduce_pass_facts(
+    prefill_F: np.ndarray, tokens_F: np.ndarray, group: Any, device: torch.device
+) -> tuple[np.ndarray, np.ndarray]:
+    """Over the ranks (collective): prefill if on any rank, tokens summed; int64 [F] each."""
+    import torch.distributed as dist
+
+    facts = torch.from_numpy(np.stack([prefill_F, tokens_F], axis=1)).to(device)
+    prefill = facts[:, 0].clone()
+    dist.all_reduce(prefill, op=dist.ReduceOp.MAX, group=group)
+    tokens = facts[:, 1].clone()
+    dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=group)
+    return prefill.cpu().numpy(), tokens.cpu().numpy()
 
 
 def _dist_active(group: Any) -> bool:
