@@ -32,6 +32,7 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from benchmarks.peers import load_sglang_fused_kernel
 from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids, sglang_unfused, triton_copy
 from eplb.placement.model import Placement
 from eplb.remap.api import remap_and_record
+from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables
 
 GRAPH_CALLS = 20
@@ -138,15 +140,26 @@ def build_variants(
 
     eplb("eplb", "static", False, rec_on)
     eplb("eplb alloc", "static", False, rec_on, alloc=True)
-    o_direct, c_direct = new("eplb launcher")
-    variants["eplb launcher"] = lambda: remap_record_triton(
-        ids, tables, layer, "static", o_direct, c_direct, None, nvalid, rec_on
-    )
-    o_jit, c_jit = new("eplb launcher jit")
+
+    def launcher_call(name: str) -> RemapCall:
+        """The launcher's argument, built once: its variants time the launcher alone, as before."""
+        o, c = new(name)
+        return RemapCall(
+            topk_ids_TK=ids,
+            tables=tables,
+            layer=layer,
+            mode="static",
+            out_TK=o,
+            counts_P=c,
+            num_valid_tokens=nvalid,
+            record=rec_on,
+        )
+
+    direct_call, jit_call = launcher_call("eplb launcher"), launcher_call("eplb launcher jit")
+    bufs["launcher call"] = direct_call
     jit_config = default_config(ids.numel(), device)
-    variants["eplb launcher jit"] = lambda: remap_record_triton(
-        ids, tables, layer, "static", o_jit, c_jit, None, nvalid, rec_on, config=jit_config
-    )
+    variants["eplb launcher"] = lambda: remap_record_triton(direct_call)
+    variants["eplb launcher jit"] = lambda: remap_record_triton(jit_call, config=jit_config)
     eplb("eplb+logical", "static", True, rec_on)
     eplb("eplb rec=0", "static", False, rec_off)
     eplb("eplb dynamic", "dynamic", False, rec_on)
@@ -229,16 +242,21 @@ SWEEP = [
 
 
 def sweep(bufs: dict[str, Any], reps: int) -> list[dict[str, Any]]:
-    ids, tables, layer, nvalid = bufs["ids"], bufs["tables"], bufs["layer"], bufs["nvalid"]
-    out = torch.empty_like(ids)
-    counts = torch.zeros(tables.num_physical, dtype=torch.int32, device=ids.device)
+    ids, tables = bufs["ids"], bufs["tables"]
+    # The launcher variants' call on buffers of its own, counting without a record flag.
+    call = replace(
+        bufs["launcher call"],
+        out_TK=torch.empty_like(ids),
+        counts_P=torch.zeros(tables.num_physical, dtype=torch.int32, device=ids.device),
+        record=None,
+    )
     rows = []
     for cfg in SWEEP:
         if cfg.block > 4 * triton.next_power_of_2(ids.numel()):
             continue
 
         def run(cfg: LaunchConfig = cfg) -> None:
-            remap_record_triton(ids, tables, layer, "static", out, counts, None, nvalid, None, config=cfg)
+            remap_record_triton(call, config=cfg)
 
         rows.append(
             {

@@ -36,6 +36,7 @@ from benchmarks.peers import load_sglang_fused_kernel
 from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids
 from eplb.placement.model import Placement
 from eplb.remap import api as remap
+from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables
 
 
@@ -62,6 +63,7 @@ def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[]
     record = torch.ones(1, dtype=torch.int32, device=device)
     remap._RESOLVED[("noop", device.type)] = lambda *args: None
     kw: dict[str, Any] = {"counts_P": counts_LP[2], "num_valid_tokens": nvalid, "record": record}
+    call = RemapCall(topk_ids_TK=ids, tables=tables, layer=2, mode="static", out_TK=out, **kw)
     rows: dict[str, Callable[[], Any]] = {
         "checks (stub backend), out given": lambda: remap.remap_and_record(
             ids, tables, 2, out_TK=out, backend="noop", **kw
@@ -75,10 +77,9 @@ def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[]
         direct = RemapDirectLauncher(
             lambda n, _d: kernel.launch_shape(n, 132), DirectLaunchCache(True, lambda: (-1, 0))
         )
-        args = (ids, tables, 2, "static", out, counts_LP[2], None, nvalid, record)
-        _, key = direct.launch(*args)
+        _, key = direct.launch(call)
         direct.cache.keep(key, _NoOpCompiled(), ())
-        rows["direct path (no-op launcher)"] = lambda: direct.launch(*args)
+        rows["direct path (no-op launcher)"] = lambda: direct.launch(call)
         real_direct = kernel.DIRECT
         kernel.DIRECT = direct
         remap._RESOLVED[("direct-noop", "cpu")] = kernel.remap_record_triton
@@ -94,12 +95,8 @@ def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[]
     rows["eplb public, out allocated"] = lambda: remap.remap_and_record(
         ids, tables, 2, backend="triton", **kw
     )
-    rows["eplb launcher (direct)"] = lambda: kernel.remap_record_triton(
-        ids, tables, 2, "static", out, counts_LP[2], None, nvalid, record
-    )
-    rows["eplb launcher (kernel[grid])"] = lambda: kernel.remap_record_triton(
-        ids, tables, 2, "static", out, counts_LP[2], None, nvalid, record, config=cfg
-    )
+    rows["eplb launcher (direct)"] = lambda: kernel.remap_record_triton(call)
+    rows["eplb launcher (kernel[grid])"] = lambda: kernel.remap_record_triton(call, config=cfg)
     if sglang is not None:
         info = SGLangDispatchInfo(tables.static_LE[2].contiguous())
         rows["sglang fused"] = lambda: sglang.eplb_map_and_record_fused(ids, info, counts_LP[2], nvalid)

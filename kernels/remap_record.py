@@ -3,8 +3,9 @@
 Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
 
 Three layers, as everywhere in eplb: the private ``@triton.jit`` kernel, the typed launcher
-:func:`remap_record_triton` (block sizes, grid, argument plumbing; the public
-:func:`eplb.remap.api.remap_and_record` validates before calling it), and the public function.
+:func:`remap_record_triton` (block sizes, grid, argument plumbing; it takes the
+:class:`eplb.remap.call.RemapCall` that the public :func:`eplb.remap.api.remap_and_record` builds
+after validating), and the public function.
 The launcher's first call of each specialisation goes through ``kernel[grid]``; later ones hand
 integer arguments straight to the compiled kernel's launcher (eplb.kernels.remap_record_direct),
 which is what an eager prefill pass pays per MoE layer.
@@ -31,9 +32,10 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+
 from eplb.kernels.direct_launch import DirectLaunchCache, direct_launch_supported
 from eplb.kernels.remap_record_direct import RemapDirectLauncher
-
+from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables, as_int32_bits, hash_rank, salt_base
 
 MODE_IDS = {"static": 0, "dynamic": 1, "dynamic_row": 2, "fake": 3, "weighted": 4}
@@ -273,89 +275,65 @@ def salt_bits(tables: DispatchTables, layer: int, mode: str) -> int:
     return as_int32_bits(salt_base(layer, hash_rank(mode, tables.rank)))
 
 
-def remap_record_triton(
-    topk_ids_TK: torch.Tensor,
-    tables: DispatchTables,
-    layer: int,
-    mode: str,
-    out_TK: torch.Tensor,
-    counts_P: torch.Tensor | None,
-    logical_counts_E: torch.Tensor | None,
-    num_valid_tokens: torch.Tensor | None,
-    record: torch.Tensor | None,
-    config: LaunchConfig | None = None,
-) -> None:
-    """Launch the fused kernel (arguments as in eplb.remap.api.remap_and_record, already validated).
+def remap_record_triton(call: RemapCall, config: LaunchConfig | None = None) -> None:
+    """Launch the fused kernel on one call (validated by eplb.remap.api.remap_and_record).
 
     With the default config, launches after the first of each specialisation go straight to the
     compiled kernel's launcher (eplb.kernels.remap_record_direct); otherwise through ``kernel[grid]``.
     """
-    T, K = topk_ids_TK.shape
-    numel = T * K
+    ids_TK, out_TK = call.topk_ids_TK, call.out_TK
+    numel = ids_TK.numel()
     if numel == 0:
         return
     if numel >= MAX_NUMEL:
         raise ValueError(f"topk_ids has {numel} elements; the kernel indexes with int32 (< 2**31)")
-    if topk_ids_TK.dtype != torch.int32 or out_TK.dtype != torch.int32:
-        raise TypeError(f"topk_ids and out must be int32, got {topk_ids_TK.dtype} and {out_TK.dtype}")
-    args = (topk_ids_TK, tables, layer, mode, out_TK, counts_P, logical_counts_E, num_valid_tokens, record)
+    if ids_TK.dtype != torch.int32 or out_TK.dtype != torch.int32:
+        raise TypeError(f"topk_ids and out must be int32, got {ids_TK.dtype} and {out_TK.dtype}")
     direct_key = None
     if config is None:
-        launched, direct_key = DIRECT.launch(*args)
+        launched, direct_key = DIRECT.launch(call)
         if launched:
             return
-    device = topk_ids_TK.device
+    device = ids_TK.device
     cfg = config or default_config(numel, device)
-    runtime, constexprs = kernel_args(*args, cfg.block)
+    runtime, constexprs = kernel_args(call, cfg.block)
     grid = grid_size(numel, cfg, device)
     compiled = _remap_record_kernel[(grid,)](*runtime, *constexprs, num_warps=cfg.num_warps)
     if direct_key is not None:
         DIRECT.cache.keep(direct_key, compiled, constexprs)
 
 
-def kernel_args(
-    topk_ids_TK: torch.Tensor,
-    tables: DispatchTables,
-    layer: int,
-    mode: str,
-    out_TK: torch.Tensor,
-    counts_P: torch.Tensor | None,
-    logical_counts_E: torch.Tensor | None,
-    num_valid_tokens: torch.Tensor | None,
-    record: torch.Tensor | None,
-    block: int,
-) -> tuple[tuple[Any, ...], tuple[int | bool, ...]]:
+def kernel_args(call: RemapCall, block: int) -> tuple[tuple[Any, ...], tuple[int | bool, ...]]:
     """The kernel's arguments in order: (runtime arguments, compile-time arguments).
 
-    Absent optional tensors are replaced by ``out_TK``, never dereferenced (their flag is off).
+    Absent optional tensors are replaced by ``call.out_TK``, never dereferenced (their flag is off).
     """
-    T, K = topk_ids_TK.shape
-    flags = (
-        counts_P is not None,
-        logical_counts_E is not None,
-        num_valid_tokens is not None,
-        record is not None,
-    )
+    tables, out_TK = call.tables, call.out_TK
+    T, K = call.topk_ids_TK.shape
+    optional = (call.counts_P, call.logical_counts_E, call.num_valid_tokens, call.record)
     runtime = (
-        topk_ids_TK,
+        call.topk_ids_TK,
         out_TK,
         tables.static_LE,
         tables.log2phy_LER,
         tables.logcnt_LE,
         tables.cumweights_LER,
-        out_TK if counts_P is None else counts_P,
-        out_TK if logical_counts_E is None else logical_counts_E,
-        out_TK if num_valid_tokens is None else num_valid_tokens,
-        out_TK if record is None else record,
+        *(out_TK if t is None else t for t in optional),
         tables.seed_1,
         T * K,
         T,
         tables.num_logical,
         tables.num_physical,
-        layer,
-        salt_bits(tables, layer, mode),
+        call.layer,
+        salt_bits(tables, call.layer, call.mode),
     )
-    return runtime, constexpr_args(K, tables, mode, block, flags)
+    flags = (
+        call.counts_P is not None,
+        call.logical_counts_E is not None,
+        call.num_valid_tokens is not None,
+        call.record is not None,
+    )
+    return runtime, constexpr_args(K, tables, call.mode, block, flags)
 
 
 DIRECT = RemapDirectLauncher(default_launch, DirectLaunchCache(direct_launch_supported(_remap_record_kernel)))

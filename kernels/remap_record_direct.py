@@ -2,9 +2,10 @@
 
 Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
 
-:meth:`RemapDirectLauncher.launch` computes, with integer arithmetic and attribute reads only, the
-default launch shape and a key naming everything Triton specialises the kernel on
-(eplb.kernels.direct_launch), then launches the compiled kernel kept for that key:
+:meth:`RemapDirectLauncher.launch` takes one :class:`eplb.remap.call.RemapCall` and computes, with
+integer arithmetic and attribute reads only, the default launch shape and a key naming everything
+Triton specialises the kernel on (eplb.kernels.direct_launch), then launches the compiled kernel
+kept for that key:
 
 - device index, mode, K, block and num_warps (the constexprs and options besides the tables');
 - the tables' E, P, R and the alignment of their five tensors (computed once per tables);
@@ -20,9 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
-import torch
 from eplb.kernels.direct_launch import DirectLaunchCache
-
+from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables, as_int32_bits, hash_rank, salt_base
 
 _FACTS = "triton_direct"
@@ -87,32 +87,23 @@ class RemapDirectLauncher:
         # the first layer's call find it here (a dict lookup instead of integer logarithms).
         self._shapes: dict[tuple[int, int], tuple[int, int, int]] = {}
 
-    def launch(
-        self,
-        topk_ids_TK: torch.Tensor,
-        tables: DispatchTables,
-        layer: int,
-        mode: str,
-        out_TK: torch.Tensor,
-        counts_P: torch.Tensor | None,
-        logical_counts_E: torch.Tensor | None,
-        num_valid_tokens: torch.Tensor | None,
-        record: torch.Tensor | None,
-    ) -> tuple[bool, Hashable | None]:
+    def launch(self, call: RemapCall) -> tuple[bool, Hashable | None]:
         """(launched, key): launched directly, or not, with the key to keep the compiled kernel under.
 
         The key is None where a direct launch cannot be used now (see DirectLaunchCache.usable, or
         ids on another device than the current one, where ``kernel[grid]`` decides what happens).
-        Arguments are validated (eplb.remap.api.check_remap_args, and numel > 0).
+        The call is validated (eplb.remap.api.check_remap_args, and numel > 0).
         """
         cache = self.cache
         if not cache.usable():
             return False, None
         device, stream = cache.device_and_stream()
-        if topk_ids_TK.get_device() != device:
+        ids_TK = call.topk_ids_TK
+        if ids_TK.get_device() != device:
             return False, None
+        tables = call.tables
         facts = tables.derived.get(_FACTS) or table_facts(tables)
-        T, K = topk_ids_TK.shape
+        T, K = ids_TK.shape
         numel = T * K
         shape = self._shapes.get((numel, device))
         if shape is None:
@@ -120,13 +111,16 @@ class RemapDirectLauncher:
                 self._shapes.clear()
             shape = self._shapes[numel, device] = self._launch_shape(numel, device)
         block, num_warps, grid = shape
-        p_ids = topk_ids_TK.data_ptr()
-        p_out = out_TK.data_ptr()
+        counts_P, logical_counts_E = call.counts_P, call.logical_counts_E
+        num_valid_tokens, record = call.num_valid_tokens, call.record
+        p_ids = ids_TK.data_ptr()
+        p_out = call.out_TK.data_ptr()
         # Absent tensors: out_TK's address, as the kernel[grid] path passes (never dereferenced).
         p_counts = p_out if counts_P is None else counts_P.data_ptr()
         p_logical = p_out if logical_counts_E is None else logical_counts_E.data_ptr()
         p_nvalid = p_out if num_valid_tokens is None else num_valid_tokens.data_ptr()
         p_record = p_out if record is None else record.data_ptr()
+        mode, layer = call.mode, call.layer
         key = (
             device,
             mode,

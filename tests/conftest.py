@@ -20,12 +20,17 @@ if not _HAS_CUDA:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if _HAS_CUDA:
-        return
+    """Skip ``gpu`` tests without CUDA, and ``interpreter`` tests where kernels are compiled."""
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    # Interpreter-only tests pass CPU tensors or stand-ins for compiled kernels, which a compiled
+    # kernel cannot take; their compiled counterparts are gpu tests.
+    skip_interpreter = pytest.mark.skip(reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
+    interpreting = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "y", "yes")
     for item in items:
-        if "gpu" in item.keywords:
+        if not _HAS_CUDA and item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
+        if not interpreting and item.get_closest_marker("interpreter") is not None:
+            item.add_marker(skip_interpreter)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from eplb.hotswap.program import GroupProgram, Span, compile_group
 from eplb.hotswap.swap import HotSwapOptions, hot_swap, prepare_swap
 from eplb.moe.model import slot_buffers
 from eplb.placement.model import Placement
+from tests.helpers.devices import on_kernel_device
 from tests.helpers.placements import random_phy2log
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -120,7 +121,7 @@ def test_a_trade_is_cut_into_pieces_that_carry_both_directions() -> None:
     assert prog0.pieces[0].backups == [(Span(0, 0, 1), Span(0, 0, 1, backup=True))]
 
 
-@pytest.mark.interpreter
+@on_kernel_device
 @pytest.mark.parametrize(
     "shape,config,programs",
     [
@@ -154,7 +155,7 @@ def test_triton_checksum_equals_torch(
         slot_checksum.slot_checksum_into(words, rows_t.to(torch.int32), pos_t, out, 1)
 
 
-@pytest.mark.interpreter
+@on_kernel_device
 def test_triton_checksum_detects_the_corruptions_torch_does(monkeypatch: pytest.MonkeyPatch) -> None:
     """A flipped bit and two swapped rows change the kernel's checksum, across segment boundaries."""
     from eplb.kernels import slot_checksum

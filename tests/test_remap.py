@@ -16,25 +16,19 @@ from eplb.placement.dispatch_map import static_dispatch_map
 from eplb.placement.model import Placement
 from eplb.remap.api import MODES, available_backends, get_backend, remap_and_record
 from eplb.remap.tables import DispatchTables
-from tests.helpers.remap_reference import brute_remap, random_ids, random_tables
+from tests.helpers.remap_reference import brute_remap, random_ids, random_tables, run_remap
 
 
 def _run(ids, tables, layer, mode, nvalid, record, backend="torch"):
     E, P = tables.num_logical, tables.num_physical
-    counts = torch.full((P,), 5, dtype=torch.int32)
-    logical = torch.full((E,), 7, dtype=torch.int32)
-    out = remap_and_record(
-        ids,
-        tables,
-        layer,
-        mode=mode,
-        counts_P=counts,
-        logical_counts_E=logical,
-        num_valid_tokens=None if nvalid is None else torch.tensor([nvalid], dtype=torch.int32),
-        record=None if record is None else torch.tensor([record], dtype=torch.int32),
-        backend=backend,
-    )
-    return out, counts - 5, logical - 7
+    bufs = {
+        "counts": torch.full((P,), 5, dtype=torch.int32),
+        "logical": torch.full((E,), 7, dtype=torch.int32),
+        "nvalid": None if nvalid is None else torch.tensor([nvalid], dtype=torch.int32),
+        "record": None if record is None else torch.tensor([record], dtype=torch.int32),
+    }
+    out = run_remap(ids, tables, layer, mode, backend=backend, **bufs)
+    return out, bufs["counts"] - 5, bufs["logical"] - 7
 
 
 @pytest.mark.parametrize("mode", MODES)

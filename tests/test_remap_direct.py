@@ -4,8 +4,10 @@ Under the interpreter there is no compiled kernel, so :class:`_FakeCompiled` sta
 kernel[grid] path returns it, and its ``run`` (what a direct launch calls) asserts that the call's
 specialisation (pointer alignment, numel class, constexprs) equals the one it was "compiled" for,
 maps the integer pointers back to tensors and runs the interpreted kernel. A key too coarse
-would reuse an entry for another specialisation and fail that assertion. gpu tests use the real
-compiled kernels and check that Triton's own cache maps each call to the kernel that was kept.
+would reuse an entry for another specialisation and fail that assertion. Those tests take CPU
+tensors, so they are ``interpreter`` tests (skipped where kernels are compiled); the gpu test uses
+the real compiled kernels and checks that Triton's own cache maps each call to the kernel that was
+kept. The key and launch-shape tests launch nothing and run everywhere.
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import pytest
 import torch
 
 from eplb.remap.api import MODES, remap_and_record
+from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables
-from tests.helpers.remap_reference import random_ids, random_tables
+from tests.helpers.remap_reference import random_ids, random_tables, run_remap
 
 kernel = pytest.importorskip("eplb.kernels.remap_record")
 from eplb.kernels.direct_launch import DirectLaunchCache  # noqa: E402
@@ -99,24 +102,12 @@ def _call(
     ids, tables, layer, mode, counts, logical, nvalid, record, *, jit: bool, harness: _Harness | None = None
 ) -> torch.Tensor:
     out = torch.full_like(ids, -7)
+    bufs = {"counts": counts, "logical": logical, "nvalid": nvalid, "record": record}
     if harness is not None:
-        harness.register(ids, out, counts, logical, nvalid, record)
-    if jit:  # an explicit config always launches through kernel[grid]
-        cfg = kernel.default_config(ids.numel(), ids.device)
-        kernel.remap_record_triton(ids, tables, layer, mode, out, counts, logical, nvalid, record, config=cfg)
-        return out
-    return remap_and_record(
-        ids,
-        tables,
-        layer,
-        mode=mode,
-        counts_P=counts,
-        logical_counts_E=logical,
-        num_valid_tokens=nvalid,
-        record=record,
-        out_TK=out,
-        backend="triton",
-    )
+        harness.register(ids, out, *bufs.values())
+    # An explicit config always launches through kernel[grid]; without one, the public function.
+    config = kernel.default_config(ids.numel(), ids.device) if jit else None
+    return run_remap(ids, tables, layer, mode, out=out, config=config, **bufs)
 
 
 def _random_case(rng: np.random.Generator, tables_pool: list[DispatchTables]) -> dict[str, Any]:
@@ -180,7 +171,6 @@ def test_direct_launches_equal_the_jit_path(monkeypatch: pytest.MonkeyPatch) -> 
     assert len(harness.direct.cache) <= harness.jit_launches
 
 
-@pytest.mark.interpreter
 def test_key_changes_exactly_with_the_specialisation(monkeypatch: pytest.MonkeyPatch) -> None:
     harness = _Harness(monkeypatch)
     rng = np.random.default_rng(22)
@@ -193,7 +183,9 @@ def test_key_changes_exactly_with_the_specialisation(monkeypatch: pytest.MonkeyP
         ids = torch.zeros(T * K + 8, dtype=torch.int32)[ids_shift : ids_shift + T * K].view(T, K)
         out = out_buf[shift : shift + T * K].view(T, K)
         c = torch.zeros(tables.num_physical, dtype=torch.int32) if counts else None
-        launched, k = harness.direct.launch(ids, tables, layer, mode, out, c, None, None, None)
+        launched, k = harness.direct.launch(
+            RemapCall(topk_ids_TK=ids, tables=tables, layer=layer, mode=mode, out_TK=out, counts_P=c)
+        )
         assert not launched  # nothing kept here: every call misses
         return k
 
@@ -268,13 +260,7 @@ def test_launch_shape_is_the_default_config() -> None:
 def test_compiled_direct_launches_equal_the_jit_path(mode: str) -> None:
     """Real compiled kernels: direct == kernel[grid], and Triton's own cache picks the kernel we kept."""
     rng = np.random.default_rng(24)
-    _, tables = random_tables(rng, 256, 288, 8, rank=5)
-    tables = DispatchTables(
-        *(t.cuda() for t in (tables.static_LE, tables.log2phy_LER, tables.logcnt_LE, tables.cumweights_LER)),
-        tables.seed_1.cuda(),
-        tables.num_physical,
-        tables.rank,
-    )
+    _, tables = random_tables(rng, 256, 288, 8, rank=5, device="cuda")
     counts_LP = torch.zeros((3, 291), dtype=torch.int32, device="cuda")[:, :288]  # rows 1164 bytes apart
     for T, K, shift in [(1, 1, 0), (3, 3, 1), (64, 8, 0), (4097, 8, 1), (65536, 8, 0)]:
         ids = random_ids(rng, T + 1, K, 256, "nasty").cuda()[shift : shift + T]
@@ -286,12 +272,19 @@ def test_compiled_direct_launches_equal_the_jit_path(mode: str) -> None:
             outs.append((_call(ids, tables, 1, mode, counts, None, nvalid, None, jit=jit), counts.clone()))
         for got in outs[:2]:
             assert torch.equal(got[0], outs[2][0]) and torch.equal(got[1], outs[2][1])
-        launched, key = kernel.DIRECT.launch(ids, tables, 1, mode, outs[0][0], counts, None, nvalid, None)
+        call = RemapCall(
+            topk_ids_TK=ids,
+            tables=tables,
+            layer=1,
+            mode=mode,
+            out_TK=outs[0][0],
+            counts_P=counts,
+            num_valid_tokens=nvalid,
+        )
+        launched, key = kernel.DIRECT.launch(call)
         assert launched
         entry = kernel.DIRECT.cache.get(key)
         block, num_warps, grid = kernel.default_launch(ids.numel(), ids.get_device())
-        runtime, constexprs = kernel.kernel_args(
-            ids, tables, 1, mode, outs[0][0], counts, None, nvalid, None, block
-        )
+        runtime, constexprs = kernel.kernel_args(call, block)
         compiled = kernel._remap_record_kernel[(grid,)](*runtime, *constexprs, num_warps=num_warps)
         assert entry is not None and entry.function == compiled.function

@@ -1,7 +1,9 @@
 """The fused Triton kernel (eplb.kernels.remap_record) against the torch reference.
 
-Interpreter tests run the kernel on the CPU (TRITON_INTERPRET=1, set by conftest when there is no
-CUDA); gpu tests run the compiled kernel and CUDA-graph replay with the record flag toggled.
+Every test but the CUDA-graph one runs on this machine's kernel device (tests/helpers/devices.py):
+the compiled kernel on CUDA, the interpreted one on the CPU (TRITON_INTERPRET=1, set by conftest
+when there is no CUDA), with both backends' tensors there. The gpu-only tests add the
+production shape (E=256, P=288) at large T and CUDA-graph replay with the record flag toggled.
 """
 
 from __future__ import annotations
@@ -14,44 +16,31 @@ from hypothesis import strategies as st
 
 from eplb.placement.model import Placement
 from eplb.remap.api import MODES, remap_and_record
+from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables
-from tests.helpers.remap_reference import random_ids, random_tables
+from tests.helpers.devices import KERNEL_DEVICE as DEVICE
+from tests.helpers.devices import on_kernel_device
+from tests.helpers.remap_reference import random_ids, random_tables, run_remap
 
 kernel = pytest.importorskip("eplb.kernels.remap_record")
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _both(
     ids, tables, layer, mode, *, nvalid=None, record=None, count_phys=True, count_logical=True, config=None
 ):
     """(out, counts, logical) from the torch backend and from the kernel, on identical inputs."""
-    device = ids.device
+    device, P, E = ids.device, tables.num_physical, tables.num_logical
     results = []
     for backend in ("torch", "triton"):
-        counts = (
-            torch.full((tables.num_physical,), 3, dtype=torch.int32, device=device) if count_phys else None
-        )
-        logical = (
-            torch.full((tables.num_logical,), 3, dtype=torch.int32, device=device) if count_logical else None
-        )
-        nv = None if nvalid is None else torch.tensor([nvalid], dtype=torch.int32, device=device)
-        rec = None if record is None else torch.tensor([record], dtype=torch.int32, device=device)
-        if backend == "triton" and config is not None:
-            out = torch.empty_like(ids)
-            kernel.remap_record_triton(ids, tables, layer, mode, out, counts, logical, nv, rec, config=config)
-        else:
-            out = remap_and_record(
-                ids,
-                tables,
-                layer,
-                mode=mode,
-                counts_P=counts,
-                logical_counts_E=logical,
-                num_valid_tokens=nv,
-                record=rec,
-                backend=backend,
-            )
-        results.append((out, counts, logical))
+        bufs = {
+            "counts": torch.full((P,), 3, dtype=torch.int32, device=device) if count_phys else None,
+            "logical": torch.full((E,), 3, dtype=torch.int32, device=device) if count_logical else None,
+            "nvalid": None if nvalid is None else torch.tensor([nvalid], dtype=torch.int32, device=device),
+            "record": None if record is None else torch.tensor([record], dtype=torch.int32, device=device),
+        }
+        kernel_config = config if backend == "triton" else None
+        out = run_remap(ids, tables, layer, mode, backend=backend, config=kernel_config, **bufs)
+        results.append((out, bufs["counts"], bufs["logical"]))
     return results
 
 
@@ -84,13 +73,13 @@ def _cases(draw):
     }
 
 
-@pytest.mark.interpreter
+@on_kernel_device
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(case=_cases())
 def test_kernel_equals_torch_reference(case: dict) -> None:
     rng = np.random.default_rng(case["seed"])
-    _, tables = random_tables(rng, case["E"], case["P"], case["G"], rank=int(rng.integers(0, case["G"])))
-    tables = _to_device(tables)
+    rank = int(rng.integers(0, case["G"]))
+    _, tables = random_tables(rng, case["E"], case["P"], case["G"], rank=rank, device=DEVICE)
     ids = random_ids(rng, case["T"], case["K"], case["E"], case["style"]).to(DEVICE)
     _assert_same(
         _both(
@@ -106,31 +95,35 @@ def test_kernel_equals_torch_reference(case: dict) -> None:
     )
 
 
-@pytest.mark.interpreter
+@on_kernel_device
 @pytest.mark.parametrize("mode", MODES)
 def test_persistent_loop_over_many_blocks(mode: str) -> None:
     """Small blocks and few programs: every program strides over several blocks and flushes once."""
     rng = np.random.default_rng(11)
-    _, tables = random_tables(rng, 37, 45, 5, rank=4)
-    tables = _to_device(tables)
+    _, tables = random_tables(rng, 37, 45, 5, rank=4, device=DEVICE)
     ids = random_ids(rng, 3000, 8, 37, "nasty").to(DEVICE)
     config = kernel.LaunchConfig(block=128, num_warps=4, programs_per_sm=1)
     assert kernel.grid_size(ids.numel(), config, ids.device) < ids.numel() // 128
     _assert_same(_both(ids, tables, 0, mode, nvalid=2900, config=config))
 
 
-@pytest.mark.interpreter
+@on_kernel_device
 @pytest.mark.parametrize("mode", ["static", "weighted"])
 def test_histograms_without_mask_support(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton before 3.3 has no histogram mask: the spare-bin path must count the same."""
+    """Triton before 3.3 has no histogram mask: the spare-bin path must count the same.
+
+    An explicit config launches through kernel[grid], which reads HIST_MASK on every call; a direct
+    launch would reuse a kernel compiled with the mask (HIST_MASK is not in its key).
+    """
     monkeypatch.setattr(kernel, "HIST_MASK", False)
     rng = np.random.default_rng(15)
-    _, tables = random_tables(rng, 32, 40, 4, rank=1)
+    _, tables = random_tables(rng, 32, 40, 4, rank=1, device=DEVICE)
     ids = random_ids(rng, 300, 6, 32, "nasty").to(DEVICE)
-    _assert_same(_both(ids, _to_device(tables), 1, mode, nvalid=250))
+    config = kernel.default_config(ids.numel(), ids.device)
+    _assert_same(_both(ids, tables, 1, mode, nvalid=250, config=config))
 
 
-@pytest.mark.interpreter
+@on_kernel_device
 def test_one_expert_takes_every_token() -> None:
     pl = Placement.trivial(1, 250, num_gpus=10, num_redundant=30)
     tables = DispatchTables.from_placement(pl, 7, DEVICE)
@@ -141,7 +134,7 @@ def test_one_expert_takes_every_token() -> None:
     assert int(counts.sum()) - 3 * 280 == 24000 and int(logical[17]) - 3 == 24000
 
 
-@pytest.mark.interpreter
+@on_kernel_device
 def test_weighted_shares_match_the_weights() -> None:
     """Each replica's share of an expert's tokens is its weight, within 5 binomial sigmas."""
     p2l = np.array([[0, 1, 0, 2, 0, 1, 3, 0]], dtype=np.int32)
@@ -162,7 +155,7 @@ def test_weighted_shares_match_the_weights() -> None:
         assert (np.abs(share - want) < 5 * sigma).all(), (share, want)
 
 
-@pytest.mark.interpreter
+@on_kernel_device
 def test_kernel_refuses_int64_ids() -> None:
     tables = DispatchTables.from_placement(Placement.trivial(1, 4, 2), 0, DEVICE)
     with pytest.raises(TypeError, match=r"torch\.int64"):
@@ -170,15 +163,16 @@ def test_kernel_refuses_int64_ids() -> None:
     out = torch.empty((2, 2), dtype=torch.int64, device=DEVICE)
     ids = torch.zeros((2, 2), dtype=torch.int32, device=DEVICE)
     with pytest.raises(TypeError, match="int32"):
-        kernel.remap_record_triton(ids, tables, 0, "static", out, None, None, None, None)
+        kernel.remap_record_triton(
+            RemapCall(topk_ids_TK=ids, tables=tables, layer=0, mode="static", out_TK=out)
+        )
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_compiled_kernel_equals_reference_on_gpu(mode: str) -> None:
     rng = np.random.default_rng(13)
-    _, tables = random_tables(rng, 256, 288, 8, rank=5)
-    tables = _to_device(tables)
+    _, tables = random_tables(rng, 256, 288, 8, rank=5, device="cuda")
     for T in (1, 64, 4097, 65536):
         ids = random_ids(rng, T, 8, 256, "nasty").cuda()
         _assert_same(_both(ids, tables, 1, mode, nvalid=T - 1, record=1))
@@ -187,8 +181,7 @@ def test_compiled_kernel_equals_reference_on_gpu(mode: str) -> None:
 @pytest.mark.gpu
 def test_cuda_graph_replay_toggles_recording_and_follows_table_updates() -> None:
     rng = np.random.default_rng(14)
-    _, tables = random_tables(rng, 64, 80, 8, rank=2)
-    tables = _to_device(tables)
+    _, tables = random_tables(rng, 64, 80, 8, rank=2, device="cuda")
     ids = random_ids(rng, 512, 8, 64, "uniform").cuda()
     counts = torch.zeros(80, dtype=torch.int32, device="cuda")
     record = torch.ones(1, dtype=torch.int32, device="cuda")
@@ -229,17 +222,3 @@ def test_cuda_graph_replay_toggles_recording_and_follows_table_updates() -> None
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[:100], remap_and_record(ids[:100], tables, 0, backend="torch"))
-
-
-def _to_device(tables: DispatchTables) -> DispatchTables:
-    if DEVICE == "cpu":
-        return tables
-    return DispatchTables(
-        tables.static_LE.to(DEVICE),
-        tables.log2phy_LER.to(DEVICE),
-        tables.logcnt_LE.to(DEVICE),
-        tables.cumweights_LER.to(DEVICE),
-        tables.seed_1.to(DEVICE),
-        tables.num_physical,
-        tables.rank,
-    )

@@ -11,39 +11,17 @@ from __future__ import annotations
 
 import torch
 
-from eplb.remap.tables import DispatchTables
+from eplb.remap.call import RemapCall
 
 
-def remap_record_aiter(
-    topk_ids_TK: torch.Tensor,
-    tables: DispatchTables,
-    layer: int,
-    mode: str,
-    out_TK: torch.Tensor,
-    counts_P: torch.Tensor | None,
-    logical_counts_E: torch.Tensor | None,
-    num_valid_tokens: torch.Tensor | None,
-    record: torch.Tensor | None,
-) -> None:
-    """Same arguments and semantics as eplb.remap.torch_backend.remap_record_torch."""
+def remap_record_aiter(call: RemapCall) -> None:
+    """Same semantics as eplb.remap.torch_backend.remap_record_torch."""
     if getattr(torch.version, "hip", None) is None:
         raise RuntimeError("the aiter remap backend runs only on a ROCm build of torch")
     import aiter  # noqa: F401  (fails with ImportError where amd-aiter is missing)
 
     from eplb.kernels.remap_record import LaunchConfig, remap_record_triton
 
-    numel = topk_ids_TK.numel()
-    block = 2048 if numel >= 2048 else 256
+    block = 2048 if call.topk_ids_TK.numel() >= 2048 else 256
     config = LaunchConfig(block=block, num_warps=2 if block == 256 else 4, programs_per_sm=4)
-    remap_record_triton(
-        topk_ids_TK,
-        tables,
-        layer,
-        mode,
-        out_TK,
-        counts_P,
-        logical_counts_E,
-        num_valid_tokens,
-        record,
-        config=config,
-    )
+    remap_record_triton(call, config=config)

@@ -30,6 +30,7 @@ Semantics (every backend, bit for bit):
 Backends (``backend=``): ``triton`` (CUDA and ROCm; CPU under TRITON_INTERPRET=1), ``torch``
 (reference, any device), ``aiter`` (ROCm with amd-aiter installed), ``auto`` (triton on a GPU,
 else torch). Backends are imported only when chosen: importing this module loads no Triton.
+Each takes one :class:`eplb.remap.call.RemapCall`, built here after the checks.
 """
 
 from __future__ import annotations
@@ -37,16 +38,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
+from eplb.policy.dispatch import dispatch_mode_names
+from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables
 
-if TYPE_CHECKING:
-    RemapBackend = Callable[..., None]
+RemapBackend = Callable[[RemapCall], None]
+"""A backend: writes ``call.out_TK`` and adds the call's counts (semantics above)."""
 
-MODES = ("static", "dynamic", "dynamic_row", "fake", "weighted")
+MODES = dispatch_mode_names()
 
 # name -> "module:function"; imported on first use only.
 _BACKENDS: dict[str, str] = {
@@ -133,7 +135,19 @@ def remap_and_record(
     fn = _BY_DEVICE.get((backend, device))
     if fn is None:
         fn = _BY_DEVICE[backend, device] = get_backend(backend, device)
-    fn(topk_ids_TK, tables, layer, mode, out_TK, counts_P, logical_counts_E, num_valid_tokens, record)
+    fn(
+        RemapCall(
+            topk_ids_TK=topk_ids_TK,
+            tables=tables,
+            layer=layer,
+            mode=mode,
+            out_TK=out_TK,
+            counts_P=counts_P,
+            logical_counts_E=logical_counts_E,
+            num_valid_tokens=num_valid_tokens,
+            record=record,
+        )
+    )
     return out_TK
 
 
@@ -203,4 +217,12 @@ def _check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None, dev
         raise ValueError(f"{name} must be contiguous")
 
 
-__all__ = ["MODES", "DispatchTables", "available_backends", "get_backend", "remap_and_record"]
+__all__ = [
+    "MODES",
+    "DispatchTables",
+    "RemapBackend",
+    "RemapCall",
+    "available_backends",
+    "get_backend",
+    "remap_and_record",
+]

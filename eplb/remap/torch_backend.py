@@ -2,9 +2,10 @@
 
 Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
 
-Arguments arrive validated by :func:`eplb.remap.api.remap_and_record`. Counting uses ``scatter_add_``
-with a 0/1 weight (valid element times the record flag), so nothing here reads a device value
-back to the host: no synchronisation, and the whole function can be captured in a CUDA graph.
+Arguments arrive validated by :func:`eplb.remap.api.remap_and_record`, as one
+:class:`eplb.remap.call.RemapCall`. Counting uses ``scatter_add_`` with a 0/1 weight (valid
+element times the record flag), so nothing here reads a device value back to the host: no
+synchronisation, and the whole function can be captured in a CUDA graph.
 Hash arithmetic runs in int64 holding uint32 values (torch has no wrapping uint32 multiply).
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from eplb.remap.call import RemapCall
 from eplb.remap.tables import MASK32, MIX_MUL1, MIX_MUL2, DispatchTables, salt_base
 
 
@@ -46,26 +48,17 @@ def element_hash(
     return mix32(flat ^ salt)
 
 
-def remap_record_torch(
-    topk_ids_TK: torch.Tensor,
-    tables: DispatchTables,
-    layer: int,
-    mode: str,
-    out_TK: torch.Tensor,
-    counts_P: torch.Tensor | None,
-    logical_counts_E: torch.Tensor | None,
-    num_valid_tokens: torch.Tensor | None,
-    record: torch.Tensor | None,
-) -> None:
-    """Write int32 physical ids into ``out_TK`` and add this pass's counts (see eplb.remap.api)."""
-    T, K = topk_ids_TK.shape
+def remap_record_torch(call: RemapCall) -> None:
+    """Write int32 physical ids into ``call.out_TK`` and add this pass's counts (see eplb.remap.api)."""
+    tables, layer, mode = call.tables, call.layer, call.mode
+    T, K = call.topk_ids_TK.shape
     E, P = tables.num_logical, tables.num_physical
-    device = topk_ids_TK.device
-    ids = topk_ids_TK.to(torch.int64)
+    device = call.topk_ids_TK.device
+    ids = call.topk_ids_TK.to(torch.int64)
     row_TK = torch.arange(T, dtype=torch.int64, device=device)[:, None].expand(T, K)
     valid = (ids >= 0) & (ids < E)
-    if num_valid_tokens is not None:
-        valid &= row_TK < num_valid_tokens.to(torch.int64).reshape(())
+    if call.num_valid_tokens is not None:
+        valid &= row_TK < call.num_valid_tokens.to(torch.int64).reshape(())
     safe = torch.where(valid, ids, torch.zeros_like(ids))
     if mode == "static":
         phys = tables.static_LE[layer].to(torch.int64)[safe]
@@ -85,13 +78,14 @@ def remap_record_torch(
             below = (cum <= u[..., None]) & (r < (cnt - 1)[..., None])
             replica = below.sum(dim=-1)
         phys = tables.log2phy_LER[layer].to(torch.int64)[safe, replica]
-    out_TK.copy_(torch.where(valid, phys, ids).to(torch.int32))
+    call.out_TK.copy_(torch.where(valid, phys, ids).to(torch.int32))
+    counts_P, logical_counts_E = call.counts_P, call.logical_counts_E
     if counts_P is None and logical_counts_E is None:
         return
     counted = valid & (phys >= 0) & (phys < P)
     weight = counted.to(torch.int32)
-    if record is not None:
-        weight = weight * (record.reshape(()) != 0).to(torch.int32)
+    if call.record is not None:
+        weight = weight * (call.record.reshape(()) != 0).to(torch.int32)
     if counts_P is not None:
         counts_P.scatter_add_(0, torch.where(counted, phys, 0).reshape(-1), weight.reshape(-1))
     if logical_counts_E is not None:

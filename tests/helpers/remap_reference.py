@@ -1,4 +1,5 @@
-"""Plain-Python brute force of the remap+record semantics (eplb.remap.api), and random test inputs.
+"""Plain-Python brute force of the remap+record semantics (eplb.remap.api), random test inputs, and
+one way to run a remap through either entry point (the public function or the Triton launcher).
 
 Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
 Independent of eplb.remap.torch_backend: one loop over elements, Python ints for the hash.
@@ -7,13 +8,19 @@ Independent of eplb.remap.torch_backend: one loop over elements, Python ints for
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from eplb.placement.model import Placement
+from eplb.remap.api import remap_and_record
+from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables, mix32_int, salt_base
 from tests.helpers.placements import random_phy2log
+
+if TYPE_CHECKING:
+    from eplb.kernels.remap_record import LaunchConfig
 
 
 @dataclass
@@ -83,13 +90,17 @@ def random_tables(
     rank: int,
     num_layers: int = 2,
     weighted: bool = True,
+    device: torch.device | str = "cpu",
 ) -> tuple[Placement, DispatchTables]:
-    """A random placement and the tables of ``rank``, with random weights and seed."""
+    """A random placement and the tables of ``rank`` on ``device``, with random weights and seed.
+
+    The same generator state gives the same tables on every device.
+    """
     pl = Placement.from_phy2log(random_phy2log(rng, num_layers, num_logical, num_physical), num_gpus=num_gpus)
     weights = None
     if weighted:
         weights = rng.random((num_layers, num_logical, pl.max_replicas)) + 0.01
-    tables = DispatchTables.from_placement(pl, rank, "cpu", weights)
+    tables = DispatchTables.from_placement(pl, rank, device, weights)
     tables.seed_1.fill_(int(rng.integers(-(2**31), 2**31 - 1)))
     return pl, tables
 
@@ -107,3 +118,49 @@ def random_ids(rng: np.random.Generator, T: int, K: int, E: int, style: str) -> 
             ids = np.where(rng.random((T, K)) < 0.05, E + rng.integers(0, 3, size=(T, K)), ids)
             ids = np.where(rng.random((T, K)) < 0.02, -(2**31), ids)
     return torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int32))
+
+
+def run_remap(
+    ids_TK: torch.Tensor,
+    tables: DispatchTables,
+    layer: int,
+    mode: str,
+    *,
+    counts: torch.Tensor | None = None,
+    logical: torch.Tensor | None = None,
+    nvalid: torch.Tensor | None = None,
+    record: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str = "triton",
+    config: LaunchConfig | None = None,
+) -> torch.Tensor:
+    """The output ids of one remap: through ``remap_and_record(backend=...)``, or, given a launch
+    ``config``, through the Triton launcher alone (always ``kernel[grid]``; ``backend`` unused)."""
+    if config is None:
+        return remap_and_record(
+            ids_TK,
+            tables,
+            layer,
+            mode=mode,
+            counts_P=counts,
+            logical_counts_E=logical,
+            num_valid_tokens=nvalid,
+            record=record,
+            out_TK=out,
+            backend=backend,
+        )
+    from eplb.kernels.remap_record import remap_record_triton
+
+    call = RemapCall(
+        topk_ids_TK=ids_TK,
+        tables=tables,
+        layer=layer,
+        mode=mode,
+        out_TK=torch.empty_like(ids_TK) if out is None else out,
+        counts_P=counts,
+        logical_counts_E=logical,
+        num_valid_tokens=nvalid,
+        record=record,
+    )
+    remap_record_triton(call, config=config)
+    return call.out_TK
