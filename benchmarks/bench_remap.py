@@ -39,11 +39,11 @@ from typing import Any
 import numpy as np
 import torch
 import triton
-from eplb.kernels.remap_record import LaunchConfig, default_config, remap_record_triton
 
 from benchmarks.harness import capture_graph, event_us, graph_us, run_info, warm_up_gpu, write_result
 from benchmarks.peers import load_sglang_fused_kernel
 from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids, sglang_unfused, triton_copy
+from eplb.kernels.remap_record import LaunchConfig, default_config, remap_record_triton
 from eplb.placement.model import Placement
 from eplb.remap.api import remap_and_record
 from eplb.remap.call import RemapCall

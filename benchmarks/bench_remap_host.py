@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from eplb.kernels import remap_record as kernel
-from eplb.kernels.direct_launch import DirectLaunchCache
-from eplb.kernels.remap_record_direct import RemapDirectLauncher
 
 from benchmarks.harness import host_us, write_result
 from benchmarks.peers import load_sglang_fused_kernel
 from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids
+from eplb.kernels import remap_record as kernel
+from eplb.kernels.direct_launch import DirectLaunchCache
+from eplb.kernels.remap_record_direct import RemapDirectLauncher
 from eplb.placement.model import Placement
 from eplb.remap import api as remap
 from eplb.remap.call import RemapCall
