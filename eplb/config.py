@@ -3,6 +3,12 @@
 Flag names and meanings follow SGLang's server arguments, so an operator who
 knows ``--enable-eplb --expert-distribution-recorder-mode stat`` needs nothing new. Every invalid
 combination fails when the flags are parsed, with a message that names the flag.
+
+eplb adds ``--eplb-rebalance-mode``: ``periodic`` (the default) is SGLang's schedule, so a config
+built from SGLang's flags behaves as SGLang does; ``continuous`` makes small budgeted moves often
+(``--eplb-max-moved-experts`` per rebalance, from a window that may be longer than the interval)
+and sends each swap beside the following passes, paced by ``--eplb-transfer-gbps``. Continuous
+mode's defaults are the named constants below.
 """
 
 from __future__ import annotations
@@ -20,6 +26,17 @@ DISPATCH_ALGORITHMS = dispatch_mode_names(flags_only=True)
 """--ep-dispatch-algorithm choices, from the one registry of dispatch modes."""
 EPLB_ALGORITHMS = policy_names()
 """--eplb-algorithm choices, from the one registry of placement policies."""
+REBALANCE_MODES = ("periodic", "continuous")
+"""--eplb-rebalance-mode choices."""
+
+PERIODIC_INTERVAL = 1000
+"""SGLang's --eplb-rebalance-num-iterations default (periodic mode)."""
+CONTINUOUS_INTERVAL = 50
+"""Continuous mode's default --eplb-rebalance-num-iterations."""
+CONTINUOUS_MAX_MOVED_EXPERTS = 256
+"""Continuous mode's default --eplb-max-moved-experts (cross-GPU expert copies per rebalance)."""
+CONTINUOUS_BUFFER_SIZE = 200
+"""Continuous mode's default --expert-distribution-recorder-buffer-size (at least the interval)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,11 +48,22 @@ class EplbConfig:
     expert_distribution_recorder_mode: str | None = None
     """stat | per_pass | per_token; None records nothing unless EPLB is on (then stat)."""
     expert_distribution_recorder_buffer_size: int | None = None
-    """Window of the stat recorder, in passes; defaults to the rebalance interval."""
-    eplb_rebalance_num_iterations: int = 1000
-    """Rebalance every this many (counted) forward passes."""
+    """Window of the stat recorder, in passes; None: the rebalance interval (periodic) or
+    ``CONTINUOUS_BUFFER_SIZE`` (continuous). Only continuous mode may exceed the interval."""
+    eplb_rebalance_mode: str = "periodic"
+    """periodic (SGLang's schedule) | continuous (budgeted moves every few passes, paced swaps)."""
+    eplb_rebalance_num_iterations: int | None = None
+    """Rebalance every this many (counted) forward passes; None: the mode's default
+    (``PERIODIC_INTERVAL``, SGLang's, or ``CONTINUOUS_INTERVAL``)."""
     eplb_rebalance_layers_per_chunk: int | None = None
-    """Hot-swap this many layers per forward pass; None moves all layers at once."""
+    """Hot-swap this many layers per chunk; None: all layers at once, or one when paced. Unpaced,
+    one chunk runs per pass; paced, as many as the transfer credit covers."""
+    eplb_max_moved_experts: int | None = None
+    """Budget of one rebalance in cross-GPU expert copies, passed to the solver; None: no budget
+    (periodic) or ``CONTINUOUS_MAX_MOVED_EXPERTS`` (continuous). 0 moves nothing."""
+    eplb_transfer_gbps: float | None = None
+    """Continuous mode: pacing cap of a swap, in GB/s per GPU (the most bytes one GPU receives);
+    each pass earns its duration times the cap and a chunk goes once earned. None: unpaced."""
     eplb_min_rebalancing_utilization_threshold: float = 1.0
     """Skip a rebalance when the windowed balancedness is above this (1.0: never skip)."""
     eplb_record_prefill_only: bool = False
@@ -79,9 +107,29 @@ class EplbConfig:
             f"unknown algorithm {self.eplb_algorithm!r}; choose from {EPLB_ALGORITHMS}",
         )
         _check(
-            self.eplb_rebalance_num_iterations >= 1,
+            self.eplb_rebalance_mode in REBALANCE_MODES,
+            "--eplb-rebalance-mode",
+            f"unknown mode {self.eplb_rebalance_mode!r}; choose from {REBALANCE_MODES}",
+        )
+        interval = self.eplb_rebalance_num_iterations
+        _check(
+            interval is None or interval >= 1,
             "--eplb-rebalance-num-iterations",
-            f"must be >= 1, got {self.eplb_rebalance_num_iterations}",
+            f"must be >= 1, got {interval}",
+        )
+        budget = self.eplb_max_moved_experts
+        _check(budget is None or budget >= 0, "--eplb-max-moved-experts", f"must be >= 0, got {budget}")
+        gbps = self.eplb_transfer_gbps
+        _check(
+            gbps is None or 0.0 < gbps < float("inf"),
+            "--eplb-transfer-gbps",
+            f"must be a positive number, got {gbps}",
+        )
+        _check(
+            gbps is None or self.continuous,
+            "--eplb-transfer-gbps",
+            "paces swaps sent beside the passes: needs --eplb-rebalance-mode continuous "
+            "(periodic mode keeps SGLang's one chunk per pass)",
         )
         _check(
             self.ep_num_redundant_experts >= 0,
@@ -95,10 +143,11 @@ class EplbConfig:
             f"must be >= 1, got {size}",
         )
         _check(
-            not self.enable_eplb or size is None or size <= self.eplb_rebalance_num_iterations,
+            not self.enable_eplb or self.continuous or size is None or size <= self.rebalance_interval,
             "--expert-distribution-recorder-buffer-size",
-            f"({size}) must not exceed --eplb-rebalance-num-iterations ({self.eplb_rebalance_num_iterations}): "
-            "the window would hold passes from before the last rebalance",
+            f"({size}) must not exceed --eplb-rebalance-num-iterations ({self.rebalance_interval}) in "
+            "periodic mode: the window would hold passes from before the last rebalance "
+            "(--eplb-rebalance-mode continuous plans from a longer window)",
         )
         chunk = self.eplb_rebalance_layers_per_chunk
         _check(chunk is None or chunk >= 1, "--eplb-rebalance-layers-per-chunk", f"must be >= 1, got {chunk}")
@@ -138,9 +187,35 @@ class EplbConfig:
         return self.expert_distribution_recorder_mode
 
     @property
+    def continuous(self) -> bool:
+        return self.eplb_rebalance_mode == "continuous"
+
+    @property
+    def rebalance_interval(self) -> int:
+        """Counted passes between rebalances (the mode's default unless given)."""
+        interval = self.eplb_rebalance_num_iterations
+        if interval is not None:
+            return interval
+        return CONTINUOUS_INTERVAL if self.continuous else PERIODIC_INTERVAL
+
+    @property
     def recorder_buffer_size(self) -> int:
         size = self.expert_distribution_recorder_buffer_size
-        return self.eplb_rebalance_num_iterations if size is None else size
+        if size is not None:
+            return size
+        return (
+            max(CONTINUOUS_BUFFER_SIZE, self.rebalance_interval)
+            if self.continuous
+            else self.rebalance_interval
+        )
+
+    @property
+    def max_moved_experts(self) -> int | None:
+        """The solver's move budget per rebalance (the mode's default unless given)."""
+        budget = self.eplb_max_moved_experts
+        if budget is None and self.continuous:
+            return CONTINUOUS_MAX_MOVED_EXPERTS
+        return budget
 
     @property
     def dispatch_algorithm(self) -> str:
@@ -177,19 +252,40 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--expert-distribution-recorder-buffer-size",
         type=int,
         default=None,
-        help="recorder window in passes (default: the rebalance interval)",
+        help="recorder window in passes (default: the rebalance interval; continuous: "
+        f"{CONTINUOUS_BUFFER_SIZE} or the interval if longer; only continuous may exceed the interval)",
+    )
+    g.add_argument(
+        "--eplb-rebalance-mode",
+        choices=REBALANCE_MODES,
+        default=d.eplb_rebalance_mode,
+        help="periodic: SGLang's schedule; continuous: small budgeted moves every few passes, "
+        "swaps paced beside the passes (default: %(default)s)",
     )
     g.add_argument(
         "--eplb-rebalance-num-iterations",
         type=int,
-        default=d.eplb_rebalance_num_iterations,
-        help="rebalance every N forward passes (default: %(default)s)",
+        default=None,
+        help=f"rebalance every N forward passes (default: {PERIODIC_INTERVAL}; continuous: {CONTINUOUS_INTERVAL})",
     )
     g.add_argument(
         "--eplb-rebalance-layers-per-chunk",
         type=int,
         default=None,
-        help="layers hot-swapped per forward pass (default: all at once)",
+        help="layers hot-swapped per chunk, one chunk per pass unless paced (default: all at once; paced: 1)",
+    )
+    g.add_argument(
+        "--eplb-max-moved-experts",
+        type=int,
+        default=None,
+        help="cross-GPU expert copies per rebalance, a solver budget "
+        f"(default: none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS})",
+    )
+    g.add_argument(
+        "--eplb-transfer-gbps",
+        type=float,
+        default=None,
+        help="continuous mode: pace each swap beside the passes at this many GB/s per GPU (default: unpaced)",
     )
     g.add_argument(
         "--eplb-min-rebalancing-utilization-threshold",

@@ -6,18 +6,68 @@ import dataclasses
 
 import pytest
 
-from eplb.config import ConfigError, EplbConfig, parse_config
+from eplb.config import (
+    CONTINUOUS_BUFFER_SIZE,
+    CONTINUOUS_INTERVAL,
+    CONTINUOUS_MAX_MOVED_EXPERTS,
+    ConfigError,
+    EplbConfig,
+    parse_config,
+)
 
 
 def test_defaults_follow_sglang() -> None:
     cfg = parse_config(["--enable-eplb", "--ep-size", "8"])
     assert cfg.enable_eplb and cfg.recorder_mode == "stat"
-    assert cfg.eplb_rebalance_num_iterations == 1000
+    assert cfg.eplb_rebalance_mode == "periodic" and not cfg.continuous
+    assert cfg.rebalance_interval == 1000
     assert cfg.recorder_buffer_size == 1000
+    assert cfg.max_moved_experts is None and cfg.eplb_transfer_gbps is None
     assert cfg.dispatch_algorithm == "static"
     assert cfg.eplb_algorithm == "auto"
     assert cfg.eplb_min_rebalancing_utilization_threshold == 1.0
     assert parse_config([]).recorder_mode is None
+    # SGLang's schedule stays reachable by name, whatever eplb's own commands default to.
+    assert parse_config(["--enable-eplb", "--ep-size", "8", "--eplb-rebalance-mode", "periodic"]) == cfg
+
+
+def test_continuous_mode_has_its_own_defaults() -> None:
+    cfg = parse_config(["--enable-eplb", "--ep-size", "8", "--eplb-rebalance-mode", "continuous"])
+    assert cfg.continuous and cfg.rebalance_interval == CONTINUOUS_INTERVAL
+    assert cfg.max_moved_experts == CONTINUOUS_MAX_MOVED_EXPERTS and cfg.eplb_transfer_gbps is None
+    assert cfg.recorder_buffer_size == max(CONTINUOUS_BUFFER_SIZE, CONTINUOUS_INTERVAL)
+    longer = EplbConfig(eplb_rebalance_mode="continuous", eplb_rebalance_num_iterations=5000)
+    assert longer.recorder_buffer_size == 5000  # the default window is never shorter than the interval
+
+
+def test_continuous_flags_parse() -> None:
+    cfg = parse_config(
+        [
+            "--enable-eplb",
+            "--ep-size",
+            "8",
+            "--eplb-rebalance-mode",
+            "continuous",
+            "--eplb-rebalance-num-iterations",
+            "20",
+            "--expert-distribution-recorder-buffer-size",
+            "500",
+            "--eplb-max-moved-experts",
+            "0",
+            "--eplb-transfer-gbps",
+            "40",
+        ]
+    )
+    assert cfg == EplbConfig(
+        enable_eplb=True,
+        ep_size=8,
+        eplb_rebalance_mode="continuous",
+        eplb_rebalance_num_iterations=20,
+        expert_distribution_recorder_buffer_size=500,  # a window longer than the interval
+        eplb_max_moved_experts=0,
+        eplb_transfer_gbps=40.0,
+    )
+    assert cfg.rebalance_interval == 20 and cfg.recorder_buffer_size == 500 and cfg.max_moved_experts == 0
 
 
 def test_all_flags_parse() -> None:
@@ -96,6 +146,30 @@ def test_all_flags_parse() -> None:
         (["--ep-size", "6", "--nnodes", "4"], "--nnodes"),
         (["--eplb-rebalance-layers-per-chunk", "0"], "--eplb-rebalance-layers-per-chunk"),
         (["--ep-dispatch-algorithm", "weighted", "--ep-size", "4"], "--ep-dispatch-algorithm"),
+        (["--eplb-rebalance-mode", "sometimes"], "--eplb-rebalance-mode"),
+        (["--eplb-max-moved-experts", "-1"], "--eplb-max-moved-experts"),
+        (["--eplb-rebalance-mode", "continuous", "--eplb-transfer-gbps", "0"], "--eplb-transfer-gbps"),
+        (["--eplb-rebalance-mode", "continuous", "--eplb-transfer-gbps", "nan"], "--eplb-transfer-gbps"),
+        (["--eplb-rebalance-mode", "continuous", "--eplb-transfer-gbps", "inf"], "--eplb-transfer-gbps"),
+        (["--eplb-transfer-gbps", "10"], "--eplb-transfer-gbps"),  # periodic keeps SGLang's schedule
+        (
+            ["--eplb-rebalance-mode", "continuous", "--eplb-rebalance-num-iterations", "0"],
+            "--eplb-rebalance-num-iterations",
+        ),
+        (
+            [
+                "--enable-eplb",
+                "--ep-size",
+                "8",
+                "--eplb-rebalance-mode",
+                "periodic",
+                "--eplb-rebalance-num-iterations",
+                "100",
+                "--expert-distribution-recorder-buffer-size",
+                "101",
+            ],
+            "--expert-distribution-recorder-buffer-size",
+        ),
     ],
 )
 def test_invalid_combinations_fail_at_parse_time_naming_the_flag(
@@ -110,4 +184,8 @@ def test_invalid_combinations_fail_at_parse_time_naming_the_flag(
 def test_direct_construction_raises_config_error() -> None:
     with pytest.raises(ConfigError, match="--ep-size"):
         EplbConfig(ep_size=0)
+    with pytest.raises(ConfigError, match="--eplb-rebalance-mode"):
+        EplbConfig(eplb_rebalance_mode="burst")
+    with pytest.raises(ConfigError, match="--eplb-transfer-gbps: paces"):
+        EplbConfig(eplb_transfer_gbps=1.0)
     assert isinstance(ConfigError("x"), ValueError)

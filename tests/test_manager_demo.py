@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 from typing import Any
@@ -9,11 +10,27 @@ from typing import Any
 import pytest
 
 from eplb.cli import main
-from eplb.commands.demo import DemoConfig, run_demo
-from eplb.config import EplbConfig
+from eplb.commands.demo import (
+    DEMO_PERIODIC_INTERVAL,
+    DemoConfig,
+    add_arguments,
+    config_from_namespace,
+    run_demo,
+)
+from eplb.config import CONTINUOUS_INTERVAL, CONTINUOUS_MAX_MOVED_EXPERTS, EplbConfig
 
 
-def test_demo_cli_rebalances_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    "mode",
+    [
+        ["--eplb-rebalance-mode", "periodic"],
+        [],  # the demo's own default: continuous
+        ["--eplb-transfer-gbps", "0.01"],  # continuous, each swap paced over the following passes
+    ],
+)
+def test_demo_cli_rebalances_and_reports(
+    mode: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     out = tmp_path / "demo.json"
     argv = [
         "demo",
@@ -23,12 +40,16 @@ def test_demo_cli_rebalances_and_reports(tmp_path: Path, capsys: pytest.CaptureF
         "70",
         "--eplb-rebalance-num-iterations",
         "30",
+        *mode,
         "--json",
         str(out),
     ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "rebalance applied" in printed and "window balancedness" in printed
+    assert (
+        "periodic" if mode[1:2] == ["periodic"] else "continuous"
+    ) + " rebalancing every 30 passes" in printed
     result = json.loads(out.read_text())
     assert result["ranks"] == 2 and result["passes"] == 70
     applied = [r for r in result["rebalances"] if r["outcome"] == "applied"]
@@ -65,6 +86,25 @@ def test_run_demo_reports_to_a_sink_and_stops_on_time() -> None:
     assert 0 < result["passes"] < 10_000
     assert events[0] == "topology" and events.count("pass") == result["passes"]
     assert "window" in events and lines[0].startswith("eplb demo: 2 ranks")
+
+
+def test_demo_defaults_to_continuous_and_keeps_periodic_reachable() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    own = config_from_namespace(parser.parse_args(["--nproc", "2"])).eplb
+    assert own.continuous and own.rebalance_interval == CONTINUOUS_INTERVAL
+    assert own.max_moved_experts == CONTINUOUS_MAX_MOVED_EXPERTS
+    sglang = config_from_namespace(
+        parser.parse_args(["--nproc", "2", "--eplb-rebalance-mode", "periodic"])
+    ).eplb
+    assert not sglang.continuous and sglang.max_moved_experts is None
+    assert sglang.rebalance_interval == DEMO_PERIODIC_INTERVAL  # demo-sized, as before
+    with pytest.raises(SystemExit):  # pacing needs continuous mode
+        config_from_namespace(
+            parser.parse_args(
+                ["--nproc", "2", "--eplb-rebalance-mode", "periodic", "--eplb-transfer-gbps", "1"]
+            )
+        )
 
 
 def test_demo_rejects_bad_layouts() -> None:

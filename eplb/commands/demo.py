@@ -3,7 +3,9 @@
 Each rank runs its own batch per pass (prefill and decode passes as the workload draws them) through
 L expert-parallel MoE layers; the router is biased by the workload's per-step expert popularity
 (eplb.workloads), so load is skewed and drifts. The manager (eplb.manager.manager) records, solves in the
-background and hot-swaps; rank 0 prints the balancedness before and after each rebalance.
+background and hot-swaps; rank 0 prints the balancedness before and after each rebalance. The demo runs
+eplb's own manager, so ``--eplb-rebalance-mode`` defaults to ``DEMO_MODE`` (``periodic`` is SGLang's
+schedule, at a demo-sized interval unless one is given).
 
 ``run_demo(config, sink=...)`` is the entry point for callers with their own metrics sink.
 """
@@ -20,6 +22,11 @@ from typing import Any
 from eplb.commands.common import add_json_out, add_seed, emit
 from eplb.config import EplbConfig, add_cli_args, config_from_args
 from eplb.metrics.sink import MetricsSink
+
+DEMO_MODE = "continuous"
+"""The demo's --eplb-rebalance-mode default."""
+DEMO_PERIODIC_INTERVAL = 100
+"""The demo's --eplb-rebalance-num-iterations default in periodic mode (continuous: its own default)."""
 
 HELP = "run a small MoE model with EPLB on (CPU ranks over Gloo or GPUs over NCCL), printing balancedness"
 
@@ -69,8 +76,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--token-divisor", type=int, default=d.token_divisor, help="scale workload tokens down"
     )
     add_cli_args(parser)
-    # Demo-sized defaults: rebalance every 100 passes, one redundant slot per rank.
-    parser.set_defaults(eplb_rebalance_num_iterations=100, ep_num_redundant_experts=None, enable_eplb=True)
+    # Demo-sized defaults: eplb's own mode, one redundant slot per rank (the interval: see below).
+    parser.set_defaults(eplb_rebalance_mode=DEMO_MODE, ep_num_redundant_experts=None, enable_eplb=True)
     add_seed(parser)
     add_json_out(parser)
     parser.add_argument(
@@ -87,7 +94,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
-    """The demo's config; --ep-size follows --nproc and redundant slots default to one per rank."""
+    """The demo's config; --ep-size follows --nproc, redundant slots default to one per rank and the
+    periodic interval to ``DEMO_PERIODIC_INTERVAL``."""
     if args.nproc < 1 or args.steps < 0 or args.token_divisor < 1:
         raise ValueError("--nproc and --token-divisor must be >= 1 and --steps >= 0")
     args = argparse.Namespace(**vars(args))
@@ -95,6 +103,8 @@ def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
     if args.ep_num_redundant_experts is None:
         args.ep_num_redundant_experts = args.nproc
     args.enable_eplb = args.enable_eplb and args.nproc > 1
+    if args.eplb_rebalance_num_iterations is None and args.eplb_rebalance_mode == "periodic":
+        args.eplb_rebalance_num_iterations = DEMO_PERIODIC_INTERVAL
     parser = add_cli_args(argparse.ArgumentParser(prog="eplb demo"))
     eplb = config_from_args(parser, args)
     return DemoConfig(
@@ -229,7 +239,7 @@ def demo_rank(
     say(
         f"eplb demo: {G} ranks on {ctx.device.type}, model {preset} (L={model_cfg.num_layers}, "
         f"E={model_cfg.num_experts}, top-{model_cfg.top_k}, P={placement.num_physical}), "
-        f"rebalance every {config.eplb.eplb_rebalance_num_iterations} passes"
+        f"{_schedule(config.eplb)}"
     )
     gen = torch.Generator().manual_seed(config.seed * 1000 + rank)
     start = time.perf_counter()
@@ -280,6 +290,15 @@ def _agreed_stop(start: float, duration_s: float, device: Any, world_size: int) 
     if world_size > 1:
         dist.broadcast(flag, src=0)
     return bool(flag.item())
+
+
+def _schedule(config: EplbConfig) -> str:
+    line = f"{config.eplb_rebalance_mode} rebalancing every {config.rebalance_interval} passes"
+    if config.max_moved_experts is not None:
+        line += f", at most {config.max_moved_experts} experts moved each"
+    if config.eplb_transfer_gbps is not None:
+        line += f", swaps paced at {config.eplb_transfer_gbps:g} GB/s per GPU"
+    return line
 
 
 def _describe(record: Any) -> str:

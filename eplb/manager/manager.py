@@ -29,6 +29,13 @@ All ranks run the same control logic on agreed inputs, so they take the same ste
    check, then the transfers). A failed chunk rolls back, and so do the chunks already applied
    in this rebalance: the model returns to the old placement.
 
+``--eplb-rebalance-mode continuous`` keeps these steps and changes three things: the interval is
+short, the window may be longer than it, and the solver gets a move budget
+(``--eplb-max-moved-experts``, ``max_moved_experts``). With ``--eplb-transfer-gbps`` the swap is
+paced (eplb.manager.pacing): each pass earns its agreed duration times the cap, and every chunk
+the credit covers runs between that pass and the next, so a swap spans as many passes as the cap
+needs. Each chunk's weights and maps switch at one pass boundary, the same on every rank.
+
 Every event goes to the :class:`eplb.metrics.sink.MetricsSink`; :meth:`EplbManager.state` exposes
 the rest.
 """
@@ -36,6 +43,7 @@ the rest.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -44,24 +52,24 @@ import torch
 import torch.distributed as dist
 
 from eplb.config import EplbConfig
-from eplb.hotswap.runtime import control_group
 from eplb.hotswap.swap import FaultHook, HotSwapOptions, HotSwapResult, hot_swap, prepare_swap
+from eplb.manager.collectives import RankAgreement
+from eplb.manager.pacing import Pacer, chunk_costs, per_chunk_layers
 from eplb.manager.types import (
-    APPLY,
-    FAILED,
     ExpertEngine,
     ManagerState,
     RebalanceRecord,
     SwapJob,
     chunk_steps,
-    encode_plan,
+    default_planner,
+    share_plan,
     timed_plan,
 )
 from eplb.metrics.sink import MetricsSink, NullSink, RebalanceOutcome
 from eplb.placement.balance import gpu_load, model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
-from eplb.policy import PlanLike, Planner, dispatch_mode
+from eplb.policy import PlanLike, Planner
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 
 __all__ = [
@@ -115,26 +123,20 @@ class EplbManager:
                 f"--expert-distribution-recorder-mode {config.recorder_mode} keeps token ids, not a load "
                 "window: the rebalancer needs stat or per_pass"
             )
-        # Per-pass flags travel on a CPU group, so NCCL ranks do not sync the device for them.
-        self._control = control_group(group) if self.world_size > 1 else None
+        self._agree = RankAgreement.create(group, self.world_size, device)
         self.recorder = ExpertDistributionRecorder(
             RecorderConfig.from_eplb_config(config),
             placement,
             device=device,
             group=group,
-            flag_group=self._control,
+            flag_group=self._agree.control,
         )
         self.recorder.start()
         self._kind: str = "decode"
         views = engine.slot_tensors(0)
-        bytes_per_expert = sum(t[0].numel() * t.element_size() for t in views.values())
-        from eplb.solver.planner import SolverPlanner  # SciPy only where the default planner is used
-
-        self._planner: Planner = planner or SolverPlanner(
-            algorithm=config.eplb_algorithm,
-            num_groups=num_groups,
-            bytes_per_expert=bytes_per_expert,
-            weighted=dispatch_mode(config.dispatch_algorithm).needs_weights,
+        self._bytes_per_expert = sum(t[0].numel() * t.element_size() for t in views.values())
+        self._planner: Planner = planner or default_planner(
+            config, num_groups=num_groups, bytes_per_expert=self._bytes_per_expert
         )
         self._executor: ThreadPoolExecutor | None = None
         self._preparer: ThreadPoolExecutor | None = None
@@ -142,7 +144,8 @@ class EplbManager:
         self._phase = "idle"
         self._passes = 0
         self._counted = 0
-        self._next_at = config.eplb_rebalance_num_iterations
+        self._next_at = config.rebalance_interval
+        self._began = time.perf_counter()
         self._history: list[RebalanceRecord] = []
         self._windows: list[tuple[int, float]] = []
         self._job: SwapJob | None = None
@@ -160,25 +163,33 @@ class EplbManager:
     def on_forward_pass_begin(self, *, is_prefill: bool, num_tokens: int = 0) -> None:
         """Call on every rank before every forward pass (``is_prefill``: this rank's batch has prefill)."""
         self._kind = "prefill" if is_prefill else "decode"
+        self._began = time.perf_counter()
         self.recorder.begin_pass(has_prefill=is_prefill, num_tokens=num_tokens)
 
-    def on_forward_pass_end(self) -> None:
-        """Call on every rank after every forward pass: count, and maybe solve, adopt or swap."""
+    def on_forward_pass_end(self, *, pass_seconds: float | None = None) -> None:
+        """Call on every rank after every forward pass: count, and maybe solve, adopt or swap.
+
+        ``pass_seconds``: the pass's duration, for pacing (e.g. from CUDA events); None: the host
+        time since :meth:`on_forward_pass_begin`. Ranks may differ; pacing takes the maximum.
+        """
+        seconds = time.perf_counter() - self._began if pass_seconds is None else pass_seconds
+        if not seconds >= 0.0:
+            raise ValueError(f"pass_seconds must be >= 0, got {pass_seconds}")
         self._passes += 1
         counted = self.recorder.end_pass()
         plan_ready = False
         if self._phase == "solving":
             ready = self.rank == 0 and self._future is not None and self._future.done()
-            plan_ready = self._any_rank(ready)
+            plan_ready = self._agree.any(ready)
         self.sink.on_forward_pass(kind="prefill" if self._kind == "prefill" else "decode", recorded=counted)
         if counted:
             self._counted += 1
         if self._phase == "applying":
-            self._apply_next_chunk()
+            self._apply_due(seconds)
         elif self._phase == "solving" and plan_ready:
-            self._adopt_plan()
+            self._adopt_plan(seconds)
         elif self._phase == "idle" and self._counted >= self._next_at:
-            self._next_at = self._counted + self.config.eplb_rebalance_num_iterations
+            self._next_at = self._counted + self.config.rebalance_interval
             self._trigger()
 
     def state(self) -> ManagerState:
@@ -205,12 +216,6 @@ class EplbManager:
         self._executor = self._preparer = None
 
     # ---- steps -------------------------------------------------------------------------------
-    def _any_rank(self, flag: bool) -> bool:
-        t = torch.tensor([int(flag)], dtype=torch.int32)
-        if self.world_size > 1:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
-        return bool(t.item())
-
     def _trigger(self) -> None:
         load_WLE = self.recorder.window_logical_counts(reduce=True).astype(np.float64)
         load_LE = load_WLE.sum(axis=0)
@@ -237,46 +242,45 @@ class EplbManager:
             self._future = self._executor.submit(timed_plan, self._planner, load_WLE, self._placement)
         self._phase = "solving"
 
-    def _adopt_plan(self) -> None:
+    def _adopt_plan(self, seconds: float) -> None:
         """Rank 0 broadcasts its plan; every rank takes the same decision on the same pass."""
-        L, P, E, R = (
-            self._placement.num_layers,
-            self._placement.num_physical,
-            self._placement.num_logical,
-            self._placement.num_physical - self._placement.num_logical + 1,
-        )
-        header = torch.zeros(4, dtype=torch.float64)
-        phy2log = torch.zeros(L, P, dtype=torch.int32)
-        weights = torch.zeros(L, E, R, dtype=torch.float32)
-        reason = ""
-        if self.rank == 0:
-            assert self._future is not None
-            header, phy2log, weights, reason = encode_plan(self._future, header, phy2log, weights)
-            self._future = None
-        header = self._broadcast(header)
-        status, has_weights, predicted, solve_s = header.tolist()
-        if status != APPLY:
-            outcome: RebalanceOutcome = "failed" if status == FAILED else "skipped"
-            self._finish(outcome, reason, self._before, self._before, predicted, solve_s)
+        shared = share_plan(self._agree, self._future if self.rank == 0 else None, self._placement)
+        self._future = None
+        reason, predicted, solve_s = shared.reason, shared.predicted, shared.solve_seconds
+        if shared.target is None:
+            self._finish(shared.outcome, reason, self._before, self._before, predicted, solve_s)
             return
-        phy2log = self._broadcast(phy2log)
-        weights_LER = self._broadcast(weights).numpy() if has_weights else None
-        target = Placement.from_phy2log(
-            phy2log.numpy(), self._placement.num_gpus, self._placement.num_nodes, max_replicas=R
-        )
+        target, weights_LER = shared.target, shared.weights_LER
         changed = diff_placements(self._placement, target).changed_layers().tolist()
         job = SwapJob(
             self._placement, self._weights_LER, target, weights_LER, changed, reason, predicted, solve_s
         )
-        per_chunk = self.config.eplb_rebalance_layers_per_chunk or max(len(changed), 1)
+        gbps = self.config.eplb_transfer_gbps
+        per_chunk = per_chunk_layers(
+            self.config.eplb_rebalance_layers_per_chunk, gbps is not None, len(changed)
+        )
         job.chunks, job.steps = chunk_steps(
             self._placement, self._weights_LER, target, weights_LER, changed, per_chunk
         )
+        if gbps is not None:
+            job.pacer = Pacer(bytes_per_second=gbps * 1e9)
+            job.costs = chunk_costs(self._placement, target, job.chunks, self._bytes_per_expert)
         self._job = job
         self._phase = "applying"
         self._prepare(0)
         self._prepare(1)
-        self._apply_next_chunk()
+        self._apply_due(seconds)
+
+    def _apply_due(self, seconds: float) -> None:
+        """Unpaced: the next chunk. Paced: earn this pass's (agreed) credit, run the chunks it covers."""
+        job = self._job
+        assert job is not None
+        if job.pacer is None:
+            self._apply_next_chunk()
+            return
+        job.pacer.earn(self._agree.max(seconds))
+        while self._job is job and job.pacer.take(job.costs[job.next_chunk]):
+            self._apply_next_chunk()
 
     def _prepare(self, i: int) -> None:
         """Start planning chunk i's swap on the helper thread (host work; no collective)."""
@@ -309,7 +313,7 @@ class EplbManager:
             prepared, error = job.prepared.pop(i).result(), ""
         except Exception as exc:  # the same inputs on every rank: normally every rank gets here
             prepared, error = None, f"preparing the swap failed: {type(exc).__name__}: {exc}"
-        if self._any_rank(prepared is None) or prepared is None:
+        if self._agree.any(prepared is None) or prepared is None:
             result = HotSwapResult.not_started(
                 tuple(chunk), error or "preparing the swap failed on another rank"
             )
@@ -389,12 +393,3 @@ class EplbManager:
 
     def _slots(self) -> list[Mapping[str, torch.Tensor]]:
         return [self.engine.slot_tensors(layer) for layer in range(self._placement.num_layers)]
-
-    def _broadcast(self, t: torch.Tensor) -> torch.Tensor:
-        if self.world_size == 1:
-            return t
-        on_device = t.to(self.device)
-        dist.broadcast(
-            on_device, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
-        )
-        return on_device.cpu()

@@ -1,4 +1,5 @@
-"""The manager's types and plan helpers: the engine protocol, records, state, swap jobs.
+"""The manager's types and plan helpers: the engine protocol, records, state, swap jobs, the
+default planner and the plan's broadcast from rank 0.
 
 Shape legend: W window (passes), L layers, E logical experts, P physical slots, R max replicas.
 """
@@ -14,10 +15,14 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from eplb.config import EplbConfig
 from eplb.hotswap.swap import PreparedSwap
+from eplb.manager.collectives import RankAgreement
+from eplb.manager.pacing import Pacer
 from eplb.metrics.sink import MetricsSink, RebalanceOutcome
 from eplb.placement.model import Placement
 from eplb.policy.base import PlanLike, Planner
+from eplb.policy.dispatch import dispatch_mode
 
 
 class ExpertEngine(Protocol):
@@ -99,6 +104,24 @@ class SwapJob:
     prepared: dict[int, Future[PreparedSwap]] = field(default_factory=dict)
     """Chunk index -> its swap, being prepared on the manager's helper thread."""
     next_chunk: int = 0
+    costs: list[int] = field(default_factory=list)
+    """Per chunk: the most bytes one GPU receives (what pacing charges)."""
+    pacer: Pacer | None = None
+    """The transfer credit when paced (continuous mode with --eplb-transfer-gbps), else None."""
+
+
+def default_planner(config: EplbConfig, *, num_groups: int, bytes_per_expert: int) -> Planner:
+    """The solver the flags ask for, with the move budget (``max_moved_experts``) when there is one."""
+    from eplb.solver.planner import SolverPlanner  # SciPy only where the default planner is used
+
+    budget = config.max_moved_experts
+    return SolverPlanner(
+        algorithm=config.eplb_algorithm,
+        num_groups=num_groups,
+        bytes_per_expert=bytes_per_expert,
+        weighted=dispatch_mode(config.dispatch_algorithm).needs_weights,
+        extra_options={} if budget is None else {"max_moved_experts": budget},
+    )
 
 
 def chunk_steps(
@@ -143,6 +166,41 @@ def encode_plan(
         weights.zero_()
         weights[:, :, : w.shape[2]] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
     return header, phy2log, weights, plan.reason
+
+
+@dataclass(frozen=True)
+class SharedPlan:
+    """Rank 0's plan as every rank received it; ``target`` None: nothing to apply (``outcome`` says why)."""
+
+    outcome: RebalanceOutcome
+    reason: str
+    """Rank 0's reason (empty on the other ranks)."""
+    predicted: float
+    solve_seconds: float
+    target: Placement | None
+    weights_LER: np.ndarray | None
+
+
+def share_plan(
+    agree: RankAgreement, future: Future[tuple[PlanLike, float]] | None, current: Placement
+) -> SharedPlan:
+    """Collective: rank 0 (holding the solve's ``future``) broadcasts its decision, then the maps."""
+    L, P, E = current.num_layers, current.num_physical, current.num_logical
+    R = P - E + 1
+    header = torch.zeros(4, dtype=torch.float64)
+    phy2log = torch.zeros(L, P, dtype=torch.int32)
+    weights = torch.zeros(L, E, R, dtype=torch.float32)
+    reason = ""
+    if future is not None:
+        header, phy2log, weights, reason = encode_plan(future, header, phy2log, weights)
+    status, has_weights, predicted, solve_s = agree.broadcast(header).tolist()
+    if status != APPLY:
+        outcome: RebalanceOutcome = "failed" if status == FAILED else "skipped"
+        return SharedPlan(outcome, reason, predicted, solve_s, None, None)
+    phy2log = agree.broadcast(phy2log)
+    weights_LER = agree.broadcast(weights).numpy() if has_weights else None
+    target = Placement.from_phy2log(phy2log.numpy(), current.num_gpus, current.num_nodes, max_replicas=R)
+    return SharedPlan("applied", reason, predicted, solve_s, target, weights_LER)
 
 
 def with_layers(

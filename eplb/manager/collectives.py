@@ -1,0 +1,52 @@
+"""How the ranks of a manager agree: small all-reduces on the CPU control group, broadcasts from rank 0.
+
+Per-pass flags and durations travel on a CPU (Gloo) group over the same ranks, so NCCL ranks do
+not sync the device for them; a plan (phy2log, weights) is broadcast over the data group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from eplb.hotswap.runtime import control_group
+
+
+@dataclass(frozen=True)
+class RankAgreement:
+    """The collectives every rank calls at the same point (no-ops with one rank)."""
+
+    group: dist.ProcessGroup | None
+    """The data group (NCCL on GPUs)."""
+    control: dist.ProcessGroup | None
+    """A CPU group over the same ranks (None with one rank)."""
+    world_size: int
+    device: torch.device
+
+    @classmethod
+    def create(cls, group: dist.ProcessGroup | None, world_size: int, device: torch.device) -> RankAgreement:
+        """Collective when ``world_size > 1`` (it may create the control group)."""
+        return cls(group, control_group(group) if world_size > 1 else None, world_size, device)
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on some rank."""
+        return self.max(float(flag)) > 0.0
+
+    def max(self, value: float) -> float:
+        """The maximum of ``value`` over the ranks, the same float on every rank."""
+        t = torch.tensor([value], dtype=torch.float64)
+        if self.world_size > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
+        return float(t.item())
+
+    def broadcast(self, t: torch.Tensor) -> torch.Tensor:
+        """Rank 0's ``t`` (a CPU tensor) on every rank, over the data group."""
+        if self.world_size == 1:
+            return t
+        on_device = t.to(self.device)
+        dist.broadcast(
+            on_device, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group
+        )
+        return on_device.cpu()
