@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "sweep": "eplb.commands.sweep",
     "solve": "eplb.commands.solve",
     "demo": "eplb.commands.demo",
+    "dashboards": "eplb.commands.dashboards",
 }
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,3 +42,27 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def engine_site() -> Path:
+    """vLLM 0.33.0 and SGLang 0.5.23 from PyPI in a cached folder (tests.helpers.engines); fails, never skips."""
+    from tests.helpers.engines import ensure_engines
+
+    return ensure_engines()
+
+
+@pytest.fixture(scope="session")
+def vllm_checks(engine_site: Path) -> dict[str, Any]:
+    """What eplb's plugin did inside vLLM's own plugin loader and policy table (tests.helpers.engine_checks)."""
+    from tests.helpers.engines import run_engine_checks
+
+    return run_engine_checks(engine_site, "vllm")
+
+
+@pytest.fixture(scope="session")
+def sglang_checks(engine_site: Path) -> dict[str, Any]:
+    """What eplb's plugin did inside SGLang's plugin loader, algorithms and fused kernel."""
+    from tests.helpers.engines import run_engine_checks
+
+    return run_engine_checks(engine_site, "sglang")

@@ -68,3 +68,46 @@ def test_bad_input_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert err.startswith("eplb trace: error:") and "Traceback" not in err
     assert main(["trace", "info", str(tmp_path / "nope.pt")]) == 2
     assert main(["workload", "--preset", "tiny", "--ep-size", "3", "--steps", "2"]) == 2
+
+
+def test_solve_writes_and_prints_every_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    from eplb.placement.io import load_placement
+
+    out = tmp_path / "plan"
+    args = ["solve", "--preset", "tiny", "--steps", "60", "--ep-size", "4", "--nnodes", "2"]
+    assert (
+        main([*args, "--ep-num-redundant-experts", "4", "--trtllm-layer-offset", "3", "--out", str(out)]) == 0
+    )
+    printed = capsys.readouterr().out
+    placement, _ = load_placement(out / "placement.safetensors")
+    balancer = yaml.safe_load((out / "trtllm_load_balancer.yaml").read_text())
+    assert balancer["num_slots"] == placement.num_physical == 20 and balancer["layer_updates_per_iter"] == 0
+    assert balancer["initial_global_assignments"] == {
+        3 + i: row for i, row in enumerate(placement.phy2log_LP.tolist())
+    }
+    options = yaml.safe_load((out / "trtllm_extra_llm_api_options.yaml").read_text())
+    assert options["moe_config"]["load_balancer"] == str((out / "trtllm_load_balancer.yaml").resolve())
+    lines = dict(line.strip().split(": ", 1) for line in printed.splitlines() if ": " in line)
+    json_path = out / "init_expert_location.json"
+    # SGLang: eplb's solver through the plugin, or EPLB off; never --enable-eplb with SGLang's planner.
+    assert lines["sglang_flags"].startswith("--enable-eplb --eplb-algorithm scipy ")
+    assert f"--init-expert-location {json_path}" in lines["sglang_flags"]
+    assert "--enable-eplb" not in lines["sglang_flags_static"]
+    assert "--ep-num-redundant-experts 4" in lines["sglang_flags_static"]
+    assert lines["vllm_flags"].startswith("EPLB_VLLM_POLICY=1 vllm serve")
+    assert "--ep_size 4" in lines["trtllm_flags"]
+    assert main([*args, "--ep-num-redundant-experts", "4", "--eplb-algorithm", "deepseek", "--out", str(out),
+                 "--json", "-"]) == 0  # fmt: skip
+    result = json.loads(capsys.readouterr().out)
+    assert result["sglang_flags"].startswith("--enable-eplb --eplb-algorithm eplb:deepseek ")
+
+
+def test_dashboards_exports_the_data_files(tmp_path: Path) -> None:
+    assert main(["dashboards", "--out", str(tmp_path / "d"), "--json", str(tmp_path / "d.json")]) == 0
+    files = json.loads((tmp_path / "d.json").read_text())["files"]
+    assert "eplb-expert-load.json" in files and "prometheus.yml" in files
+    assert all(not f.endswith(".py") for f in files)
+    dashboard = json.loads((tmp_path / "d" / "eplb-expert-load.json").read_text())
+    assert dashboard["uid"] == "eplb-expert-load"

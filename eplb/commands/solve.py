@@ -1,8 +1,12 @@
-"""``eplb solve``: plan a placement from a recorded trace and write it for eplb and for SGLang.
+"""``eplb solve``: plan a placement from a recorded trace and write it for eplb and each engine.
 
 Writes ``DIR/placement.safetensors`` (int32 phy2log / log2phy / logcnt, plus float32 dispatch
-weights with ``--ep-dispatch-algorithm weighted``) and ``DIR/init_expert_location.json``, which
-SGLang takes as ``--init-expert-location`` today.
+weights with ``--ep-dispatch-algorithm weighted``), ``DIR/init_expert_location.json`` (SGLang's
+``--init-expert-location``) and TensorRT-LLM's offline load balancer
+(``DIR/trtllm_load_balancer.yaml`` and the ``--extra_llm_api_options`` file naming it), then prints
+the launch flags per engine (docs/integrations.md). For SGLang there are two: rebalance online with
+eplb's solver through eplb's plugin, or EPLB off with the placement fixed; never ``--enable-eplb``
+with SGLang's own planner, which would replace the placement with its own at the first rebalance.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from typing import Any
 
 from eplb.commands.common import add_json_out, add_progress, add_seed, emit
 
-HELP = "solve a placement from a trace; write it as eplb safetensors and SGLang --init-expert-location JSON"
+HELP = "solve a placement from a trace; write it for eplb, SGLang and TensorRT-LLM, and print each engine's flags"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -26,6 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="placement solver (default: %(default)s)",
     )
+    parser.add_argument(
+        "--trtllm-layer-offset",
+        type=int,
+        default=0,
+        metavar="N",
+        help="model layer index of the first MoE layer, for TensorRT-LLM's per-layer keys "
+        "(DeepSeek-V3/R1: 3; default: %(default)s)",
+    )
     add_input_arguments(parser)
     add_topology_arguments(parser)
     add_schedule_arguments(parser, schedule=False)
@@ -37,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from eplb.integrations import sglang as sglang_plugin
+    from eplb.integrations import trtllm
+    from eplb.integrations import vllm as vllm_plugin
     from eplb.placement.balance import model_balancedness
     from eplb.placement.io import save_placement
     from eplb.placement.model import Placement
@@ -76,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
     meta = {"algorithm": args.eplb_algorithm, "window_steps": int(window_WLE.shape[0]), "trace": trace_meta}
     own = save_placement(out_dir / "placement.safetensors", placement, proposal.dispatch_weights_LER, meta)
     sglang = placement.write_sglang_json(out_dir / "init_expert_location.json")
+    trtllm_balancer, trtllm_options = trtllm.write_load_balancer(placement, out_dir, args.trtllm_layer_offset)
+    sglang_flags = sglang_plugin.launch_flags(placement, str(sglang), args.eplb_algorithm)
     load_LE = window_WLE.sum(axis=0, dtype=np.int64)
     result: dict[str, Any] = {
         "algorithm": args.eplb_algorithm,
@@ -94,10 +111,11 @@ def run(args: argparse.Namespace) -> int:
         "solver_reason": proposal.reason,
         "placement": str(own),
         "sglang_init_expert_location": str(sglang),
-        "sglang_flags": (
-            f"--enable-eplb --ep-size {placement.num_gpus} --ep-num-redundant-experts {placement.num_redundant} "
-            f"--init-expert-location {sglang}"
-        ),
+        "trtllm_load_balancer": str(trtllm_balancer),
+        "sglang_flags": sglang_flags["plugin"],
+        "sglang_flags_static": sglang_flags["static"],
+        "vllm_flags": vllm_plugin.launch_flags(placement.num_redundant),
+        "trtllm_flags": trtllm.launch_flags(placement, trtllm_options),
     }
     emit(result, list(result), args.json_out)
     return 0

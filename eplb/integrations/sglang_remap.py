@@ -1,0 +1,190 @@
+"""eplb's remap+record kernel behind SGLang's ``eplb_map_and_record_fused`` (the MegaMoE path).
+
+Shape legend: T tokens, K top-k, E logical experts, P physical slots.
+
+SGLang calls ``eplb_map_and_record_fused(topk_ids [T, K], dispatch_info, load_buffer int32 [P],
+num_token_non_padded [1] | None)`` once per MoE layer on recorded prefill passes: map each router
+id to this rank's static physical slot and add every valid element of the first
+``num_token_non_padded`` rows to the layer's count in ``load_buffer``; it returns None where it
+cannot (SGLang then maps and records the unfused way). :func:`eplb_map_and_record_fused` keeps
+that contract and runs ``eplb.remap.remap_and_record`` on any device (Triton on CUDA and ROCm, the
+torch backend on the CPU; ``EPLB_SGLANG_REMAP_BACKEND`` picks another), returning int32 ids.
+
+Dispatch tables are translated once per placement: one :class:`DispatchTables` per dispatch-map
+storage (SGLang builds a new view of the same rows on every call), refreshed in place when SGLang
+changes the placement, which it does through ``ExpertLocationMetadata.update`` (in place) or
+``set_global_expert_location_metadata`` (new maps); both are wrapped (a generation count, and a
+fresh cache for new maps).
+
+SGLang maps every row, padded ones included, and stops only the counting at
+``num_token_non_padded``, whereas eplb's kernel passes rows at or past ``num_valid_tokens``
+through unmapped. To return exactly SGLang's ids, a call with padding launches the kernel twice:
+once counting the valid rows, once (without counts) mapping all of them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from eplb.remap import DispatchTables, available_backends, remap_and_record
+
+if TYPE_CHECKING:
+    import torch
+
+BACKEND_ENV = "EPLB_SGLANG_REMAP_BACKEND"
+"""Environment variable: the remap backend (auto | triton | torch | aiter; default auto)."""
+_MODULE = "sglang.srt.eplb"
+
+
+@dataclass
+class _Entry:
+    """A dispatch map's tables; ``source`` keeps the map's storage alive, so its address stays its own."""
+
+    source: torch.Tensor
+    tables: DispatchTables
+    generation: int
+
+
+_BACKEND = ["auto"]
+"""The remap backend, read from ``EPLB_SGLANG_REMAP_BACKEND`` once, when the plugin registers."""
+_CACHE: dict[tuple[Any, ...], _Entry] = {}
+_LOCK = threading.Lock()
+_GENERATION = [0]
+TRANSLATIONS = [0]
+"""How many times a dispatch map was translated into tables (for tests and logs)."""
+
+
+def placement_changed() -> None:
+    """Mark every cached table stale (SGLang changed its placement)."""
+    with _LOCK:
+        _GENERATION[0] += 1
+
+
+def _static_tables(static_E: torch.Tensor, num_physical: int) -> DispatchTables:
+    """One-layer tables for static dispatch with ``static_E`` (only ``static_LE`` is read in static mode)."""
+    import torch
+
+    E = int(static_E.numel())
+    device = static_E.device
+    static_LE = static_E.reshape(1, E).to(torch.int32).clone()
+    return DispatchTables(
+        static_LE=static_LE,
+        log2phy_LER=static_LE.reshape(1, E, 1).clone(),
+        logcnt_LE=torch.ones(1, E, dtype=torch.int32, device=device),
+        cumweights_LER=torch.full((1, E, 1), 2.0, dtype=torch.float32, device=device),
+        seed_1=torch.zeros(1, dtype=torch.int32, device=device),
+        num_physical=num_physical,
+        rank=0,
+    )
+
+
+def tables_for(dispatch_map: torch.Tensor | None, num_physical: int, device: torch.device) -> DispatchTables:
+    """The cached tables for ``dispatch_map`` [E] (None: identity over P slots), translated once per placement."""
+    import torch
+
+    if dispatch_map is None:
+        key: tuple[Any, ...] = ("identity", device, num_physical)
+    else:
+        key = ("map", dispatch_map.data_ptr(), dispatch_map.numel(), dispatch_map.device, num_physical)
+    with _LOCK:
+        generation = _GENERATION[0]
+        entry = _CACHE.get(key)
+        if entry is None:
+            source = (
+                torch.arange(num_physical, dtype=torch.int32, device=device)
+                if dispatch_map is None
+                else dispatch_map
+            )
+            entry = _CACHE[key] = _Entry(source, _static_tables(source, num_physical), generation)
+            TRANSLATIONS[0] += 1
+        elif entry.generation != generation:
+            if dispatch_map is not None:  # same storage, new contents: copy in place (addresses kept)
+                entry.tables.static_LE.copy_(dispatch_map.reshape(1, -1))
+                entry.tables.log2phy_LER.copy_(dispatch_map.reshape(1, -1, 1))
+                TRANSLATIONS[0] += 1
+            entry.generation = generation
+        return entry.tables
+
+
+def eplb_map_and_record_fused(
+    topk_ids: torch.Tensor,
+    dispatch_info: Any,
+    load_buffer: torch.Tensor,
+    num_token_non_padded: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """SGLang's ``eplb_map_and_record_fused`` contract on eplb's kernel: int32 ids [T, K], or None."""
+    import torch
+
+    if topk_ids.numel() == 0:
+        return None
+    if dispatch_info is not None and dispatch_info.ep_dispatch_algorithm != "static":
+        return None  # SGLang's own dispatch modes stay SGLang's
+    dispatch = None if dispatch_info is None else dispatch_info.partial_logical_to_rank_dispatch_physical_map
+    if dispatch_info is not None and dispatch is None:
+        return None
+    if load_buffer.dtype != torch.int32 or load_buffer.dim() != 1 or not load_buffer.is_contiguous():
+        return None  # the recorder's buffers are int32 [P]; anything else goes SGLang's unfused way
+    ids = topk_ids.contiguous()
+    if ids.dtype != torch.int32:
+        ids = ids.to(torch.int32)
+    tables = tables_for(dispatch, int(load_buffer.numel()), ids.device)
+    backend = _BACKEND[0]
+    valid = _valid(num_token_non_padded)
+    out = remap_and_record(ids, tables, 0, counts_P=load_buffer, num_valid_tokens=valid, backend=backend)
+    if num_token_non_padded is not None:
+        remap_and_record(ids, tables, 0, out_TK=out, backend=backend)
+    return out
+
+
+def _valid(num_token_non_padded: torch.Tensor | None) -> torch.Tensor | None:
+    """The valid-row count as the int32 [1] device tensor eplb's kernel reads (no host sync)."""
+    import torch
+
+    if num_token_non_padded is None:
+        return None
+    if num_token_non_padded.dtype != torch.int32:
+        num_token_non_padded = num_token_non_padded.to(torch.int32)
+    return num_token_non_padded.reshape(1)
+
+
+def _after_update(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``ExpertLocationMetadata.update`` (maps rewritten in place): mark cached tables stale."""
+    result = original(*args, **kwargs)
+    placement_changed()
+    return result
+
+
+def _after_replace(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``set_global_expert_location_metadata`` (new maps): drop the tables of the old ones."""
+    result = original(*args, **kwargs)
+    with _LOCK:
+        _CACHE.clear()
+        _GENERATION[0] += 1
+    return result
+
+
+def register_fused(registry: Any, hook_type: Any) -> None:
+    """Register the replacement and the placement-change hooks with SGLang's HookRegistry.
+
+    ``EPLB_SGLANG_REMAP_BACKEND`` is read here: a backend this process cannot run raises
+    ValueError at start-up, not at the first prefill.
+    """
+    backend = os.environ.get(BACKEND_ENV, "").strip() or "auto"
+    usable = ("auto", *available_backends())
+    if backend not in usable:
+        raise ValueError(f"{BACKEND_ENV}={backend!r}: choose from {usable} (usable in this process)")
+    _BACKEND[0] = backend
+    registry.register(
+        f"{_MODULE}.eplb_map_record_fused.eplb_map_and_record_fused",
+        eplb_map_and_record_fused,
+        hook_type.REPLACE,
+    )
+    registry.register(
+        f"{_MODULE}.expert_location.ExpertLocationMetadata.update", _after_update, hook_type.AROUND
+    )
+    registry.register(
+        f"{_MODULE}.expert_location.set_global_expert_location_metadata", _after_replace, hook_type.AROUND
+    )
