@@ -1,12 +1,14 @@
-"""The Grafana expert-load dashboard as a JSON-ready dict: panels, the layer variable, annotations.
+"""The Grafana expert-load dashboard as a JSON-ready dict: panels, variables, annotations.
 
 Grafana's JSON model is verbose and a hand-edited file drifts from the metrics; building it here
 from ``eplb.metrics.names`` keeps every query on the names the exporter uses, and the output is
 deterministic (same code, same bytes), so CI can compare it with the committed file. The small
 ``_target``/``_panel``/``_timeseries``/``_stat``/``_row`` helpers hold Grafana's boilerplate;
-the ``_*_panels`` functions lay out one dashboard row each. The datasource uid matches
-dashboards/provisioning/datasources/eplb.yaml, so Grafana provisioned from this folder shows
-the dashboard with no clicking.
+the ``_*_panels`` functions lay out one dashboard row each. As vLLM's and SGLang's dashboards do,
+the datasource is a variable (``$datasource``, any Prometheus; Grafana's default one first, which
+dashboards/provisioning/datasources/eplb.yaml makes the one it adds), and ``$instance`` and
+``$model_name`` pick one exporting process: every query selects by both, so one Prometheus can
+hold many servers.
 """
 
 from __future__ import annotations
@@ -16,10 +18,21 @@ from typing import Any
 
 from eplb.metrics import names as m
 
-DATASOURCE_UID = "eplb-prometheus"
-DS = {"type": "prometheus", "uid": DATASOURCE_UID}
-LAYER = 'layer=~"$layer"'
+DS = {"type": "prometheus", "uid": "${datasource}"}
+# One process: its scrape target and the model it serves (single-valued: exact matches, and sums
+# over ranks or layers never mix two servers).
+SEL = 'instance="$instance",model_name="$model_name"'
 RATE = "$__rate_interval"
+
+
+def _sel(metric: str, *matchers: str) -> str:
+    """``metric`` of the selected process, with more label ``matchers``."""
+    return f"{metric}{{{','.join([SEL, *matchers])}}}"
+
+
+def _layers(metric: str) -> str:
+    """``metric`` of the selected process and layers."""
+    return _sel(metric, 'layer=~"$layer"')
 
 
 def _target(
@@ -116,7 +129,7 @@ def _balance_panels(y: int) -> list[dict]:
             "Model balancedness",
             "Mean over max GPU load, averaged over layers, over the last window (1 is perfect).",
             (0, y + 1, 6, 7),
-            _target(m.MODEL_BALANCEDNESS, "model"),
+            _target(_sel(m.MODEL_BALANCEDNESS), "model"),
             **ratio,
             thresholds={
                 "mode": "absolute",
@@ -132,8 +145,8 @@ def _balance_panels(y: int) -> list[dict]:
             "Mean over max GPU load of each selected layer over the last window, under the live placement.",
             (6, y + 1, 12, 7),
             [
-                _target(f"{m.LAYER_BALANCEDNESS}{{{LAYER}}}", "layer {{layer}}"),
-                _target(m.MODEL_BALANCEDNESS, "model"),
+                _target(_layers(m.LAYER_BALANCEDNESS), "layer {{layer}}"),
+                _target(_sel(m.MODEL_BALANCEDNESS), "model"),
             ],
             **ratio,
         ),
@@ -141,16 +154,15 @@ def _balance_panels(y: int) -> list[dict]:
             "Last rebalance: before / after",
             "Model balancedness the last rebalance started from and the one it expected or reached.",
             (18, y + 1, 6, 7),
-            [_target(m.LAST_REBALANCE_BALANCEDNESS, "{{when}}")],
+            [_target(_sel(m.LAST_REBALANCE_BALANCEDNESS), "{{when}}")],
             **ratio,
         ),
     ]
 
 
 def _load_panels(y: int) -> list[dict]:
-    relative = (
-        f"{m.RANK_TOKENS}{{{LAYER}}} / on (layer) group_left () avg by (layer) ({m.RANK_TOKENS}{{{LAYER}}})"
-    )
+    tokens = _layers(m.RANK_TOKENS)
+    relative = f"{tokens} / on (layer) group_left () avg by (layer) ({tokens})"
     heatmap = _panel(
         "table",
         "Load per layer x rank (relative to the layer mean)",
@@ -169,6 +181,17 @@ def _load_panels(y: int) -> list[dict]:
     }
     heatmap["options"] = {"showHeader": True, "cellHeight": "sm"}
     heatmap["transformations"] = [
+        # Label values are strings: as numbers, rank 10 sorts after rank 9, not after rank 1.
+        {
+            "id": "convertFieldType",
+            "options": {
+                "conversions": [
+                    {"targetField": "layer", "destinationType": "number"},
+                    {"targetField": "rank", "destinationType": "number"},
+                ],
+                "fields": {},
+            },
+        },
         {"id": "sortBy", "options": {"sort": [{"field": "rank"}]}},
         {
             "id": "groupingToMatrix",
@@ -183,7 +206,7 @@ def _load_panels(y: int) -> list[dict]:
         (0, y + 13, 12, 10),
         [
             _target(
-                f"sort_desc(topk(16, {m.HOT_EXPERT_TOKENS}{{{LAYER}}}))",
+                f"sort_desc(topk(16, {_layers(m.HOT_EXPERT_TOKENS)}))",
                 "layer {{layer}} expert {{expert}}",
                 instant=True,
             )
@@ -201,7 +224,7 @@ def _load_panels(y: int) -> list[dict]:
         "Least balanced layers",
         "The 8 selected layers with the lowest balancedness over the last window.",
         (12, y + 13, 12, 10),
-        [_target(f"sort(bottomk(8, {m.LAYER_BALANCEDNESS}{{{LAYER}}}))", "layer {{layer}}", instant=True)],
+        [_target(f"sort(bottomk(8, {_layers(m.LAYER_BALANCEDNESS)}))", "layer {{layer}}", instant=True)],
     )
     worst["fieldConfig"]["defaults"] = {
         "unit": "percentunit",
@@ -214,7 +237,7 @@ def _load_panels(y: int) -> list[dict]:
         "Tokens per rank over time (selected layers)",
         "Tokens each EP rank received over the last window, summed over the selected layers.",
         (0, y + 23, 24, 8),
-        [_target(f"sum by (rank) ({m.RANK_TOKENS}{{{LAYER}}})", "rank {{rank}}")],
+        [_target(f"sum by (rank) ({_layers(m.RANK_TOKENS)})", "rank {{rank}}")],
         unit="short",
         min=0,
     )
@@ -223,7 +246,10 @@ def _load_panels(y: int) -> list[dict]:
 
 def _rebalance_panels(y: int) -> list[dict]:
     timing = [
-        _target(f"histogram_quantile({q}, sum by (le) (rate({metric}_bucket[{RATE}])))", f"{what} p{pct}")
+        _target(
+            f"histogram_quantile({q}, sum by (le) (rate({_sel(metric + '_bucket')}[{RATE}])))",
+            f"{what} p{pct}",
+        )
         for what, metric in (("solve", m.SOLVE_SECONDS), ("transfer", m.TRANSFER_SECONDS))
         for q, pct in (("0.5", 50), ("0.99", 99))
     ]
@@ -231,9 +257,17 @@ def _rebalance_panels(y: int) -> list[dict]:
         _row("Rebalancing", y),
         _timeseries(
             "Rebalances",
-            "Rebalances decided per interval, by outcome (applied, skipped, failed).",
+            "Rebalances decided per interval, by cause: applied, skipped_* (why nothing was moved), "
+            "failed_* (what went wrong; rolled back). The manager's log has each one's full reason.",
             (0, y + 1, 8, 8),
-            [_target(f"sum by (outcome) (increase({m.REBALANCES}[{RATE}]))", "{{outcome}}")],
+            # Only causes that happened: 14 series of zeros would bury the few that did.
+            [
+                _target(
+                    f"sum by (cause) (increase({_sel(m.REBALANCES)}[{RATE}])) "
+                    f"and on (cause) (sum by (cause) ({_sel(m.REBALANCES)}) > 0)",
+                    "{{cause}}",
+                )
+            ],
             unit="short",
             min=0,
             bars=True,
@@ -243,8 +277,8 @@ def _rebalance_panels(y: int) -> list[dict]:
             "Bytes per second of expert weights moved between GPUs, and experts moved per interval.",
             (8, y + 1, 8, 8),
             [
-                _target(f"rate({m.MOVED_BYTES}[{RATE}])", "bytes/s"),
-                _target(f"increase({m.EXPERTS_MOVED}[{RATE}])", "experts moved"),
+                _target(f"rate({_sel(m.MOVED_BYTES)}[{RATE}])", "bytes/s"),
+                _target(f"increase({_sel(m.EXPERTS_MOVED)}[{RATE}])", "experts moved"),
             ],
             unit="Bps",
             min=0,
@@ -262,12 +296,13 @@ def _rebalance_panels(y: int) -> list[dict]:
 
 
 def _recorder_panels(y: int) -> list[dict]:
+    recorded = _sel(m.FORWARD_PASSES, 'recorded="true"')
     topology = _panel(
         "table",
         "Topology",
         "eplb version and the served topology, from eplb_info.",
         (12, y + 1, 12, 6),
-        [_target(m.INFO, instant=True, table=True)],
+        [_target(_sel(m.INFO), instant=True, table=True)],
     )
     topology["transformations"] = [
         {
@@ -290,9 +325,9 @@ def _recorder_panels(y: int) -> list[dict]:
             "Forward passes per second by kind, and the share the recorder counted.",
             (0, y + 1, 8, 6),
             [
-                _target(f"sum by (kind) (rate({m.FORWARD_PASSES}[{RATE}]))", "{{kind}} passes/s"),
+                _target(f"sum by (kind) (rate({_sel(m.FORWARD_PASSES)}[{RATE}]))", "{{kind}} passes/s"),
                 _target(
-                    f'sum(rate({m.FORWARD_PASSES}{{recorded="true"}}[{RATE}])) / sum(rate({m.FORWARD_PASSES}[{RATE}]))',
+                    f"sum(rate({recorded}[{RATE}])) / sum(rate({_sel(m.FORWARD_PASSES)}[{RATE}]))",
                     "recorded share",
                 ),
             ],
@@ -304,10 +339,54 @@ def _recorder_panels(y: int) -> list[dict]:
             "Window age",
             "Seconds since the manager last handed over a load window.",
             (8, y + 1, 4, 6),
-            _target(f"time() - {m.WINDOW_TIMESTAMP}", "age"),
+            _target(f"time() - {_sel(m.WINDOW_TIMESTAMP)}", "age"),
             unit="s",
         ),
         topology,
+    ]
+
+
+def _query_variable(name: str, label: str, query: str, *, multi: bool) -> dict:
+    variable: dict[str, Any] = {
+        "name": name,
+        "label": label,
+        "type": "query",
+        "datasource": DS,
+        "query": query,
+        "definition": query,
+        "refresh": 2,  # on time range change: a server that came up shows without a reload
+        "sort": 3 if multi else 1,  # layers numerically, names alphabetically
+        "multi": multi,
+        "includeAll": multi,
+    }
+    if multi:
+        variable.update(allValue=".*", current={"selected": True, "text": ["All"], "value": ["$__all"]})
+    else:
+        variable["current"] = {}  # the first value Grafana finds
+    return variable
+
+
+def _variables() -> list[dict]:
+    """The datasource, then one process (instance, model), then its layers: each narrows the next."""
+    datasource = {
+        "name": "datasource",
+        "label": "Data source",
+        "type": "datasource",
+        "query": "prometheus",
+        "current": {},  # Grafana's default Prometheus (the provisioned one is made the default)
+        "refresh": 1,
+        "regex": "",
+        "hide": 0,
+        "multi": False,
+        "includeAll": False,
+    }
+    return [
+        datasource,
+        _query_variable("instance", "Instance", f"label_values({m.INFO}, instance)", multi=False),
+        _query_variable(
+            "model_name", "Model", f'label_values({m.INFO}{{instance="$instance"}}, model_name)', multi=False
+        ),
+        _query_variable("layer", "Layer", f"label_values({_sel(m.LAYER_BALANCEDNESS)}, layer)", multi=True),
     ]
 
 
@@ -316,7 +395,6 @@ def build_dashboard() -> dict:
     panels = [*_balance_panels(0), *_load_panels(8), *_rebalance_panels(40), *_recorder_panels(49)]
     for i, panel in enumerate(panels, start=1):
         panel["id"] = i
-    layer_query = f"label_values({m.LAYER_BALANCEDNESS}, layer)"
     return {
         "uid": "eplb-expert-load",
         "title": "EPLB expert load",
@@ -329,24 +407,7 @@ def build_dashboard() -> dict:
         "time": {"from": "now-30m", "to": "now"},
         "schemaVersion": 39,
         "version": 1,
-        "templating": {
-            "list": [
-                {
-                    "name": "layer",
-                    "label": "Layer",
-                    "type": "query",
-                    "datasource": DS,
-                    "query": layer_query,
-                    "definition": layer_query,
-                    "refresh": 2,
-                    "sort": 3,
-                    "multi": True,
-                    "includeAll": True,
-                    "allValue": ".*",
-                    "current": {"selected": True, "text": ["All"], "value": ["$__all"]},
-                }
-            ]
-        },
+        "templating": {"list": _variables()},
         "annotations": {
             "list": [
                 {
@@ -364,12 +425,12 @@ def build_dashboard() -> dict:
                     "datasource": DS,
                     "enable": True,
                     "iconColor": "orange",
-                    "expr": f"{m.LAST_REBALANCE_TIMESTAMP} * 1000",
+                    "expr": f"{_sel(m.LAST_REBALANCE_TIMESTAMP)} * 1000",
                     "step": "15s",
                     "useValueForTime": True,
                     "titleFormat": "rebalance {{outcome}}",
-                    "textFormat": "{{reason}}",
-                    "tagKeys": "outcome",
+                    "textFormat": "{{cause}}",
+                    "tagKeys": "outcome,cause",
                 },
             ]
         },

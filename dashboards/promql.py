@@ -2,8 +2,10 @@
 
 A query that names an unknown metric or label shows an empty panel in Grafana, not an error, so
 ``generate.py --check`` (run by CI) lists every such query instead: a metric the code does not
-define, a label that metric does not have, a grouping by a label none of its metrics has, a
-multi-value variable matched with anything but ``=~``, a query naming no eplb metric at all.
+define, a label that metric does not have (its own, the engine labels on every series, or the
+``instance``/``job`` Prometheus adds), a grouping by a label none of its metrics has, a variable
+the dashboard does not define, a multi-value variable matched with anything but ``=~``, a query
+naming no eplb metric at all.
 The check reads the dashboard's JSON dict only, so it covers hand edits as well as the builder.
 Names are found by regular expressions over the query text, not a PromQL parser: the queries
 are this project's own, written in the plain shapes these expressions match.
@@ -38,6 +40,8 @@ def queries(dashboard: dict) -> list[Query]:
                 Query(f"panel {panel['title']!r} {target['refId']}", target["expr"], bool(target["instant"]))
             )
     for var in dashboard["templating"]["list"]:
+        if var["type"] != "query":
+            continue  # the datasource variable lists datasources, not series
         inner = re.fullmatch(r"label_values\((.*),\s*\w+\)", var["query"])
         out.append(Query(f"variable ${var['name']}", inner.group(1) if inner else var["query"], True))
     for ann in dashboard["annotations"]["list"]:
@@ -50,20 +54,26 @@ _METRIC = re.compile(r"\b(eplb_[A-Za-z0-9_:]*)")
 _SELECTOR = re.compile(r"\b(eplb_[A-Za-z0-9_:]*)\s*\{([^}]*)\}")
 _MATCHER = re.compile(r'([A-Za-z_]\w*)\s*(=~|!~|!=|=)\s*"([^"]*)"')
 _GROUPING = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\(([^)]*)\)")
+_VARIABLE = re.compile(r"\$\{?(\w+)")
 
 
 def _labels_of(series: str) -> set[str]:
     for spec in m.METRICS:
         if series in spec.series_names():
-            return set(spec.labels) | ({"le"} if series.endswith("_bucket") else set())
+            own = set(spec.labels) | ({"le"} if series.endswith("_bucket") else set())
+            return own | set(m.ENGINE_LABELS) | set(m.TARGET_LABELS)
     return set()
 
 
 def problems(dashboard: dict) -> list[str]:
     """What is wrong with the dashboard's queries (empty when every name is one the code exports)."""
     known = m.all_series_names()
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     found = []
     for q in queries(dashboard):
+        for name in _VARIABLE.findall(q.expr):
+            if not name.startswith("__") and name not in variables:
+                found.append(f"{q.where}: variable ${name} is not defined by the dashboard")
         metrics = _METRIC.findall(q.expr)
         if not metrics:
             found.append(f"{q.where}: queries no eplb metric: {q.expr}")
@@ -74,7 +84,8 @@ def problems(dashboard: dict) -> list[str]:
             for label, op, value in _MATCHER.findall(matchers):
                 if name in known and label not in _labels_of(name):
                     found.append(f"{q.where}: {name} has no label {label!r}")
-                if "$" in value and op != "=~":
+                multi = [v for v in _VARIABLE.findall(value) if variables.get(v, {}).get("multi")]
+                if multi and op != "=~":
                     found.append(f"{q.where}: multi-value variable needs =~ in {name}{{{matchers}}}")
         usable = set().union(*(_labels_of(n) for n in metrics)) if metrics else set()
         for group in _GROUPING.findall(q.expr):

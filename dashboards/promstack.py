@@ -49,13 +49,16 @@ def scrape_config(target: str, interval_s: float) -> str:
     return text.replace(DEFAULT_TARGET, target).replace(": 5s", f": {interval}")
 
 
-def expand(expr: str, *, rate_interval: str, layer: str = ".*") -> str:
-    """Grafana's variables as Grafana would send them with the layer variable set to All."""
-    return (
-        expr.replace("$__rate_interval", rate_interval)
-        .replace("$__interval", rate_interval)
-        .replace("$layer", layer)
-    )
+def expand(expr: str, *, rate_interval: str, **variables: str) -> str:
+    """Grafana's variables as Grafana would send them: ``variables`` by name, the others All (``.*``)."""
+
+    def value(found: re.Match[str]) -> str:
+        name = found.group(1)
+        if name in ("__rate_interval", "__interval"):
+            return rate_interval
+        return variables.get(name, ".*")
+
+    return re.sub(r"\$\{?(\w+)\}?", value, expr)
 
 
 _Self = TypeVar("_Self", bound="_Background")
@@ -181,6 +184,29 @@ class LocalPrometheus(_Background):
         if body.get("status") != "success":
             raise RuntimeError(f"prometheus {endpoint} {params}: {body}")
         return body["data"]
+
+    def variables(self, dashboard: dict) -> dict[str, str]:
+        """The dashboard's query variables as Grafana sets them by default: each single-valued one to
+        the first value its ``label_values`` query finds (queries see the variables before them),
+        the multi-valued ones to All."""
+        chosen: dict[str, str] = {}
+        for var in dashboard["templating"]["list"]:
+            if var["type"] != "query":
+                continue
+            if var.get("includeAll"):
+                chosen[var["name"]] = var.get("allValue", ".*")
+                continue
+            found = re.fullmatch(r"label_values\((.*),\s*(\w+)\)", var["query"])
+            if found is None:
+                raise ValueError(f"variable ${var['name']}: not a label_values query: {var['query']}")
+            selector, label = expand(found.group(1), rate_interval="1m", **chosen), found.group(2)
+            params: dict[str, str | float] = {"match[]": selector, "start": time.time() - 3600}
+            series = self.api("series", **params)
+            values = sorted({s[label] for s in series if label in s})
+            if not values:
+                raise RuntimeError(f"variable ${var['name']}: no {label} in {selector}")
+            chosen[var["name"]] = values[0]
+        return chosen
 
     def wait_for_samples(self, metric: str, count: int, timeout_s: float) -> None:
         """Wait until ``metric`` has at least ``count`` scraped samples."""

@@ -34,13 +34,14 @@ def _legend(fmt: str, labels: dict[str, str]) -> str:
 def fetch(prom: promstack.LocalPrometheus, dashboard: dict, start: float, end: float, step: float) -> dict:
     """Every panel's query results (range or instant, as the panel asks), plus the annotation times."""
     rate = f"{round(4 * step)}s"
+    chosen = prom.variables(dashboard)
     panels = []
     for panel in dashboard["panels"]:
         if panel["type"] == "row":
             continue
         results = []
         for target in panel["targets"]:
-            expr = promstack.expand(target["expr"], rate_interval=rate)
+            expr = promstack.expand(target["expr"], rate_interval=rate, **chosen)
             if target["instant"]:
                 data = prom.api("query", query=expr, time=end)
             else:
@@ -52,7 +53,8 @@ def fetch(prom: promstack.LocalPrometheus, dashboard: dict, start: float, end: f
     annotations = []
     for ann in dashboard["annotations"]["list"]:
         if "expr" in ann:
-            data = prom.api("query_range", query=ann["expr"], start=start, end=end, step=step)
+            expr = promstack.expand(ann["expr"], rate_interval=rate, **chosen)
+            data = prom.api("query_range", query=expr, start=start, end=end, step=step)
             for series in data["result"]:
                 stamps = {float(v) / 1000 for _, v in series["values"]}
                 annotations += [(t, series["metric"].get("outcome", "")) for t in sorted(stamps)]
@@ -125,8 +127,8 @@ def plot(snapshot: dict, out: Path, title: str) -> None:
             cells = {
                 (s["metric"]["layer"], s["metric"]["rank"]): float(s["value"][1]) for s in target["result"]
             }
-            layers = sorted({k[0] for k in cells})
-            ranks = sorted({k[1] for k in cells})
+            layers = sorted({k[0] for k in cells}, key=int)
+            ranks = sorted({k[1] for k in cells}, key=int)
             grid = np.array([[cells.get((layer, r), np.nan) for r in ranks] for layer in layers])
             image = ax.imshow(grid.T, aspect="auto", cmap="RdYlGn_r", vmin=0, vmax=2, interpolation="nearest")
             ax.set_xlabel("layer", fontsize=7)

@@ -1,6 +1,9 @@
 """PrometheusSink: values against plain numpy, names against eplb.metrics.names, bounded series, copies.
 
 Shape legend: L layers, E logical experts, G GPUs, K hottest experts per layer.
+
+Every sample carries the sink's engine labels; ``by_name`` checks them on each sample and drops
+them, so the assertions below compare each metric's own labels.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from eplb import __version__
 from eplb.metrics import names
-from eplb.metrics.prometheus import MAX_REASON_CHARS, PrometheusSink
+from eplb.metrics.causes import REBALANCE_CAUSES, causes_of
+from eplb.metrics.prometheus import PrometheusSink
 from eplb.metrics.sink import MetricsSink, NullSink
 
 Sample = tuple[str, tuple[tuple[str, str], ...], float]
+DEFAULT_ENGINE = {"engine": "0", "model_name": "unknown"}
 
 
 def samples(text: bytes | str) -> list[Sample]:
@@ -31,8 +36,21 @@ def samples(text: bytes | str) -> list[Sample]:
     ]
 
 
-def by_name(text: bytes, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-    return {labels: value for n, labels, value in samples(text) if n == name}
+def by_name(
+    text: bytes, name: str, engine: dict[str, str] = DEFAULT_ENGINE
+) -> dict[tuple[tuple[str, str], ...], float]:
+    """Samples of ``name`` by their own labels, after checking each carries exactly ``engine``'s."""
+    out = {}
+    for n, labels, value in samples(text):
+        if n == name:
+            assert {k: v for k, v in labels if k in engine} == engine, labels
+            out[tuple((k, v) for k, v in labels if k not in engine)] = value
+    return out
+
+
+def sample_value(sink: PrometheusSink, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """``sink.registry.get_sample_value`` with the default engine labels added."""
+    return sink.registry.get_sample_value(name, {**(labels or {}), **DEFAULT_ENGINE})
 
 
 GOOD_REBALANCE: dict[str, object] = dict(
@@ -94,7 +112,7 @@ def test_null_sink_ignores_every_event() -> None:
 def test_window_values_match_numpy_reference() -> None:
     sink, logical_LE, gpu_LG = full_sink()
     text = sink.render()
-    layers, ranks = [f"{i:02d}" for i in range(12)], [str(g) for g in range(4)]
+    layers, ranks = [str(i) for i in range(12)], [str(g) for g in range(4)]
     balance_L = gpu_LG.mean(axis=1) / gpu_LG.max(axis=1)
     got = by_name(text, names.LAYER_BALANCEDNESS)
     assert got == pytest.approx({(("layer", layers[i]),): balance_L[i] for i in range(12)})
@@ -114,18 +132,17 @@ def test_window_values_match_numpy_reference() -> None:
 
 def test_event_values() -> None:
     sink, _, _ = full_sink()
-    reg = sink.registry
-    assert reg.get_sample_value(names.FORWARD_PASSES, {"kind": "prefill", "recorded": "true"}) == 2
-    assert reg.get_sample_value(names.FORWARD_PASSES, {"kind": "decode", "recorded": "false"}) == 1
-    assert reg.get_sample_value(names.FORWARD_PASSES, {"kind": "decode", "recorded": "true"}) == 0
-    assert reg.get_sample_value(names.REBALANCES, {"outcome": "applied"}) == 1
-    assert reg.get_sample_value(names.EXPERTS_MOVED) == 7
-    assert reg.get_sample_value(names.MOVED_BYTES) == 7 * 44_040_192
-    assert reg.get_sample_value(names.SOLVE_SECONDS + "_sum") == pytest.approx(0.3)
-    assert reg.get_sample_value(names.SOLVE_SECONDS + "_bucket", {"le": "0.25"}) == 0
-    assert reg.get_sample_value(names.SOLVE_SECONDS + "_bucket", {"le": "0.5"}) == 1
-    assert reg.get_sample_value(names.TRANSFER_SECONDS + "_count") == 1
-    assert reg.get_sample_value(names.LAST_REBALANCE_BALANCEDNESS, {"when": "after"}) == pytest.approx(0.93)
+    assert sample_value(sink, names.FORWARD_PASSES, {"kind": "prefill", "recorded": "true"}) == 2
+    assert sample_value(sink, names.FORWARD_PASSES, {"kind": "decode", "recorded": "false"}) == 1
+    assert sample_value(sink, names.FORWARD_PASSES, {"kind": "decode", "recorded": "true"}) == 0
+    assert sample_value(sink, names.REBALANCES, {"outcome": "applied", "cause": "applied"}) == 1
+    assert sample_value(sink, names.EXPERTS_MOVED) == 7
+    assert sample_value(sink, names.MOVED_BYTES) == 7 * 44_040_192
+    assert sample_value(sink, names.SOLVE_SECONDS + "_sum") == pytest.approx(0.3)
+    assert sample_value(sink, names.SOLVE_SECONDS + "_bucket", {"le": "0.25"}) == 0
+    assert sample_value(sink, names.SOLVE_SECONDS + "_bucket", {"le": "0.5"}) == 1
+    assert sample_value(sink, names.TRANSFER_SECONDS + "_count") == 1
+    assert sample_value(sink, names.LAST_REBALANCE_BALANCEDNESS, {"when": "after"}) == pytest.approx(0.93)
     info = {
         "version": __version__,
         "num_layers": "12",
@@ -134,7 +151,7 @@ def test_event_values() -> None:
         "num_gpus": "4",
         "num_nodes": "2",
     }
-    assert reg.get_sample_value(names.INFO, info) == 1
+    assert sample_value(sink, names.INFO, info) == 1
 
 
 def test_skipped_rebalance_counts_but_moves_nothing() -> None:
@@ -150,16 +167,15 @@ def test_skipped_rebalance_counts_but_moves_nothing() -> None:
             balancedness_before=0.95,
             balancedness_after=0.96,
         )
-    reg = sink.registry
-    assert reg.get_sample_value(names.REBALANCES, {"outcome": "skipped"}) == 2
-    assert reg.get_sample_value(names.REBALANCES, {"outcome": "failed"}) == 1
-    assert reg.get_sample_value(names.SOLVE_SECONDS + "_count") == 3
-    assert reg.get_sample_value(names.TRANSFER_SECONDS + "_count") == 1  # only the failed one transferred
-    assert reg.get_sample_value(names.EXPERTS_MOVED) == 5
-    assert reg.get_sample_value(names.MOVED_BYTES) == 500
+    assert sample_value(sink, names.REBALANCES, {"outcome": "skipped", "cause": "skipped_threshold"}) == 2
+    assert sample_value(sink, names.REBALANCES, {"outcome": "failed", "cause": "failed_other"}) == 1
+    assert sample_value(sink, names.SOLVE_SECONDS + "_count") == 3
+    assert sample_value(sink, names.TRANSFER_SECONDS + "_count") == 1  # only the failed one transferred
+    assert sample_value(sink, names.EXPERTS_MOVED) == 5
+    assert sample_value(sink, names.MOVED_BYTES) == 500
 
 
-def test_last_rebalance_keeps_one_series_per_outcome_with_a_short_reason() -> None:
+def test_last_rebalance_keeps_one_series_per_cause_and_no_reason_text() -> None:
     sink = PrometheusSink()
     for i in range(50):
         sink.on_rebalance(**{**GOOD_REBALANCE, "reason": f"reason {i}"})  # type: ignore[arg-type]
@@ -167,9 +183,66 @@ def test_last_rebalance_keeps_one_series_per_outcome_with_a_short_reason() -> No
     got = by_name(sink.render(), names.LAST_REBALANCE_TIMESTAMP)
     assert len(got) == 2
     labels = [dict(k) for k in got]
-    assert {"outcome": "applied", "reason": "reason 49"} in labels
-    skipped = next(x for x in labels if x["outcome"] == "skipped")
-    assert len(skipped["reason"]) == MAX_REASON_CHARS and "\n" not in skipped["reason"]
+    assert {"outcome": "applied", "cause": "applied"} in labels
+    assert {"outcome": "skipped", "cause": "skipped_other"} in labels
+    # The free text is nowhere in the exposition: not as a label, not truncated.
+    assert b"reason 49" not in sink.render() and b"xx" not in sink.render().replace(b"\n", b"")
+
+
+def test_label_set_is_bounded_after_many_rebalances_with_distinct_reasons() -> None:
+    # Two thousand rebalances whose reasons all differ (numbers, layer lists, errors, junk): the
+    # scrape keeps the series it had once every cause was seen, and the cause values are the list's.
+    rng = np.random.default_rng(3)
+    sink = PrometheusSink()
+    templates = {
+        "applied": [
+            "predicted balancedness {a:.4f} -> {b:.4f} for {n} expert copies",
+            "no current placement",
+        ],
+        "skipped": [
+            "balancedness {a:.4f} above threshold {b}",
+            "the window holds no load",
+            "predicted balancedness gain {d:+.4f} ({a:.4f} -> {b:.4f}) < min_gain {c}",
+            "moves {n} expert copies ({m} bytes), over max_bytes_moved={m}",
+            "the plan equals the current placement",
+            "custom planner says no ({n})",
+        ],
+        "failed": [
+            "planner failed: ValueError: bad load {a}",
+            "hot-swap of layers [{n}] failed and was rolled back: chunk {n} wait: TimeoutError: not done after {c} s",
+            "hot-swap of layers [{n}] failed and was rolled back: chunk {n} verify: checksum mismatch in transfers [{n}]",
+            "preparing the swap failed on another rank",
+            "hot-swap of layers [{n}] failed and was rolled back: RuntimeError: {n} rank(s) could not allocate {m} bytes",
+            "junk {a} {m}",
+        ],
+    }
+    seen: list[set[tuple[str, tuple[tuple[str, str], ...]]]] = []
+    for i in range(2000):
+        outcome = ("applied", "skipped", "failed")[i % 3]
+        reason = templates[outcome][int(rng.integers(len(templates[outcome])))].format(
+            a=rng.random(),
+            b=rng.random(),
+            c=rng.random(),
+            d=rng.random() - 0.5,
+            n=int(rng.integers(1 << 20)),
+            m=int(rng.integers(1 << 40)),
+        )
+        sink.on_rebalance(**{**GOOD_REBALANCE, "outcome": outcome, "reason": reason})  # type: ignore[arg-type]
+        if i in (299, 1999):
+            seen.append({(name, labels) for name, labels, _ in samples(sink.render())})
+    assert seen[0] == seen[1]
+    per_family: dict[str, int] = {}
+    for name, labels in seen[1]:
+        per_family[name] = per_family.get(name, 0) + 1
+        cause = dict(labels).get("cause")
+        assert cause is None or cause in REBALANCE_CAUSES, labels
+        if name in (names.REBALANCES, names.LAST_REBALANCE_TIMESTAMP):
+            assert {k for k, _ in labels} == {"outcome", "cause", *names.ENGINE_LABELS}
+    fixed = sum(len(causes_of(o)) for o in names.REBALANCE_OUTCOMES)
+    assert fixed == len(REBALANCE_CAUSES)
+    assert per_family[names.REBALANCES] == fixed  # every (outcome, cause), from the start
+    assert per_family[names.LAST_REBALANCE_TIMESTAMP] == 1 + 6 + 6  # one per cause the reasons hit
+    assert len(seen[1]) < 120
 
 
 @pytest.mark.parametrize("per_expert", [False, True])
@@ -202,13 +275,21 @@ def test_series_count_is_bounded_by_layers_times_ranks() -> None:
     assert sum(counts.values()) < L * G + L * 8 + L + 200
 
 
-def test_label_values_are_zero_padded_and_sort_numerically() -> None:
+def test_label_values_are_plain_integers() -> None:
+    # As SGLang (layer="7") and vLLM write them, so queries join on them: never "07".
     assert names.index_labels(0) == []
     assert names.index_labels(1) == ["0"]
     labels = names.index_labels(58)
-    assert labels[:2] == ["00", "01"] and labels[-1] == "57" and sorted(labels) == labels
+    assert labels[:2] == ["0", "1"] and labels[7] == "7" and labels[-1] == "57"
+    assert labels == [str(int(v)) for v in labels] and sorted(labels, key=int) == labels
     with pytest.raises(ValueError):
         names.index_labels(-1)
+    # The exposition: every layer, rank and expert label of a 12-layer window is str(int).
+    sink, _, _ = full_sink()
+    for name, labels_, _ in samples(sink.render()):
+        for key, value in labels_:
+            if key in ("layer", "rank", "expert"):
+                assert value == str(int(value)), (name, labels_)
 
 
 def test_window_is_copied_not_referenced() -> None:
@@ -255,7 +336,7 @@ def test_windows_faster_than_the_render_interval_are_served_from_the_last_render
     sink.on_window(logical_load_LE=np.ones((1, 2)), gpu_load_LG=np.full((1, 1), 2.0))
     assert scraped_tokens() == 1.0  # within the interval: the last render
     # The registry path is never throttled.
-    assert sink.registry.get_sample_value(names.RANK_TOKENS, {"layer": "0", "rank": "0"}) == 2.0
+    assert sample_value(sink, names.RANK_TOKENS, {"layer": "0", "rank": "0"}) == 2.0
     time.sleep(0.35)
     assert scraped_tokens() == 2.0
     with pytest.raises(ValueError):
@@ -276,7 +357,7 @@ def test_sinks_use_their_own_registry() -> None:
     before = {m.name for m in REGISTRY.collect()}
     a, b = PrometheusSink(), PrometheusSink()
     a.on_forward_pass(kind="decode", recorded=False)
-    assert b.registry.get_sample_value(names.FORWARD_PASSES, {"kind": "decode", "recorded": "false"}) == 0
+    assert sample_value(b, names.FORWARD_PASSES, {"kind": "decode", "recorded": "false"}) == 0
     assert {m.name for m in REGISTRY.collect()} == before
 
 
@@ -307,7 +388,7 @@ def test_good_input_of_the_bad_input_cases_is_accepted() -> None:
     sink = PrometheusSink()
     sink.on_rebalance(**GOOD_REBALANCE)  # type: ignore[arg-type]
     sink.on_topology(**GOOD_TOPOLOGY)
-    assert sink.registry.get_sample_value(names.REBALANCES, {"outcome": "applied"}) == 1
+    assert sample_value(sink, names.REBALANCES, {"outcome": "applied", "cause": "applied"}) == 1
 
 
 def test_window_shape_must_match_the_topology() -> None:
@@ -354,3 +435,59 @@ def test_concurrent_windows_and_scrapes_are_consistent() -> None:
         stop.set()
         thread.join(timeout=10)
     assert not errors, errors
+
+
+def test_engine_labels_are_on_every_series_and_join_the_engines() -> None:
+    # A model name with the characters the text format escapes: the fast render and
+    # prometheus_client's writer agree, and every sample carries exactly these two values.
+    engine = {"engine": "1", "model_name": 'org/Model-3.1 "chat" \\ v2'}
+    sink = PrometheusSink(hot_experts_per_layer=2, per_expert=True, **engine)
+    sink.on_topology(**GOOD_TOPOLOGY)
+    logical_LE, gpu_LG = window(np.random.default_rng(2), 2, 8, 2)
+    sink.on_window(logical_load_LE=logical_LE, gpu_load_LG=gpu_LG)
+    sink.on_forward_pass(kind="decode", recorded=True)
+    sink.on_rebalance(**GOOD_REBALANCE)  # type: ignore[arg-type]
+    fast = sink.render()
+    assert sorted(samples(fast)) == sorted(samples(generate_latest(sink.registry)))
+    exported = samples(fast)
+    assert len(exported) > 50
+    for name, labels, _ in exported:
+        assert {k: v for k, v in labels if k in names.ENGINE_LABELS} == engine, name
+    # The same as a default sink's series, label for label, once the engine labels are set aside.
+    assert by_name(fast, names.RANK_TOKENS, engine) == pytest.approx(
+        {(("layer", str(i)), ("rank", str(g))): gpu_LG[i, g] for i in range(2) for g in range(2)}
+    )
+    assert sink.engine_labels == tuple(engine.items())
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(model_name=""),
+        dict(engine=""),
+        dict(model_name="two\nlines"),
+        dict(engine="tab\there"),
+        dict(model_name="m" * (names.MAX_LABEL_CHARS + 1)),
+        dict(engine=3),
+    ],
+)
+def test_bad_engine_labels_are_value_errors(kwargs: dict[str, object]) -> None:
+    from eplb.metrics.exporter import sink_for_rank
+
+    with pytest.raises(ValueError):
+        PrometheusSink(**kwargs)  # type: ignore[arg-type]
+    for rank in (0, 1):  # every rank refuses the same flags, whether it exports or not
+        with pytest.raises(ValueError):
+            sink_for_rank(rank, port=None, **kwargs)  # type: ignore[arg-type]
+    PrometheusSink(model_name="m" * names.MAX_LABEL_CHARS, engine="prefill-0")  # the limits themselves pass
+
+
+def test_explicit_cause_is_checked_against_the_outcome() -> None:
+    sink = PrometheusSink()
+    sink.on_rebalance(**{**GOOD_REBALANCE, "outcome": "skipped", "cause": "skipped_budget"})  # type: ignore[arg-type]
+    assert sample_value(sink, names.REBALANCES, {"outcome": "skipped", "cause": "skipped_budget"}) == 1
+    for outcome, cause in [("skipped", "failed_timeout"), ("applied", "skipped_gain"), ("failed", "oops")]:
+        with pytest.raises(ValueError):
+            sink.on_rebalance(**{**GOOD_REBALANCE, "outcome": outcome, "cause": cause})  # type: ignore[arg-type]
+    # A refused event counts nothing.
+    assert sum(v for n, _, v in samples(sink.render()) if n == names.REBALANCES) == 1

@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from eplb.metrics import names
+from eplb.metrics.causes import CAUSE_HELP, REBALANCE_OUTCOMES, causes_of
 from tests.helpers.dashboards import generate, panels, promql, promstack
 
 REPO = Path(__file__).resolve().parents[1]
@@ -63,6 +64,8 @@ def _with_expr(expr: str) -> dict:
         ('eplb_layer_balancedness{layer="$layer"}', "needs =~"),
         ("sum by (expert) (eplb_rank_tokens)", "groups by 'expert'"),
         ("vector(1)", "no eplb metric"),
+        ('eplb_rank_tokens{layer=~"$nope"}', "variable $nope is not defined"),
+        ('eplb_rank_tokens{gpu=~"$layer"}', "no label 'gpu'"),
     ],
 )
 def test_check_names_the_bad_query(expr: str, complaint: str) -> None:
@@ -76,6 +79,9 @@ def test_good_variants_pass() -> None:
         "histogram_quantile(0.9, sum by (le) (rate(eplb_rebalance_transfer_seconds_bucket[1m])))",
         'eplb_expert_tokens{layer=~"$layer", expert="007"}',
         "eplb_forward_passes_created",
+        'eplb_rank_tokens{instance="$instance",model_name="$model_name",engine="0",job="eplb"}',
+        'sum by (engine, model_name) (eplb_rebalances_total{cause="failed_timeout"})',
+        "rate(eplb_moved_bytes_total[$__rate_interval])",
     ):
         assert promql.problems(_with_expr(expr)) == []
 
@@ -89,9 +95,22 @@ def test_dashboard_covers_every_default_metric_and_the_required_panels() -> None
     kinds = {p["type"] for p in dashboard["panels"]}
     assert {"timeseries", "table", "bargauge", "stat", "row"} <= kinds
     heatmap = next(p for p in dashboard["panels"] if "layer x rank" in p["title"])
-    assert heatmap["transformations"][1]["id"] == "groupingToMatrix"
-    (variable,) = dashboard["templating"]["list"]
+    steps = [t["id"] for t in heatmap["transformations"]]
+    assert steps == ["convertFieldType", "sortBy", "groupingToMatrix", "sortBy"]
+    # Layers and ranks become numbers before anything sorts them (rank 10 after rank 9).
+    conversions = heatmap["transformations"][0]["options"]["conversions"]
+    assert {(c["targetField"], c["destinationType"]) for c in conversions} == {
+        ("layer", "number"),
+        ("rank", "number"),
+    }
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert list(variables) == ["datasource", "instance", "model_name", "layer"]
+    variable = variables["layer"]
     assert variable["name"] == "layer" and variable["multi"] and variable["includeAll"]
+    # One process at a time: sums over its ranks and layers never mix two servers.
+    for name in ("instance", "model_name"):
+        assert variables[name]["type"] == "query" and not variables[name]["multi"]
+        assert not variables[name]["includeAll"]
     annotation = dashboard["annotations"]["list"][-1]
     assert names.LAST_REBALANCE_TIMESTAMP in annotation["expr"] and annotation["useValueForTime"]
     ids = [p["id"] for p in dashboard["panels"]]
@@ -106,16 +125,50 @@ def test_dashboard_covers_every_default_metric_and_the_required_panels() -> None
         cells |= mine
 
 
-def test_every_panel_and_target_uses_the_provisioned_datasource() -> None:
+def test_the_datasource_is_a_variable_that_defaults_to_the_provisioned_one() -> None:
     datasources = yaml.safe_load((DASHBOARDS / "provisioning/datasources/eplb.yaml").read_text())
     (source,) = datasources["datasources"]
-    assert source["uid"] == panels.DATASOURCE_UID and source["type"] == "prometheus"
-    dashboard = json.loads(generate.DASHBOARD_PATH.read_text())
+    assert source["type"] == "prometheus" and source["isDefault"]
+    text = generate.DASHBOARD_PATH.read_text()
+    dashboard = json.loads(text)
+    # No datasource uid is written into the dashboard: Grafana's default Prometheus (the one
+    # provisioned here, or a user's own) fills $datasource.
+    assert source["uid"] not in text
+    variable = dashboard["templating"]["list"][0]
+    assert variable["type"] == "datasource" and variable["query"] == "prometheus"
+    assert variable["name"] == "datasource" and variable["current"] == {}
+    ref = {"type": "prometheus", "uid": "${datasource}"}
     for panel in dashboard["panels"]:
         if panel["type"] == "row":
             continue
-        assert panel["datasource"]["uid"] == source["uid"]
-        assert all(t["datasource"]["uid"] == source["uid"] for t in panel["targets"])
+        assert panel["datasource"] == ref
+        assert all(t["datasource"] == ref for t in panel["targets"])
+    assert all(v["datasource"] == ref for v in dashboard["templating"]["list"][1:])
+    annotations = [a for a in dashboard["annotations"]["list"] if "expr" in a]
+    assert annotations and all(a["datasource"] == ref for a in annotations)
+
+
+def test_every_query_selects_one_process() -> None:
+    # Each eplb metric in a panel or an annotation carries the $instance and $model_name matchers
+    # (exact: single-valued), so a Prometheus scraping many servers shows the chosen one only.
+    dashboard = panels.build_dashboard()
+    checked = 0
+    for query in promql.queries(dashboard):
+        if query.where.startswith("variable"):
+            continue
+        selectors = promql._SELECTOR.findall(query.expr)
+        assert len(selectors) == len(promql._METRIC.findall(query.expr)), query
+        for metric, matchers in selectors:
+            found = {(k, op, v) for k, op, v in promql._MATCHER.findall(matchers)}
+            assert {("instance", "=", "$instance"), ("model_name", "=", "$model_name")} <= found, (
+                query.where,
+                metric,
+            )
+            checked += 1
+    assert checked >= 20
+    annotation = dashboard["annotations"]["list"][-1]
+    # Labels only, from the fixed list: the annotation never shows free text.
+    assert annotation["textFormat"] == "{{cause}}" and "reason" not in json.dumps(annotation)
 
 
 def test_dashboard_provider_points_at_this_folder() -> None:
@@ -143,6 +196,9 @@ def test_scrape_config_is_valid_and_substitutable() -> None:
 def test_grafana_variable_expansion() -> None:
     expr = 'rate(x{layer=~"$layer"}[$__rate_interval])'
     assert promstack.expand(expr, rate_interval="5s") == 'rate(x{layer=~".*"}[5s])'
+    expr = 'x{instance="$instance",model_name="${model_name}",layer=~"$layer"}[$__interval]'
+    got = promstack.expand(expr, rate_interval="5s", instance="h:1", model_name="m/x")
+    assert got == 'x{instance="h:1",model_name="m/x",layer=~".*"}[5s]'
 
 
 def test_docs_metrics_table_matches_the_names_module() -> None:
@@ -155,6 +211,13 @@ def test_docs_metrics_table_matches_the_names_module() -> None:
             labels = tuple(c.strip(" `") for c in cells[2].split(",")) if cells[2] != "—" else ()
             rows[cells[0].strip("`")] = (cells[1], labels)
     assert rows == {spec.name: (spec.kind, spec.labels) for spec in names.METRICS}
+    # ... and the rebalance causes with the meaning and outcome the code gives them.
+    causes = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].strip("`") in CAUSE_HELP:
+            causes[cells[0].strip("`")] = (cells[1], cells[2])
+    assert causes == {c: (o, CAUSE_HELP[c]) for o in REBALANCE_OUTCOMES for c in causes_of(o)}
     assert "img/observability-dashboard.png" in text
     assert (REPO / "docs/img/observability-dashboard.png").exists()
 

@@ -1,7 +1,10 @@
-"""MetricsExporter: loopback by default, serves the sink's text, frees its port; only rank 0 exports."""
+"""MetricsExporter: loopback by default, serves the sink's text (gzipped when asked), frees its port,
+closes idle connections, bounds its threads; only rank 0 exports."""
 
 from __future__ import annotations
 
+import gzip
+import http.client
 import socket
 import threading
 import time
@@ -13,7 +16,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from eplb.metrics import names
-from eplb.metrics.exporter import CONTENT_TYPE, MetricsExporter, sink_for_rank
+from eplb.metrics.exporter import CONTENT_TYPE, MetricsExporter, accepts_gzip, sink_for_rank
 from eplb.metrics.prometheus import PrometheusSink
 from eplb.metrics.sink import NullSink
 
@@ -24,6 +27,27 @@ def get(url: str) -> tuple[int, str, bytes]:
             return resp.status, resp.headers["Content-Type"], resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.headers["Content-Type"], exc.read()
+
+
+def passes(body: bytes, kind: str, recorded: str) -> float | None:
+    """The forward-pass counter of one (kind, recorded) in a scrape, whatever its engine labels."""
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            if s.name == names.FORWARD_PASSES and (s.labels["kind"], s.labels["recorded"]) == (
+                kind,
+                recorded,
+            ):
+                return float(s.value)
+    return None
+
+
+def wait_until(condition: object, timeout_s: float = 5.0) -> float:
+    """Seconds until ``condition()`` held; fails after ``timeout_s``."""
+    start = time.monotonic()
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() - start < timeout_s, "condition never held"
+        time.sleep(0.01)
+    return time.monotonic() - start
 
 
 def test_serves_metrics_on_loopback() -> None:
@@ -39,7 +63,7 @@ def test_serves_metrics_on_loopback() -> None:
         assert names.RANK_TOKENS in families
         # Later events show up in the next scrape.
         sink.on_forward_pass(kind="decode", recorded=True)
-        assert b'eplb_forward_passes_total{kind="decode",recorded="true"} 1.0' in get(exporter.url)[2]
+        assert passes(get(exporter.url)[2], "decode", "true") == 1.0
         assert get(exporter.url + "?x=1")[0] == 200
         assert get(f"http://127.0.0.1:{exporter.port}/")[0] == 200
         assert get(f"http://127.0.0.1:{exporter.port}/nope")[0] == 404
@@ -98,9 +122,7 @@ def test_scrapes_and_sink_calls_run_concurrently() -> None:
         done.set()
         thread.join(timeout=5)
     assert calls > 0
-    assert (
-        sink.registry.get_sample_value(names.FORWARD_PASSES, {"kind": "prefill", "recorded": "true"}) == calls
-    )
+    assert passes(sink.render(), "prefill", "true") == calls
 
 
 def test_only_rank_zero_exports() -> None:
@@ -154,7 +176,7 @@ def test_demo_flags_export_the_sink_the_demo_reports_to(
     monkeypatch.setattr(demo, "run_demo", fake_run_demo)
     assert main(["demo", "--nproc", "2", "--metrics-port", "0", "--metrics-host", "127.0.0.2"]) == 0
     assert str(seen["url"]).startswith("http://127.0.0.2:") and seen["status"] == 200
-    assert b'eplb_forward_passes_total{kind="prefill",recorded="true"} 1.0' in seen["body"]  # type: ignore[operator]
+    assert passes(seen["body"], "prefill", "true") == 1.0  # type: ignore[arg-type]
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(str(seen["url"]), timeout=2)
     # Without --metrics-port the demo reports to no exporter.
@@ -164,8 +186,6 @@ def test_demo_flags_export_the_sink_the_demo_reports_to(
 
 
 def test_one_kept_alive_connection_serves_many_scrapes() -> None:
-    import http.client
-
     sink = PrometheusSink()
     with MetricsExporter(sink) as exporter:
         conn = http.client.HTTPConnection("127.0.0.1", exporter.port, timeout=5)
@@ -176,8 +196,125 @@ def test_one_kept_alive_connection_serves_many_scrapes() -> None:
                 resp = conn.getresponse()
                 body = resp.read()
                 assert resp.status == 200 and not resp.will_close
-                assert (
-                    f'eplb_forward_passes_total{{kind="decode",recorded="false"}} {i + 1}.0'.encode() in body
-                )
+                assert passes(body, "decode", "false") == i + 1
         finally:
             conn.close()
+
+
+def _deepseek_sized_sink() -> PrometheusSink:
+    L, E, G = 58, 256, 32
+    sink = PrometheusSink(model_name="deepseek-ai/DeepSeek-V3")
+    sink.on_topology(num_layers=L, num_logical=E, num_physical=288, num_gpus=G, num_nodes=4)
+    rng = np.random.default_rng(0)
+    sink.on_window(
+        logical_load_LE=rng.integers(0, 10_000, (L, E)).astype(np.float64),
+        gpu_load_LG=rng.integers(0, 100_000, (L, G)).astype(np.float64),
+    )
+    return sink
+
+
+def _scrape(port: int, headers: dict[str, str]) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", "/metrics", headers=headers)
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+def test_gzip_when_the_client_accepts_it_and_the_same_text() -> None:
+    sink = _deepseek_sized_sink()
+    with MetricsExporter(sink) as exporter:
+        status, plain_headers, plain = _scrape(exporter.port, {})
+        assert status == 200 and "content-encoding" not in plain_headers
+        for accept in ("gzip", "deflate, gzip;q=0.5", "*", "br, GZIP"):
+            status, headers, zipped = _scrape(exporter.port, {"Accept-Encoding": accept})
+            assert status == 200 and headers["content-encoding"] == "gzip", accept
+            assert headers["content-type"] == CONTENT_TYPE and "Accept-Encoding" in headers["vary"]
+            assert int(headers["content-length"]) == len(zipped)
+            assert gzip.decompress(zipped) == plain == sink.render()
+            assert len(zipped) * 5 < len(plain), (len(zipped), len(plain))  # 240 kB -> about 23 kB
+        for refuse in ("identity", "gzip;q=0", "deflate", "*;q=0", "gzip;q=0, *"):
+            status, headers, body = _scrape(exporter.port, {"Accept-Encoding": refuse})
+            assert "content-encoding" not in headers and body == plain, refuse
+        # The text changes with the next event, and so does the gzipped answer.
+        sink.on_forward_pass(kind="decode", recorded=True)
+        _, _, zipped = _scrape(exporter.port, {"Accept-Encoding": "gzip"})
+        assert passes(gzip.decompress(zipped), "decode", "true") == 1.0
+
+
+def test_accept_encoding_parsing() -> None:
+    assert accepts_gzip("gzip") and accepts_gzip(" x-gzip ") and accepts_gzip("gzip;q=0.001")
+    assert accepts_gzip("*;q=1") and accepts_gzip("identity, *")
+    for header in (None, "", "identity", "gzip;q=0", "gzip; q=0.0", "gzip;q=bad", "*;q=0, identity"):
+        assert not accepts_gzip(header), header
+
+
+def test_an_idle_connection_is_closed_after_the_timeout() -> None:
+    with MetricsExporter(PrometheusSink(), idle_timeout_s=0.3) as exporter:
+        # One that never sends a byte, and one kept alive after a scrape: both are closed.
+        silent = socket.create_connection(("127.0.0.1", exporter.port))
+        kept = http.client.HTTPConnection("127.0.0.1", exporter.port, timeout=5)
+        try:
+            kept.request("GET", "/metrics")
+            resp = kept.getresponse()
+            resp.read()
+            assert resp.status == 200 and not resp.will_close
+            wait_until(lambda: exporter.open_connections == 2)
+            start = time.monotonic()
+            silent.settimeout(5)
+            assert silent.recv(1) == b""  # the server closed it
+            assert 0.2 < time.monotonic() - start < 3.0
+            wait_until(lambda: exporter.open_connections == 0, timeout_s=3.0)
+            assert kept.sock is not None and kept.sock.recv(1) == b""
+        finally:
+            silent.close()
+            kept.close()
+        # A client stalled mid-request is closed too, and nothing else is affected.
+        with socket.create_connection(("127.0.0.1", exporter.port)) as stalled:
+            stalled.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # headers never end
+            stalled.settimeout(5)
+            assert get(exporter.url)[0] == 200
+            assert stalled.recv(1) == b""
+    with pytest.raises(ValueError):
+        MetricsExporter(PrometheusSink(), idle_timeout_s=0)
+    with pytest.raises(ValueError):
+        MetricsExporter(PrometheusSink(), idle_timeout_s=float("inf"))
+
+
+def test_connections_and_threads_are_bounded() -> None:
+    threads_before = threading.active_count()
+    with MetricsExporter(PrometheusSink(), max_connections=3, idle_timeout_s=30.0) as exporter:
+        idle = [socket.create_connection(("127.0.0.1", exporter.port)) for _ in range(3)]
+        try:
+            wait_until(lambda: exporter.open_connections == 3)
+            # Past the bound: answered 503 at once, with no thread of its own.
+            for _ in range(20):
+                status, _, body = _scrape(exporter.port, {})
+                assert status == 503 and b"too many" in body
+            assert exporter.open_connections == 3
+            assert threading.active_count() <= threads_before + 1 + 3  # the server loop + 3 connections
+        finally:
+            for sock in idle:
+                sock.close()
+        wait_until(lambda: exporter.open_connections == 0)
+        assert get(exporter.url)[0] == 200
+    with pytest.raises(ValueError):
+        MetricsExporter(PrometheusSink(), max_connections=0)
+
+
+def test_stop_closes_open_connections_and_their_threads() -> None:
+    threads_before = threading.active_count()
+    exporter = MetricsExporter(PrometheusSink(), idle_timeout_s=60.0).start()
+    idle = [socket.create_connection(("127.0.0.1", exporter.port)) for _ in range(4)]
+    try:
+        wait_until(lambda: exporter.open_connections == 4)
+        exporter.stop()
+        for sock in idle:
+            sock.settimeout(5)
+            assert sock.recv(1) == b""  # closed by stop(), not 60 s later
+        wait_until(lambda: threading.active_count() <= threads_before)
+    finally:
+        for sock in idle:
+            sock.close()

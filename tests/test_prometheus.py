@@ -1,5 +1,8 @@
 """A real Prometheus scrapes a live ``eplb demo --metrics-port``; every dashboard query returns data.
 
+Queries run with the dashboard's variables set as Grafana sets them by default (the first
+instance and model found, all layers), so the variables' own queries are checked too.
+
 Skipped (with the reason) only when the ``prometheus`` binary is missing; .ci/run installs it.
 The demo (2 CPU ranks over Gloo, tiny model, a rebalance every 20 passes) and Prometheus (1 s
 scrapes) run on 127.0.0.1 for about half a minute; both are stopped however the test ends.
@@ -15,6 +18,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from eplb.metrics import names
+from eplb.metrics.causes import REBALANCE_CAUSES
 from tests.helpers.dashboards import panels, promql, promstack
 
 pytestmark = [
@@ -58,9 +63,21 @@ def test_target_is_up(prometheus: Any) -> None:
     assert [t["health"] for t in targets] == ["up"], targets
 
 
+@pytest.fixture(scope="module")
+def variables(prometheus: Any) -> dict[str, str]:
+    return prometheus.variables(panels.build_dashboard())
+
+
+def test_variables_pick_the_demo(prometheus: Any, variables: dict[str, str]) -> None:
+    (target,) = prometheus.api("targets")["activeTargets"]
+    assert variables["instance"] == target["labels"]["instance"]
+    assert variables["model_name"] == names.DEFAULT_MODEL_NAME  # the demo sets no model name
+    assert variables["layer"] == ".*"
+
+
 @pytest.mark.parametrize("query", promql.queries(panels.build_dashboard()), ids=lambda q: q.where)
-def test_every_dashboard_query_returns_data(prometheus: Any, query: Any) -> None:
-    expr = promstack.expand(query.expr, rate_interval="5s")
+def test_every_dashboard_query_returns_data(prometheus: Any, variables: dict[str, str], query: Any) -> None:
+    expr = promstack.expand(query.expr, rate_interval="5s", **variables)
     now = time.time()
     if query.instant:
         data = prometheus.api("query", query=expr, time=now)
@@ -85,9 +102,33 @@ def test_stored_window_is_one_consistent_window(prometheus: Any) -> None:
     by_layer: dict[str, list[float]] = {}
     for r in rows:
         by_layer.setdefault(r["metric"]["layer"], []).append(float(r["value"][1]))
-    assert sorted(by_layer) == [str(i) for i in range(num_layers)]
+    # Plain integers, as SGLang's layer="7": sorted as numbers they are exactly 0..L-1.
+    assert sorted(by_layer, key=int) == [str(i) for i in range(num_layers)]
     assert all(len(v) == num_gpus for v in by_layer.values())
     for layer, tokens in by_layer.items():
         assert balance[layer] == pytest.approx(np.mean(tokens) / np.max(tokens), rel=1e-9)
     (passes,) = prometheus.api("query", query="sum(eplb_forward_passes_total)")["result"]
     assert float(passes["value"][1]) >= 20 * 12
+
+
+def test_labels_are_bounded_and_fixed(prometheus: Any) -> None:
+    # Every eplb series has the engine labels; the rebalance series are the fixed (outcome, cause)
+    # set, and the demo's reasons all map onto a named cause (none falls through to *_other).
+    unlabelled = prometheus.api("query", query='count({__name__=~"eplb_.+", model_name=""})')["result"]
+    assert unlabelled == []
+    unlabelled = prometheus.api("query", query='count({__name__=~"eplb_.+", engine=""})')["result"]
+    assert unlabelled == []
+    series = prometheus.api("series", **{"match[]": names.REBALANCES, "start": time.time() - 3600})
+    causes = [s["cause"] for s in series]
+    assert sorted(causes) == sorted(REBALANCE_CAUSES)
+    happened = prometheus.api("query", query=f"{names.REBALANCES} > 0")["result"]
+    assert happened, "the demo rebalanced"
+    for result in happened:
+        assert not result["metric"]["cause"].endswith("_other"), result["metric"]
+    stamps = prometheus.api(
+        "series", **{"match[]": names.LAST_REBALANCE_TIMESTAMP, "start": time.time() - 3600}
+    )
+    assert 1 <= len(stamps) <= len(REBALANCE_CAUSES)
+    assert all(
+        set(s) == {"__name__", "outcome", "cause", "engine", "model_name", "instance", "job"} for s in stamps
+    )

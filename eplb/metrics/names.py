@@ -4,15 +4,22 @@ Shape legend: L layers, E logical experts, G GPUs (EP ranks), K hottest experts 
 
 Conventions (Prometheus naming guide): the ``eplb_`` prefix, base units (seconds, bytes), ``_total``
 on counters, ``_seconds``/``_bytes`` suffixes. Label cardinality is bounded: per layer x rank
-(L x G) by default, per layer x expert (L x E) only when explicitly enabled. Label values for
-layers, ranks and experts are zero-padded to a fixed width ("07", "31") so that they sort
-numerically as strings in Grafana tables, legends and variable lists.
+(L x G) by default, per layer x expert (L x E) only when explicitly enabled; rebalances by
+``outcome`` and a ``cause`` from a fixed list (eplb.metrics.causes), never free text. Layers, ranks
+and experts are plain integers (``layer="7"``), as SGLang and vLLM write them, so queries join on
+them. Every series also carries :data:`ENGINE_LABELS`, constant per process, that join the
+serving engine's own series.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Literal
+
+# The values of the outcome and cause labels, re-exported with the label names.
+from eplb.metrics.causes import REBALANCE_CAUSES as REBALANCE_CAUSES
+from eplb.metrics.causes import REBALANCE_OUTCOMES as REBALANCE_OUTCOMES
 
 MetricKind = Literal["counter", "gauge", "histogram", "info"]
 
@@ -28,7 +35,8 @@ class MetricSpec:
     kind: MetricKind
     """Prometheus type."""
     labels: tuple[str, ...]
-    """Label names; their product bounds the family's series count."""
+    """Label names of its own (every series also has :data:`ENGINE_LABELS`); their product bounds
+    the family's series count."""
     unit: str
     """Unit of the value, for the docs ("" for plain ratios and counts of events)."""
     help: str
@@ -64,8 +72,17 @@ LAST_REBALANCE_BALANCEDNESS = "eplb_last_rebalance_balancedness"
 LAST_REBALANCE_TIMESTAMP = "eplb_last_rebalance_timestamp_seconds"
 
 TOPOLOGY_LABELS = ("version", "num_layers", "num_logical", "num_physical", "num_gpus", "num_nodes")
-REBALANCE_OUTCOMES = ("applied", "skipped", "failed")
 PASS_KINDS = ("prefill", "decode")
+
+ENGINE_LABELS = ("engine", "model_name")
+"""On every series, constant per process: the names vLLM (``model_name``, ``engine``) and SGLang
+(``model_name``) put on their own series, so ``on (model_name)`` joins eplb's with the engine's."""
+DEFAULT_ENGINE = "0"
+"""vLLM's label for its first (often only) engine."""
+DEFAULT_MODEL_NAME = "unknown"
+TARGET_LABELS = ("instance", "job")
+"""Added by Prometheus to every scraped series (the scrape target), not by the exporter."""
+MAX_LABEL_CHARS = 256
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
@@ -128,9 +145,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         name=REBALANCES,
         kind="counter",
-        labels=("outcome",),
+        labels=("outcome", "cause"),
         unit="rebalances",
-        help="Rebalances decided, by outcome: applied, skipped (threshold or too little gain), failed (rolled back).",
+        help="Rebalances decided, by outcome (applied, skipped, failed: rolled back) and cause (a fixed list).",
     ),
     MetricSpec(
         name=SOLVE_SECONDS,
@@ -170,9 +187,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         name=LAST_REBALANCE_TIMESTAMP,
         kind="gauge",
-        labels=("outcome", "reason"),
+        labels=("outcome", "cause"),
         unit="seconds",
-        help="Unix time of the last rebalance of each outcome; reason is the manager's short explanation (one series per outcome).",
+        help="Unix time of the last rebalance of each outcome and cause (one series per cause seen).",
     ),
 )
 
@@ -189,8 +206,29 @@ def all_series_names(*, per_expert: bool = True) -> frozenset[str]:
 
 
 def index_labels(count: int) -> list[str]:
-    """Zero-padded label values "0".."count-1", all of the same width, so they sort numerically."""
+    """Label values "0".."count-1", plain integers (``"7"``, never ``"07"``) as engines write them."""
     if count < 0:
         raise ValueError(f"count must be >= 0, got {count}")
-    width = len(str(max(count - 1, 0)))
-    return [str(i).zfill(width) for i in range(count)]
+    return [str(i) for i in range(count)]
+
+
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def engine_labels(*, engine: str, model_name: str) -> tuple[tuple[str, str], ...]:
+    """The (name, value) pairs of :data:`ENGINE_LABELS`; ValueError unless each value is a short,
+    non-empty line (an empty value would drop the label, a newline would break the exposition)."""
+    pairs = tuple(zip(ENGINE_LABELS, (engine, model_name), strict=True))
+    for name, value in pairs:
+        if not isinstance(value, str) or not value or len(value) > MAX_LABEL_CHARS:
+            raise ValueError(
+                f"{name} must be a non-empty string of at most {MAX_LABEL_CHARS} characters, got {value!r}"
+            )
+        if _UNPRINTABLE.search(value):
+            raise ValueError(f"{name} must not contain control characters, got {value!r}")
+    return pairs
+
+
+def escape_label_value(value: str) -> str:
+    """A label value as the text exposition writes it between double quotes."""
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -8,7 +8,9 @@ it is handed: counters and histograms are pre-bound children, and the window goe
 :class:`eplb.metrics.window.WindowCollector` as one reference swap. Nothing is
 registered in prometheus_client's global registry; ``sink.registry`` holds it all, and
 :meth:`PrometheusSink.render` is the fast text exposition the exporter serves
-(:mod:`eplb.metrics.exporter`). Metric names come from :mod:`eplb.metrics.names` only.
+(:mod:`eplb.metrics.exporter`). Metric names come from :mod:`eplb.metrics.names` only; every
+series carries the sink's engine labels, and rebalances are labelled by outcome and cause only
+(:mod:`eplb.metrics.causes`), so the series set is fixed by the topology and the options.
 
 With several ranks, only rank 0 builds a sink and an exporter (see
 :func:`eplb.metrics.exporter.sink_for_rank`); the manager hands it the window it aggregated
@@ -21,6 +23,7 @@ import math
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
@@ -29,65 +32,84 @@ from prometheus_client.registry import Collector
 
 from eplb._version import __version__
 from eplb.metrics import names
-from eplb.metrics.sink import MetricsSink, PassKind, RebalanceOutcome
+from eplb.metrics.causes import causes_of, check_cause, rebalance_cause
+from eplb.metrics.sink import MetricsSink, PassKind, RebalanceCause, RebalanceOutcome
 from eplb.metrics.window import WindowCollector
 
 # Solve: milliseconds (greedy) to the solver's time budget; transfer: one expert (~44 MB at
 # ~300 GB/s, 0.15 ms) to a whole model over a slow link (tens of seconds).
 SOLVE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
-MAX_REASON_CHARS = 80
+_Metric = TypeVar("_Metric", Counter, Histogram, Info)
 
 
 class PrometheusSink(MetricsSink):
     """Receives manager events and keeps them as Prometheus metrics in ``self.registry``."""
 
     def __init__(
-        self, *, hot_experts_per_layer: int = 8, per_expert: bool = False, min_render_interval_s: float = 1.0
+        self,
+        *,
+        hot_experts_per_layer: int = 8,
+        per_expert: bool = False,
+        min_render_interval_s: float = 1.0,
+        engine: str = names.DEFAULT_ENGINE,
+        model_name: str = names.DEFAULT_MODEL_NAME,
     ) -> None:
         """``hot_experts_per_layer``: K experts exported per layer by ``eplb_hot_expert_tokens``;
         ``per_expert``: also export every (layer, expert) as ``eplb_expert_tokens`` (L x E series);
         ``min_render_interval_s``: scrapes re-render the window at most this often (see
-        :class:`~eplb.metrics.window.WindowCollector`)."""
+        :class:`~eplb.metrics.window.WindowCollector`); ``engine``, ``model_name``: the values of
+        :data:`~eplb.metrics.names.ENGINE_LABELS` on every series (use the serving engine's own)."""
+        self.engine_labels = names.engine_labels(engine=engine, model_name=model_name)
+        const = dict(self.engine_labels)
         self.registry = CollectorRegistry(auto_describe=True)
         # Event metrics also live in a registry of their own, so render() can write them with
         # prometheus_client and append the window's cached text.
         self._events = CollectorRegistry(auto_describe=True)
         spec = names.BY_NAME
-        self._info = Info(names.INFO.removesuffix("_info"), spec[names.INFO].help, registry=None)
+
+        def labelled(cls: type[_Metric], name: str, *labels: str, **kwargs: Any) -> _Metric:
+            # prometheus_client appends the _info suffix itself.
+            short = name.removesuffix("_info") if cls is Info else name
+            return cls(short, spec[name].help, [*labels, *names.ENGINE_LABELS], registry=None, **kwargs)
+
+        info = labelled(Info, names.INFO)
+        self._info = info.labels(**const)
         self._info.info({"version": __version__})  # the topology labels join at on_topology
-        passes = Counter(
-            names.FORWARD_PASSES, spec[names.FORWARD_PASSES].help, ["kind", "recorded"], registry=None
-        )
+        passes = labelled(Counter, names.FORWARD_PASSES, "kind", "recorded")
         self._passes = {
-            (kind, recorded): passes.labels(kind=kind, recorded=str(recorded).lower())
+            (kind, recorded): passes.labels(kind=kind, recorded=str(recorded).lower(), **const)
             for kind in names.PASS_KINDS
             for recorded in (False, True)
         }
-        rebalances = Counter(names.REBALANCES, spec[names.REBALANCES].help, ["outcome"], registry=None)
-        self._rebalances = {o: rebalances.labels(outcome=o) for o in names.REBALANCE_OUTCOMES}
-        self._solve = Histogram(
-            names.SOLVE_SECONDS, spec[names.SOLVE_SECONDS].help, buckets=SOLVE_BUCKETS, registry=None
-        )
-        self._transfer = Histogram(
-            names.TRANSFER_SECONDS, spec[names.TRANSFER_SECONDS].help, buckets=TRANSFER_BUCKETS, registry=None
-        )
-        self._experts_moved = Counter(names.EXPERTS_MOVED, spec[names.EXPERTS_MOVED].help, registry=None)
-        self._bytes_moved = Counter(names.MOVED_BYTES, spec[names.MOVED_BYTES].help, registry=None)
-        self._last_rebalance = _LastRebalanceCollector()
+        rebalances = labelled(Counter, names.REBALANCES, "outcome", "cause")
+        # Every (outcome, cause) from the start: a fixed series set, and rate() sees the first one.
+        self._rebalances = {
+            (o, c): rebalances.labels(outcome=o, cause=c, **const)
+            for o in names.REBALANCE_OUTCOMES
+            for c in causes_of(o)
+        }
+        solve = labelled(Histogram, names.SOLVE_SECONDS, buckets=SOLVE_BUCKETS)
+        transfer = labelled(Histogram, names.TRANSFER_SECONDS, buckets=TRANSFER_BUCKETS)
+        experts_moved = labelled(Counter, names.EXPERTS_MOVED)
+        bytes_moved = labelled(Counter, names.MOVED_BYTES)
+        self._solve, self._transfer = solve.labels(**const), transfer.labels(**const)
+        self._experts_moved, self._bytes_moved = experts_moved.labels(**const), bytes_moved.labels(**const)
+        self._last_rebalance = _LastRebalanceCollector(self.engine_labels)
         self.window = WindowCollector(
             hot_experts_per_layer=hot_experts_per_layer,
             per_expert=per_expert,
             min_render_interval_s=min_render_interval_s,
+            const_labels=self.engine_labels,
         )
         event_metrics: list[Collector] = [
-            self._info,
+            info,
             passes,
             rebalances,
-            self._solve,
-            self._transfer,
-            self._experts_moved,
-            self._bytes_moved,
+            solve,
+            transfer,
+            experts_moved,
+            bytes_moved,
             self._last_rebalance,
         ]
         for metric in event_metrics:
@@ -127,9 +149,10 @@ class PrometheusSink(MetricsSink):
         bytes_moved: int,
         balancedness_before: float,
         balancedness_after: float,
+        cause: RebalanceCause | None = None,
     ) -> None:
-        if outcome not in self._rebalances:
-            raise ValueError(f"rebalance outcome must be one of {names.REBALANCE_OUTCOMES}, got {outcome!r}")
+        # The one place free text becomes a label value: a cause from the fixed list.
+        cause = rebalance_cause(outcome, reason) if cause is None else check_cause(outcome, cause)
         for what, seconds in (("solve_seconds", solve_seconds), ("transfer_seconds", transfer_seconds)):
             if not (math.isfinite(seconds) and seconds >= 0):
                 raise ValueError(f"{what} must be a finite number >= 0, got {seconds}")
@@ -137,14 +160,14 @@ class PrometheusSink(MetricsSink):
             raise ValueError(
                 f"experts_moved and bytes_moved must be >= 0, got {experts_moved}, {bytes_moved}"
             )
-        self._rebalances[outcome].inc()
+        self._rebalances[(outcome, cause)].inc()
         self._solve.observe(solve_seconds)
         if outcome != "skipped":
             # A skipped rebalance moves nothing; its planned moves are not traffic.
             self._transfer.observe(transfer_seconds)
             self._experts_moved.inc(experts_moved)
             self._bytes_moved.inc(bytes_moved)
-        self._last_rebalance.record(outcome, reason, balancedness_before, balancedness_after)
+        self._last_rebalance.record(outcome, cause, balancedness_before, balancedness_after)
 
     def on_topology(
         self, *, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, num_nodes: int
@@ -169,22 +192,22 @@ class PrometheusSink(MetricsSink):
 
 
 class _LastRebalanceCollector(Collector):
-    """The last rebalance: its balancedness before/after, and its time per outcome with the reason.
+    """The last rebalance: its balancedness before/after, and the time of the last one of each cause.
 
-    ``eplb_last_rebalance_timestamp_seconds{outcome, reason}`` carries the manager's explanation
-    for Grafana annotations; keeping only the latest reason per outcome (truncated) bounds the live
-    series to three. Nothing is exported before the first rebalance (no made-up zeros).
+    ``eplb_last_rebalance_timestamp_seconds{outcome, cause}`` places Grafana's annotations; its
+    series are bounded by the fixed list of causes and never change labels (each cause keeps one
+    series once seen). Nothing is exported before the first rebalance (no made-up zeros).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, engine_labels: tuple[tuple[str, str], ...]) -> None:
+        self._engine_values = [value for _, value in engine_labels]
         self._lock = threading.Lock()
-        self._last: dict[str, tuple[str, float]] = {}
+        self._last: dict[tuple[str, str], float] = {}
         self._balancedness: tuple[float, float] | None = None
 
-    def record(self, outcome: str, reason: str, before: float, after: float) -> None:
-        short = " ".join(str(reason).split())[:MAX_REASON_CHARS]
+    def record(self, outcome: str, cause: str, before: float, after: float) -> None:
         with self._lock:
-            self._last[outcome] = (short, time.time())
+            self._last[(outcome, cause)] = time.time()
             self._balancedness = (before, after)
 
     def describe(self) -> Iterator[Metric]:
@@ -195,12 +218,12 @@ class _LastRebalanceCollector(Collector):
         with self._lock:
             last, balancedness = dict(self._last), self._balancedness
         for outcome in names.REBALANCE_OUTCOMES:
-            if outcome in last:
-                reason, stamp = last[outcome]
-                stamps.add_metric([outcome, reason], stamp)
+            for cause in causes_of(outcome):
+                if (outcome, cause) in last:
+                    stamps.add_metric([outcome, cause, *self._engine_values], last[(outcome, cause)])
         if balancedness is not None:
-            balance.add_metric(["before"], balancedness[0])
-            balance.add_metric(["after"], balancedness[1])
+            balance.add_metric(["before", *self._engine_values], balancedness[0])
+            balance.add_metric(["after", *self._engine_values], balancedness[1])
         yield stamps
         yield balance
 
@@ -209,6 +232,6 @@ class _LastRebalanceCollector(Collector):
         stamp = names.BY_NAME[names.LAST_REBALANCE_TIMESTAMP]
         balance = names.BY_NAME[names.LAST_REBALANCE_BALANCEDNESS]
         return (
-            GaugeMetricFamily(stamp.name, stamp.help, labels=list(stamp.labels)),
-            GaugeMetricFamily(balance.name, balance.help, labels=list(balance.labels)),
+            GaugeMetricFamily(stamp.name, stamp.help, labels=[*stamp.labels, *names.ENGINE_LABELS]),
+            GaugeMetricFamily(balance.name, balance.help, labels=[*balance.labels, *names.ENGINE_LABELS]),
         )

@@ -16,7 +16,10 @@ from typing import Literal, Protocol
 
 import numpy as np
 
-RebalanceOutcome = Literal["applied", "skipped", "failed"]
+from eplb.metrics.causes import RebalanceCause, RebalanceOutcome
+
+__all__ = ["MetricsSink", "NullSink", "PassKind", "RebalanceCause", "RebalanceOutcome"]
+
 PassKind = Literal["prefill", "decode"]
 
 
@@ -43,8 +46,13 @@ class MetricsSink(Protocol):
         bytes_moved: int,
         balancedness_before: float,
         balancedness_after: float,
+        cause: RebalanceCause | None = None,
     ) -> None:
-        """A rebalance was decided: applied, skipped (gain too small, threshold) or failed (rolled back)."""
+        """A rebalance was decided: applied, skipped (gain too small, threshold) or failed (rolled back).
+
+        ``reason`` is free text for logs; ``cause`` is one of
+        :data:`eplb.metrics.causes.REBALANCE_CAUSES`, or None to derive it from ``reason``
+        (:func:`eplb.metrics.causes.rebalance_cause`)."""
         return None
 
     def on_topology(

@@ -63,8 +63,14 @@ class WindowCollector(Collector):
     """Exports the last load window: balancedness, tokens per (layer, rank), hottest experts."""
 
     def __init__(
-        self, *, hot_experts_per_layer: int = 8, per_expert: bool = False, min_render_interval_s: float = 1.0
+        self,
+        *,
+        hot_experts_per_layer: int = 8,
+        per_expert: bool = False,
+        min_render_interval_s: float = 1.0,
+        const_labels: tuple[tuple[str, str], ...] = (),
     ) -> None:
+        """``const_labels``: (name, value) pairs every sample carries after its own labels."""
         if hot_experts_per_layer < 0:
             raise ValueError(f"hot_experts_per_layer must be >= 0, got {hot_experts_per_layer}")
         if not min_render_interval_s >= 0:
@@ -72,6 +78,10 @@ class WindowCollector(Collector):
         self._top_k = hot_experts_per_layer
         self._per_expert = per_expert
         self._min_render_interval_s = min_render_interval_s
+        self._const_names = tuple(name for name, _ in const_labels)
+        self._const_values = [value for _, value in const_labels]
+        # Rendered once: ',engine="0",model_name="..."' (escaped) closes every sample's label set.
+        self._const_text = "".join(f',{k}="{names.escape_label_value(v)}"' for k, v in const_labels)
         self._lock = threading.Lock()
         self._snapshot: _Snapshot | None = None
         self._render_lock = threading.Lock()
@@ -97,23 +107,23 @@ class WindowCollector(Collector):
     def _families(self, snap: _Snapshot) -> list[_Family]:
         with snap.lock:
             if snap.families is None:
-                snap.families = _derive(snap, self._top_k, self._per_expert)
+                snap.families = _derive(snap, self._top_k, self._per_expert, self._const_text)
             return snap.families
 
     def describe(self) -> Iterator[Metric]:
         # Lets the registry check names without collecting a window (and without one existing).
         for spec in names.METRICS:
             if spec.name in _WINDOW_METRICS and (self._per_expert or not spec.per_expert):
-                yield GaugeMetricFamily(spec.name, spec.help, labels=list(spec.labels))
+                yield GaugeMetricFamily(spec.name, spec.help, labels=[*spec.labels, *self._const_names])
 
     def collect(self) -> Iterator[Metric]:
         snap = self._current()
         if snap is None:
             return
         for fam in self._families(snap):
-            metric = GaugeMetricFamily(fam.name, fam.help, labels=list(fam.label_names))
+            metric = GaugeMetricFamily(fam.name, fam.help, labels=[*fam.label_names, *self._const_names])
             for labels, value in zip(fam.label_values, fam.values, strict=True):
-                metric.add_metric(list(labels), value)
+                metric.add_metric([*labels, *self._const_values], value)
             yield metric
 
     def render(self) -> str:
@@ -143,16 +153,16 @@ _WINDOW_METRICS = frozenset(
 )
 
 
-def _prefix(name: str, label_names: tuple[str, ...], label_values: tuple[str, ...]) -> str:
-    # Label values are zero-padded integers: nothing to escape.
-    if not label_names:
-        return name + " "
-    pairs = ",".join(f'{k}="{v}"' for k, v in zip(label_names, label_values, strict=True))
-    return f"{name}{{{pairs}}} "
+def _prefix(name: str, label_names: tuple[str, ...], label_values: tuple[str, ...], const: str) -> str:
+    # Own label values are integers: nothing to escape; ``const`` is escaped already.
+    pairs = "".join(f',{k}="{v}"' for k, v in zip(label_names, label_values, strict=True)) + const
+    return f"{name}{{{pairs[1:]}}} " if pairs else name + " "
 
 
 @functools.lru_cache(maxsize=32)
-def _grid(name: str, sizes: tuple[int, ...]) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
+def _grid(
+    name: str, sizes: tuple[int, ...], const: str
+) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]]:
     """Label tuples over the product of index ranges of ``sizes``, and their text prefixes.
 
     Cached: the (layer, rank) grid is the same for every window of a topology, and building its
@@ -160,33 +170,37 @@ def _grid(name: str, sizes: tuple[int, ...]) -> tuple[tuple[tuple[str, ...], ...
     """
     label_names = names.BY_NAME[name].labels
     labels = tuple(itertools.product(*(names.index_labels(n) for n in sizes)))
-    return labels, tuple(_prefix(name, label_names, lv) for lv in labels)
+    return labels, tuple(_prefix(name, label_names, lv, const) for lv in labels)
 
 
 def _family(
-    name: str, values: list[float], sizes: tuple[int, ...] = (), labels: Sequence[tuple[str, ...]] = ()
+    name: str,
+    values: list[float],
+    const: str,
+    sizes: tuple[int, ...] = (),
+    labels: Sequence[tuple[str, ...]] = (),
 ) -> _Family:
     """A family over the full grid of ``sizes``, or over the explicit ``labels`` when given."""
     spec = names.BY_NAME[name]
     if labels:
-        prefixes: Sequence[str] = [_prefix(name, spec.labels, lv) for lv in labels]
+        prefixes: Sequence[str] = [_prefix(name, spec.labels, lv, const) for lv in labels]
     else:
-        labels, prefixes = _grid(name, sizes)
+        labels, prefixes = _grid(name, sizes, const)
     assert len(labels) == len(values), (name, len(labels), len(values))
     return _Family(name, spec.help, spec.labels, labels, prefixes, values)
 
 
-def _derive(snap: _Snapshot, top_k: int, per_expert: bool) -> list[_Family]:
+def _derive(snap: _Snapshot, top_k: int, per_expert: bool, const: str) -> list[_Family]:
     logical_LE, gpu_LG = snap.logical_load_LE, snap.gpu_load_LG
     L, E = logical_LE.shape
     G = gpu_LG.shape[1]
     balance_L = balancedness(gpu_LG) if G > 0 else np.ones(L)
     model = float(balance_L.mean()) if L > 0 else 1.0
     out = [
-        _family(names.WINDOW_TIMESTAMP, [snap.timestamp]),
-        _family(names.MODEL_BALANCEDNESS, [model]),
-        _family(names.LAYER_BALANCEDNESS, balance_L.tolist(), (L,)),
-        _family(names.RANK_TOKENS, gpu_LG.ravel().tolist(), (L, G)),
+        _family(names.WINDOW_TIMESTAMP, [snap.timestamp], const),
+        _family(names.MODEL_BALANCEDNESS, [model], const),
+        _family(names.LAYER_BALANCEDNESS, balance_L.tolist(), const, (L,)),
+        _family(names.RANK_TOKENS, gpu_LG.ravel().tolist(), const, (L, G)),
     ]
     k = min(top_k, E)
     if k > 0 and L > 0:
@@ -196,9 +210,9 @@ def _derive(snap: _Snapshot, top_k: int, per_expert: bool) -> list[_Family]:
         hot_values = np.take_along_axis(logical_LE, hot_LK, axis=1)
         layers, experts = names.index_labels(L), names.index_labels(E)
         hot_labels = [(layers[i], experts[e]) for i in range(L) for e in hot_LK[i].tolist()]
-        out.append(_family(names.HOT_EXPERT_TOKENS, hot_values.ravel().tolist(), labels=hot_labels))
+        out.append(_family(names.HOT_EXPERT_TOKENS, hot_values.ravel().tolist(), const, labels=hot_labels))
     if per_expert:
-        out.append(_family(names.EXPERT_TOKENS, logical_LE.ravel().tolist(), (L, E)))
+        out.append(_family(names.EXPERT_TOKENS, logical_LE.ravel().tolist(), const, (L, E)))
     return out
 
 
