@@ -3,6 +3,9 @@
 A subcommand module defines ``HELP`` (one line), ``add_arguments(parser)`` and
 ``run(args) -> int``. Modules import heavy dependencies (torch, scipy, matplotlib) inside
 ``run``, so ``eplb --help`` stays fast and CPU-only installs never touch GPU stacks.
+
+Errors in what the user gave (flags, input files, output paths) end with one line on stderr and
+exit status 2; Ctrl-C ends with one line and 130. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -49,10 +52,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return int(args._module.run(args) or 0)
-    except (ValueError, FileNotFoundError) as exc:
-        # User errors (bad flags, bad files) end with one clear line, not a traceback.
-        print(f"eplb {args.command}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"eplb {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError) as exc:
+        message = user_error(exc)
+        if message is None:
+            raise
+        print(f"eplb {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+def user_error(exc: BaseException) -> str | None:
+    """One line for an error in the user's input, or None when ``exc`` looks like a bug.
+
+    ValueError is how eplb reports bad flags and files. An OSError counts when it names a path
+    (a missing, unreadable or unwritable file); one without a path keeps its traceback.
+    """
+    if isinstance(exc, OSError) and not isinstance(exc, FileNotFoundError) and exc.filename is None:
+        return None
+    if isinstance(exc, OSError) and exc.filename is not None:
+        text = f"{exc.filename}: {exc.strerror or exc}"
+    else:
+        text = str(exc) or type(exc).__name__
+    return " ".join(text.split())
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
-from eplb.traces import Trace
+from eplb.traces import ProgressFn, Trace
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -145,8 +145,11 @@ class WorkloadConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
 
-def generate(config: WorkloadConfig | None = None) -> Trace:
-    """Generate a synthetic trace [T, L, E] (int32 counts) from ``config`` (default: deepseek-v3)."""
+def generate(config: WorkloadConfig | None = None, *, progress: ProgressFn | None = None) -> Trace:
+    """Generate a synthetic trace [T, L, E] (int32 counts) from ``config`` (default: deepseek-v3).
+
+    ``progress(done, total)`` is called in steps as the counts are drawn (it draws nothing random).
+    """
     cfg = config or WorkloadConfig()
     m = cfg.model
     T, L, E = cfg.num_steps, m.num_layers, m.num_experts
@@ -178,6 +181,8 @@ def generate(config: WorkloadConfig | None = None) -> Trace:
             tokens_rows = np.repeat(tokens_T[steps], L)
             counts = _sample_topk_counts(rng, tokens_rows, m.top_k, pvals)
             counts_TLE[steps] = counts.reshape(len(steps), L, E)
+        if progress is not None:
+            progress(t1, T)
 
     meta = {
         "source": "synthetic",

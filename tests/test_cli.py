@@ -70,6 +70,45 @@ def test_bad_input_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert main(["workload", "--preset", "tiny", "--ep-size", "3", "--steps", "2"]) == 2
 
 
+def test_workload_defaults_work_for_every_preset(capsys: pytest.CaptureFixture[str]) -> None:
+    # The default EP size is 32, or the largest divisor below it for presets with fewer experts.
+    for preset, ep_size in (("tiny", 16), ("mixtral-8x7b", 8)):
+        assert main(["workload", "--preset", preset, "--steps", "4", "--disable-tqdm", "--json", "-"]) == 0
+        assert json.loads(capsys.readouterr().out)["ep_size"] == ep_size
+
+
+def test_progress_bars_on_stderr_unless_disabled(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "t.npz"
+    assert main(["workload", "--preset", "tiny", "--steps", "30", "--out", str(out)]) == 0
+    err = capsys.readouterr().err
+    assert "generate" in err and "30/30" in err and "write" in err
+    assert main(["trace", "convert", str(out), "--to", "openevolve", "--out", str(tmp_path / "t.json")]) == 0
+    err = capsys.readouterr().err
+    assert "write" in err and "30/30" in err
+    assert main(["trace", "info", str(tmp_path / "t.json"), "--disable-tqdm"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_plots_without_matplotlib_fail_first_and_name_the_extra(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    argv = ["simulate", "--preset", "tiny", "--steps", "50", "--ep-size", "4", "--nnodes", "1"]
+    argv += ["--plots", str(tmp_path / "plots"), "--json", str(tmp_path / "r.json"), "--disable-tqdm"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1 and "eplb[plots]" in captured.err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_json_to_stdout_is_only_json(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["demo", "--nproc", "2", "--steps", "40", "--eplb-rebalance-num-iterations", "20", "--json", "-"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["passes"] == 40
+    assert "window balancedness" in captured.err
+
+
 def test_solve_writes_and_prints_every_engine(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import yaml
 

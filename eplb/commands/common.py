@@ -1,13 +1,21 @@
-"""Options and helpers shared by subcommands: seeds, progress bars, JSON output."""
+"""Options and helpers shared by subcommands: seeds, progress bars, optional extras, JSON output.
+
+Every file a command writes goes through eplb.fileio (atomic, regular files only); commands that
+write several files stage them in one ``OutputSet`` so a failure leaves none of them.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
+
+from eplb.fileio import OutputSet, check_output_path, write_text
 
 T = TypeVar("T")
 
@@ -30,6 +38,27 @@ def add_json_out(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def json_to_stdout(target: Path | None) -> bool:
+    return target is not None and str(target) == "-"
+
+
+def require_extra(module: str, extra: str, flag: str) -> None:
+    """Refuse ``flag`` up front when its optional dependency is missing, naming the extra."""
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        raise ValueError(
+            f"{flag} needs {module}, which is not installed: pip install 'eplb[{extra}]'"
+        ) from None
+
+
+def check_outputs(*targets: Path | None) -> None:
+    """Refuse unwritable output paths before any work is done ('-' and None are skipped)."""
+    for target in targets:
+        if target is not None and str(target) != "-":
+            check_output_path(target, parents=True)
+
+
 def progress(items: Iterable[T], *, disable: bool, desc: str, total: int | None = None) -> Iterator[T]:
     """A tqdm bar on stderr, or the plain iterable when disabled or tqdm is missing."""
     if disable:
@@ -43,15 +72,44 @@ def progress(items: Iterable[T], *, disable: bool, desc: str, total: int | None 
     yield from tqdm(items, desc=desc, total=total, file=sys.stderr, dynamic_ncols=True)
 
 
-def write_json(result: Any, target: Path | None) -> None:
+@contextmanager
+def progress_callback(*, disable: bool, desc: str, unit: str = "it") -> Iterator[Callable[[int, int], None]]:
+    """A ``progress(done, total)`` callback drawing a tqdm bar on stderr (a no-op when disabled
+    or tqdm is missing); the bar appears on the first call and closes with the block."""
+    bar: Any = None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        disable = True
+
+    def update(done: int, total: int) -> None:
+        nonlocal bar
+        if disable:
+            return
+        if bar is None:
+            scale = unit == "B" or total >= 100_000  # 152M, not 152474805; small counts exact
+            bar = tqdm(
+                total=total, desc=desc, unit=unit, unit_scale=scale, file=sys.stderr, dynamic_ncols=True
+            )
+        bar.total = total
+        bar.update(done - bar.n)
+
+    try:
+        yield update
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def write_json(result: Any, target: Path | None, *, outputs: OutputSet | None = None) -> None:
+    """Print ``result`` as JSON ('-') or write it atomically (missing folders are created)."""
     if target is None:
         return
     text = json.dumps(result, indent=2, sort_keys=True, default=_jsonable)
     if str(target) == "-":
         print(text)
     else:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text + "\n")
+        write_text(target, text + "\n", outputs=outputs, parents=True)
 
 
 def _jsonable(value: Any) -> Any:
@@ -62,11 +120,13 @@ def _jsonable(value: Any) -> Any:
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
-def emit(result: dict[str, Any], keys: Iterable[str], target: Path | None) -> None:
+def emit(
+    result: dict[str, Any], keys: Iterable[str], target: Path | None, *, outputs: OutputSet | None = None
+) -> None:
     """Print ``keys`` of ``result`` as an aligned table (unless JSON goes to stdout), then the JSON."""
-    if target is None or str(target) != "-":
+    if not json_to_stdout(target):
         shown = [k for k in keys if k in result]
         width = max((len(k) for k in shown), default=0)
         for key in shown:
             print(f"{key:>{width}}: {result[key]}")
-    write_json(result, target)
+    write_json(result, target, outputs=outputs)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from eplb.commands.common import add_json_out, add_seed, emit
+from eplb.commands.common import add_json_out, add_seed, emit, json_to_stdout
 from eplb.config import EplbConfig, add_cli_args, config_from_args
 from eplb.metrics.sink import MetricsSink
 
@@ -127,10 +127,12 @@ def run(args: argparse.Namespace) -> int:
     config = config_from_namespace(args)
     # Rank 0 runs in this process and reports the window it aggregated over all ranks.
     sink, exporter = sink_for_rank(0, port=args.metrics_port, host=args.metrics_host)
+    # Progress goes to stderr when the JSON goes to stdout, so stdout stays one JSON document.
+    stream = sys.stderr if json_to_stdout(args.json_out) else sys.stdout
     if exporter is not None:
-        print(f"eplb demo: metrics on {exporter.url}", flush=True)
+        print(f"eplb demo: metrics on {exporter.url}", file=stream, flush=True)
     try:
-        result = run_demo(config, sink=sink)
+        result = run_demo(config, sink=sink, out=lambda line: print(line, file=stream, flush=True))
     finally:
         if exporter is not None:
             exporter.stop()

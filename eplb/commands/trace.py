@@ -1,4 +1,8 @@
-"""``eplb trace``: describe a load trace, or convert between formats (eplb, SGLang, OpenEvolve)."""
+"""``eplb trace``: describe a load trace, or convert between formats (eplb, SGLang, OpenEvolve).
+
+Output paths are checked before the input is read; a conversion and its JSON report are written
+together, so a failure leaves neither.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from eplb.commands.common import add_json_out, emit
+from eplb.commands.common import add_json_out, add_progress, check_outputs, emit, progress_callback
 
 HELP = "describe a load trace or convert it (eplb safetensors/npz, SGLang dumps, OpenEvolve JSON)"
 
@@ -19,6 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=FORMATS, default="auto", help="input format (default: detect)")
     parser.add_argument("--out", type=Path, default=None, help="convert: output file")
     parser.add_argument("--to", choices=("eplb", "openevolve"), default="eplb", help="convert: output format")
+    add_progress(parser)
     add_json_out(parser)
 
 
@@ -35,14 +40,25 @@ def describe(trace: Any) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from eplb.fileio import OutputSet
     from eplb.traces import load_trace, write_openevolve
 
-    trace = load_trace(args.inputs, args.format)
+    if args.action == "convert" and args.out is None:
+        raise ValueError("convert needs --out")
+    check_outputs(args.out if args.action == "convert" else None, args.json_out)
+    with progress_callback(disable=args.disable_tqdm, desc="read") as report:
+        trace = load_trace(args.inputs, args.format, progress=report)
     result = describe(trace)
-    if args.action == "convert":
-        if args.out is None:
-            raise ValueError("convert needs --out")
-        out = write_openevolve(trace, args.out) if args.to == "openevolve" else trace.save(args.out)
-        result["out"] = str(out)
-    emit(result, ("steps", "layers", "experts", "prefill_steps", "routed_total", "out"), args.json_out)
+    keys = ("steps", "layers", "experts", "prefill_steps", "routed_total", "out")
+    with OutputSet(parents=True) as outputs:
+        if args.action == "convert":
+            openevolve = args.to == "openevolve"
+            unit = "step" if openevolve else "B"
+            with progress_callback(disable=args.disable_tqdm, desc="write", unit=unit) as report:
+                if openevolve:
+                    out = write_openevolve(trace, args.out, outputs=outputs, progress=report)
+                else:
+                    out = trace.save(args.out, outputs=outputs, progress=report)
+            result["out"] = str(out)
+        emit(result, keys, args.json_out, outputs=outputs)
     return 0

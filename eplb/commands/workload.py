@@ -1,13 +1,27 @@
-"""``eplb workload``: generate a synthetic expert-load trace and report its calibration figure."""
+"""``eplb workload``: generate a synthetic expert-load trace and report its calibration figure.
+
+Output paths are checked before the (long) generation; the trace and the JSON report are written
+together, so a failure leaves neither.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
-from eplb.commands.common import add_json_out, add_seed, emit
+from eplb.commands.common import (
+    add_json_out,
+    add_progress,
+    add_seed,
+    check_outputs,
+    emit,
+    progress_callback,
+)
 
 HELP = "generate a synthetic expert-load trace (model presets, seeded)"
+
+DEFAULT_EP_SIZE = 32
+"""EP size of the reported imbalance: DeepSeek-V3's EP32, or less for presets with fewer experts."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,31 +30,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="deepseek-v3", help="model shape")
     parser.add_argument("--steps", type=int, default=4000, help="forward passes (default: %(default)s)")
     parser.add_argument("--prefill-fraction", type=float, default=None, help="share of prefill passes")
-    parser.add_argument("--ep-size", type=int, default=32, help="EP size for the reported imbalance")
+    parser.add_argument(
+        "--ep-size",
+        type=int,
+        default=None,
+        help=f"EP size for the reported imbalance (default: {DEFAULT_EP_SIZE}, or the largest divisor "
+        "of the preset's expert count below it)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="write the trace here (.safetensors or .npz)")
     add_seed(parser)
+    add_progress(parser)
     add_json_out(parser)
 
 
+def default_ep_size(num_experts: int) -> int:
+    """The largest divisor of ``num_experts`` up to DEFAULT_EP_SIZE."""
+    return max(d for d in range(1, min(num_experts, DEFAULT_EP_SIZE) + 1) if num_experts % d == 0)
+
+
 def run(args: argparse.Namespace) -> int:
+    from eplb.fileio import OutputSet
     from eplb.workloads import WorkloadConfig, generate, unbalanced_imbalance
 
     cfg = WorkloadConfig(preset=args.preset, num_steps=args.steps, seed=args.seed)
     if args.prefill_fraction is not None:
         cfg = cfg.with_(prefill_fraction=args.prefill_fraction)
-    if cfg.model.num_experts % args.ep_size:
-        raise ValueError(f"--ep-size {args.ep_size} does not divide the {cfg.model.num_experts} experts")
-    trace = generate(cfg)
+    num_experts = cfg.model.num_experts
+    ep_size = default_ep_size(num_experts) if args.ep_size is None else args.ep_size
+    if ep_size < 1 or num_experts % ep_size:
+        raise ValueError(f"--ep-size {ep_size} does not divide the {num_experts} experts")
+    check_outputs(args.out, args.json_out)
+    with progress_callback(disable=args.disable_tqdm, desc="generate", unit="step") as report:
+        trace = generate(cfg, progress=report)
     result = {
         "preset": cfg.preset,
         "steps": trace.num_steps,
         "prefill_steps": int(trace.is_prefill_T.sum()),
         "layers": trace.num_layers,
         "experts": trace.num_experts,
-        "ep_size": args.ep_size,
-        "unbalanced_max_over_mean": unbalanced_imbalance(trace, args.ep_size) if trace.num_steps else None,
+        "ep_size": ep_size,
+        "unbalanced_max_over_mean": unbalanced_imbalance(trace, ep_size) if trace.num_steps else None,
     }
-    if args.out is not None:
-        result["out"] = str(trace.save(args.out))
-    emit(result, list(result), args.json_out)
+    with OutputSet(parents=True) as outputs:
+        if args.out is not None:
+            with progress_callback(disable=args.disable_tqdm, desc="write", unit="B") as report:
+                result["out"] = str(trace.save(args.out, outputs=outputs, progress=report))
+        emit(result, list(result), args.json_out, outputs=outputs)
     return 0

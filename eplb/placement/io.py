@@ -5,7 +5,7 @@ Shape legend: L layers, E logical experts, P physical slots, R max replicas.
 A safetensors file with ``phy2log`` int32 [L, P], ``log2phy`` int32 [L, E, R], ``logcnt`` int32
 [L, E] and, for weighted dispatch, ``dispatch_weights`` float32 [L, E, R]; the metadata carries
 the format tag and the topology (GPUs, nodes). Loading validates the placement, so a corrupt or
-inconsistent file is a ValueError, never a half-read placement.
+inconsistent file is a ValueError, never a half-read placement. Saving is atomic (eplb.fileio).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from eplb.fileio import OutputSet, atomic_path
 from eplb.placement.model import Placement
 
 FORMAT_NAME = "eplb-placement"
@@ -27,8 +28,13 @@ def save_placement(
     placement: Placement,
     weights_LER: np.ndarray | None = None,
     meta: dict[str, Any] | None = None,
+    *,
+    outputs: OutputSet | None = None,
 ) -> Path:
-    """Write ``placement`` (and per-replica weights, if any) as safetensors; returns the path."""
+    """Write ``placement`` (and per-replica weights, if any) as safetensors; returns the path.
+
+    The file is atomic; with ``outputs`` it is staged there and appears when that set commits.
+    """
     from safetensors.numpy import save_file
 
     path = Path(path)
@@ -50,7 +56,8 @@ def save_placement(
         "num_nodes": str(placement.num_nodes),
         "meta": json.dumps(meta or {}, sort_keys=True),
     }
-    save_file(tensors, str(path), metadata=header)
+    with atomic_path(path, outputs=outputs) as tmp:
+        save_file(tensors, str(tmp), metadata=header)
     return path
 
 

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eplb.fileio import OutputSet, write_text
+
 if TYPE_CHECKING:
     import torch
 
@@ -163,6 +165,8 @@ class Placement:
         if p2l.min(initial=0) < 0:
             raise ValueError("phy2log holds negative expert ids")
         E = int(p2l.max(initial=-1)) + 1
+        if p2l.shape[1] < E:  # checked before E sizes any array: one huge id must not cost gigabytes
+            raise ValueError(f"phy2log names expert {E - 1} but has only {p2l.shape[1]} slots per layer")
         return cls._from_checked_phy2log(p2l, E, num_gpus, num_nodes, max_replicas)
 
     @classmethod
@@ -236,11 +240,10 @@ class Placement:
         """SGLang ``--init-expert-location`` content: ``{"physical_to_logical_map": [L][P]}``."""
         return {"physical_to_logical_map": self.phy2log_LP.tolist()}
 
-    def write_sglang_json(self, path: str | Path) -> Path:
-        """Write the SGLang ``--init-expert-location`` JSON file and return its path."""
-        path = Path(path)
-        path.write_text(json.dumps(self.to_sglang_dict(), separators=(",", ":")))
-        return path
+    def write_sglang_json(self, path: str | Path, *, outputs: OutputSet | None = None) -> Path:
+        """Write the SGLang ``--init-expert-location`` JSON file atomically and return its path
+        (with ``outputs``: staged there, it appears when that set commits)."""
+        return write_text(path, json.dumps(self.to_sglang_dict(), separators=(",", ":")), outputs=outputs)
 
     def to_device(self, device: torch.device | str) -> DevicePlacement:
         """The maps as int32 tensors on ``device`` (dtype named explicitly, never inferred)."""
@@ -313,7 +316,7 @@ def _read_json_source(source: str | Path | dict[str, Any]) -> dict[str, Any]:
         text = Path(source).read_text()
     try:
         data = json.loads(text)
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:
         raise ValueError(f"not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError("expert-location JSON must be an object")

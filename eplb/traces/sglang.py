@@ -4,7 +4,10 @@ Shape legend: W window steps, T steps, L layers, E logical experts, P physical s
 
 SGLang writes these with ``torch.save``. They are loaded with ``weights_only=True`` only, so a
 file that carries code (or any object beyond tensors, numbers, strings, lists and dicts) is
-refused instead of executed.
+refused instead of executed. What a file can make the reader allocate is bounded by the file:
+its zip members must be stored as torch stores them (a compressed member could inflate), and
+its tensors together may not declare more bytes than the file holds (a stride-0 or shared
+tensor could claim terabytes). Expert ids must name a slot of the map (E <= P).
 
 - stat: ``{"rank", "logical_count": int [W, L, E] (or [L, E]), "average_utilization_rate_over_window"}``.
   The W rows are SGLang's ring buffer in storage order, not necessarily chronological.
@@ -16,38 +19,65 @@ refused instead of executed.
 from __future__ import annotations
 
 import pickle
+import zipfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from eplb.traces.trace import Trace, TraceFormatError
+from eplb.traces.checks import (
+    MAX_LAYERS,
+    MAX_SLOTS,
+    TraceFormatError,
+    check_dims,
+    check_zip_sizes,
+    count_array,
+    int_field,
+    tensor_bytes,
+)
+from eplb.traces.trace import ProgressFn, Trace
 
 
 def safe_torch_load(path: str | Path) -> Any:
-    """``torch.load(weights_only=True)``, with every failure turned into a TraceFormatError."""
+    """``torch.load(weights_only=True)`` of a dump whose sizes were checked first; every failure
+    is a TraceFormatError."""
     import torch
 
+    path = Path(path)
+    if not zipfile.is_zipfile(path):
+        raise TraceFormatError(
+            f"{path}: not a torch.save zip file (the legacy pre-1.6 format is not read: it allocates "
+            f"what it declares before reading)"
+        )
+    check_zip_sizes(path, stored_only=True)
     try:
-        return torch.load(str(path), map_location="cpu", weights_only=True)
+        obj = torch.load(str(path), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         culprit = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported global" in ln), "")
         raise TraceFormatError(
             f"{path}: refused: the file holds objects other than plain tensors and containers, "
             f"and untrusted files are never unpickled. {culprit}".rstrip()
         ) from None
-    except (RuntimeError, EOFError, OSError, ValueError, AttributeError) as exc:
+    except (RuntimeError, EOFError, OSError, ValueError, AttributeError, TypeError, RecursionError) as exc:
         raise TraceFormatError(f"{path}: not a readable torch dump ({type(exc).__name__}: {exc})") from None
+    declared, held = tensor_bytes(obj, str(path)), path.stat().st_size
+    if declared > held:
+        raise TraceFormatError(
+            f"{path}: its tensors declare {declared} bytes but the file holds {held} "
+            f"(expanded or shared tensors are not dump data)"
+        )
+    return obj
 
 
-def _to_numpy(name: str, value: Any) -> np.ndarray:
-    if hasattr(value, "detach"):
-        return value.detach().cpu().numpy()
+def _to_numpy(where: str, value: Any) -> np.ndarray:
+    """A copy of a dense tensor's values (dumps hold tensors, never lists, for arrays)."""
+    if not hasattr(value, "detach"):
+        raise TraceFormatError(f"{where} must be a tensor, got {type(value).__name__}")
     try:
-        return np.asarray(value)
-    except Exception as exc:
-        raise TraceFormatError(f"{name}: not an array ({exc})") from None
+        return np.array(value.detach().cpu().numpy(), copy=True)
+    except (TypeError, RuntimeError) as exc:
+        raise TraceFormatError(f"{where}: a {value.dtype} tensor cannot be read ({exc})") from None
 
 
 def trace_from_sglang_object(obj: Any, source: str) -> Trace:
@@ -55,19 +85,23 @@ def trace_from_sglang_object(obj: Any, source: str) -> Trace:
     if not isinstance(obj, dict):
         raise TraceFormatError(f"{source}: an SGLang dump is a dict, got {type(obj).__name__}")
     if "logical_count" in obj:
-        counts = _to_numpy("logical_count", obj["logical_count"])
+        counts = _to_numpy(f"{source}: logical_count", obj["logical_count"])
         if counts.ndim not in (2, 3):
             raise TraceFormatError(f"{source}: logical_count must be [W, L, E] or [L, E], got {counts.shape}")
-        meta = {"source": "sglang-stat", "rank": _scalar(obj.get("rank")), "chronological": False}
-        try:
-            return Trace.from_counts(counts, meta=meta)
-        except ValueError as exc:
-            raise TraceFormatError(f"{source}: {exc}") from None
+        check_dims(counts.shape[-2], counts.shape[-1], source)
+        rank = obj.get("rank")
+        meta = {
+            "source": "sglang-stat",
+            "rank": None if rank is None else int_field(rank, f"{source}: rank", high=2**31 - 1),
+            "chronological": False,
+        }
+        return Trace.from_counts(count_array(counts, f"{source}: logical_count"), meta=meta)
     if "records" in obj:
         return _per_pass_trace([obj], [source])
+    keys = [k if isinstance(k, str) else type(k).__name__ for k in list(obj)[:20]]
     raise TraceFormatError(
         f"{source}: neither an SGLang stat dump ('logical_count') nor a per_pass dump ('records'); "
-        f"keys: {sorted(map(str, obj))}"
+        f"keys: {sorted(keys)}"
     )
 
 
@@ -76,71 +110,96 @@ def read_sglang_dump(path: str | Path) -> Trace:
     return trace_from_sglang_object(safe_torch_load(path), str(path))
 
 
-def read_sglang_per_pass(paths: Sequence[str | Path]) -> Trace:
-    """Several per_pass dump files (one per rank); counts of the same forward pass are summed."""
+def read_sglang_per_pass(paths: Sequence[str | Path], *, progress: ProgressFn | None = None) -> Trace:
+    """Several per_pass dump files (one per rank); counts of the same forward pass are summed.
+
+    ``progress`` counts files loaded, then records read.
+    """
     if not paths:
         raise ValueError("no per_pass dump files given")
-    objs = [safe_torch_load(p) for p in paths]
+    objs = []
+    for i, p in enumerate(paths):
+        objs.append(safe_torch_load(p))
+        if progress is not None:
+            progress(i + 1, len(paths))
     for obj, p in zip(objs, paths, strict=True):
         if not isinstance(obj, dict) or "records" not in obj:
             raise TraceFormatError(f"{p}: not an SGLang per_pass dump (no 'records')")
-    return _per_pass_trace(objs, [str(p) for p in paths])
+    return _per_pass_trace(objs, [str(p) for p in paths], progress)
 
 
-def _per_pass_trace(objs: Sequence[dict[str, Any]], sources: Sequence[str]) -> Trace:
+def _per_pass_trace(
+    objs: Sequence[dict[str, Any]], sources: Sequence[str], progress: ProgressFn | None = None
+) -> Trace:
     by_pass: dict[int, np.ndarray] = {}
-    num_experts: int | None = None
+    total = sum(len(obj["records"]) for obj in objs if isinstance(obj["records"], list))
+    done = 0
     for obj, source in zip(objs, sources, strict=True):
         p2l = obj.get("last_physical_to_logical_map")
-        p2l_LP = None if p2l is None else _to_numpy("last_physical_to_logical_map", p2l).astype(np.int64)
+        p2l_LP = None if p2l is None else _checked_map(_to_numpy(f"{source}: physical map", p2l), source)
         records = obj["records"]
         if not isinstance(records, list):
             raise TraceFormatError(f"{source}: 'records' must be a list")
         for i, rec in enumerate(records):
+            where = f"{source} record {i}"
             if not isinstance(rec, dict) or "forward_pass_id" not in rec:
-                raise TraceFormatError(f"{source}: record {i} has no forward_pass_id")
-            logical_LE = _record_logical_counts(rec, p2l_LP, f"{source} record {i}")
-            if num_experts is None:
-                num_experts = logical_LE.shape[1]
-            pass_id = int(_scalar(rec["forward_pass_id"]))
+                raise TraceFormatError(f"{where} has no forward_pass_id")
+            pass_id = int_field(rec["forward_pass_id"], f"{where}: forward_pass_id")
+            if "rank" in rec:
+                int_field(rec["rank"], f"{where}: rank", high=2**31 - 1)
+            logical_LE = _record_logical_counts(rec, p2l_LP, where)
             prev = by_pass.get(pass_id)
             if prev is not None and prev.shape != logical_LE.shape:
-                raise TraceFormatError(
-                    f"{source} record {i}: shape {logical_LE.shape} differs from {prev.shape}"
-                )
+                raise TraceFormatError(f"{where}: shape {logical_LE.shape} differs from {prev.shape}")
             by_pass[pass_id] = logical_LE if prev is None else prev + logical_LE
+            done += 1
+            if progress is not None:
+                progress(done, total)
     if not by_pass:
         raise TraceFormatError(f"{', '.join(sources)}: per_pass dump holds no records")
     ids = sorted(by_pass)
     meta = {"source": "sglang-per-pass", "forward_pass_ids": ids, "chronological": True}
-    try:
-        return Trace.from_counts(np.stack([by_pass[i] for i in ids]), meta=meta)
-    except ValueError as exc:
-        raise TraceFormatError(f"{', '.join(sources)}: {exc}") from None
+    counts_TLE = np.stack([by_pass[i] for i in ids])
+    return Trace.from_counts(count_array(counts_TLE, f"{', '.join(sources)}: summed counts"), meta=meta)
+
+
+def _checked_map(p2l_LP: np.ndarray, source: str) -> np.ndarray:
+    """int64 [L, P] physical-to-logical map whose ids name slots (E <= P), checked before any
+    array is sized by it."""
+    if p2l_LP.ndim != 2 or not 1 <= p2l_LP.shape[0] <= MAX_LAYERS or not 1 <= p2l_LP.shape[1] <= MAX_SLOTS:
+        raise TraceFormatError(
+            f"{source}: physical_to_logical_map must be [L, P] with 1 <= L <= {MAX_LAYERS} and "
+            f"1 <= P <= {MAX_SLOTS}, got {list(p2l_LP.shape)}"
+        )
+    if p2l_LP.dtype.kind not in "iu":
+        raise TraceFormatError(f"{source}: physical_to_logical_map must hold integers, got {p2l_LP.dtype}")
+    P = p2l_LP.shape[1]
+    if p2l_LP.min() < 0 or p2l_LP.max() >= P:
+        raise TraceFormatError(
+            f"{source}: physical_to_logical_map holds ids outside [0, {P}); every logical expert "
+            f"needs one of the {P} slots"
+        )
+    return p2l_LP.astype(np.int64)
 
 
 def _record_logical_counts(rec: dict[str, Any], p2l_LP: np.ndarray | None, where: str) -> np.ndarray:
     if "logical_count" in rec:
-        counts = _to_numpy("logical_count", rec["logical_count"]).astype(np.int64)
+        counts = count_array(_to_numpy(f"{where}: logical_count", rec["logical_count"]), where)
         if counts.ndim != 2:
             raise TraceFormatError(f"{where}: logical_count must be [L, E], got {counts.shape}")
-        return counts
+        check_dims(counts.shape[0], counts.shape[1], where)
+        return counts.astype(np.int64)
     if "global_physical_count" not in rec:
         raise TraceFormatError(f"{where}: no 'global_physical_count' (per_token dumps are not supported)")
-    phys_LP = _to_numpy("global_physical_count", rec["global_physical_count"]).astype(np.int64)
+    phys_LP = count_array(_to_numpy(f"{where}: global_physical_count", rec["global_physical_count"]), where)
     if p2l_LP is None:
         raise TraceFormatError(f"{where}: physical counts need the dump's 'last_physical_to_logical_map'")
     if phys_LP.shape != p2l_LP.shape:
         raise TraceFormatError(f"{where}: counts {phys_LP.shape} and map {p2l_LP.shape} differ in shape")
-    if p2l_LP.size and p2l_LP.min() < 0:
-        raise TraceFormatError(f"{where}: physical_to_logical_map holds negative ids")
     L = p2l_LP.shape[0]
-    E = int(p2l_LP.max(initial=-1)) + 1
+    E = int(p2l_LP.max()) + 1
+    check_dims(L, E, where)
     flat = (p2l_LP + np.arange(L)[:, None] * E).ravel()
-    return np.bincount(flat, weights=phys_LP.ravel(), minlength=L * E).reshape(L, E).round().astype(np.int64)
-
-
-def _scalar(value: Any) -> Any:
-    if hasattr(value, "item"):
-        return value.item()
-    return value
+    # float64 weights are exact here: each slot count is below 2**31 and P <= 2**20.
+    summed = np.bincount(flat, weights=phys_LP.ravel().astype(np.float64), minlength=L * E)
+    return summed.reshape(L, E).astype(np.int64)

@@ -4,25 +4,34 @@ Shape legend: T steps (forward passes), L MoE layers, E logical experts.
 
 The own format is a safetensors file (or ``.npz``, read with ``allow_pickle=False``) holding
 ``counts`` int32 [T, L, E], ``is_prefill`` uint8 [T] and ``num_tokens`` int64 [T], plus a JSON
-metadata string. Neither reader can execute code from the file.
+metadata string. Neither reader can execute code from the file, and both check the shapes a file
+declares against the bytes it holds before reading an array (eplb.traces.checks). Writes are
+atomic (eplb.fileio): a failed or interrupted save leaves no partial file.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+import zipfile
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 
+from eplb.fileio import OutputSet, atomic_path
+from eplb.traces.checks import TraceFormatError, check_dims, check_zip_sizes, count_array, npy_header
+
 FORMAT_NAME = "eplb-trace"
 FORMAT_VERSION = "1"
+ARRAY_KEYS = ("counts", "is_prefill", "num_tokens")
+HEADER_KEYS = ("format", "version", "meta")
+NPZ_COMPRESSION_LEVEL = 1
+"""zlib level of .npz traces: level 6 takes 12x as long for a file only 14% smaller."""
 
-
-class TraceFormatError(ValueError):
-    """A trace file is corrupt, of an unknown kind, or holds something other than plain data."""
+ProgressFn = Callable[[int, int], None]
+"""``progress(done, total)``, called as a long read or write advances (units: bytes or steps)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -54,8 +63,11 @@ class Trace:
             raise ValueError(
                 f"num_tokens must be int64 [{T}], got {self.num_tokens_T.dtype} {self.num_tokens_T.shape}"
             )
+        check_dims(c.shape[1], c.shape[2], "trace")
         if c.size and c.min() < 0:
             raise ValueError("counts must be non-negative")
+        if T and self.num_tokens_T.min() < 0:
+            raise ValueError("num_tokens must be non-negative")
 
     @classmethod
     def from_counts(
@@ -68,8 +80,9 @@ class Trace:
     ) -> Trace:
         """Build from any array-like of counts [T, L, E] (or one step [L, E]), checking values.
 
-        NaN, infinite, negative or fractional counts are refused. Unknown ``is_prefill`` counts
-        every step as prefill; unknown ``num_tokens`` is the busiest layer's routed count / top_k.
+        NaN, infinite, negative, fractional and boolean counts are refused, as are L = 0 and E = 0.
+        Unknown ``is_prefill`` counts every step as prefill; unknown ``num_tokens`` is the busiest
+        layer's routed count / top_k.
         """
         meta = dict(meta or {})
         arr = np.asarray(counts)
@@ -77,16 +90,8 @@ class Trace:
             arr = arr[None]
         if arr.ndim != 3:
             raise ValueError(f"counts must be [T, L, E] or [L, E], got shape {arr.shape}")
-        if arr.dtype.kind == "f":
-            if not np.isfinite(arr).all():
-                raise ValueError("counts hold NaN or infinite values")
-            if (arr != np.round(arr)).any():
-                raise ValueError("counts hold fractional values")
-        elif arr.size and arr.dtype.kind not in "iub":
-            raise ValueError(f"counts must be numeric, got dtype {arr.dtype}")
-        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
-            raise ValueError("counts must lie in [0, 2**31)")
-        counts_TLE = np.ascontiguousarray(arr, dtype=np.int32)
+        check_dims(arr.shape[1], arr.shape[2], "counts")
+        counts_TLE = count_array(arr, "counts")
         T = counts_TLE.shape[0]
         prefill = (
             np.ones(T, dtype=bool) if is_prefill is None else np.asarray(is_prefill, dtype=bool).reshape(T)
@@ -140,28 +145,35 @@ class Trace:
         )
 
     # ---- own format -------------------------------------------------------------------------
-    def save(self, path: str | Path) -> Path:
-        """Write the own format: ``.npz`` by suffix, else safetensors. Returns the path."""
+    def save(
+        self, path: str | Path, *, outputs: OutputSet | None = None, progress: ProgressFn | None = None
+    ) -> Path:
+        """Write the own format atomically: ``.npz`` by suffix, else safetensors. Returns the path.
+
+        With ``outputs`` the file is staged there and appears when that set commits.
+        """
         path = Path(path)
         arrays = {
             "counts": self.counts_TLE,
             "is_prefill": self.is_prefill_T.astype(np.uint8),
             "num_tokens": self.num_tokens_T,
         }
-        meta_json = json.dumps(dict(self.meta), sort_keys=True)
-        if path.suffix == ".npz":
-            header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "meta": meta_json}
-            entries: dict[str, np.ndarray] = {**arrays, **{k: np.array(v) for k, v in header.items()}}
-            with path.open("wb") as f:
-                np.savez_compressed(f, **entries)  # type: ignore[arg-type]  # numpy stubs type **kwds as bool
-        else:
-            from safetensors.numpy import save_file
+        header = {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "meta": json.dumps(dict(self.meta), sort_keys=True),
+        }
+        with atomic_path(path, outputs=outputs) as tmp:
+            if path.suffix == ".npz":
+                entries = {**arrays, **{k: np.array(v) for k, v in header.items()}}
+                _write_npz(tmp, entries, progress)
+            else:
+                from safetensors.numpy import save_file
 
-            save_file(
-                {k: np.ascontiguousarray(v) for k, v in arrays.items()},
-                str(path),
-                metadata={"format": FORMAT_NAME, "version": FORMAT_VERSION, "meta": meta_json},
-            )
+                save_file({k: np.ascontiguousarray(v) for k, v in arrays.items()}, str(tmp), metadata=header)
+                if progress is not None:
+                    nbytes = sum(int(a.nbytes) for a in arrays.values())
+                    progress(nbytes, nbytes)
         return path
 
     @classmethod
@@ -169,39 +181,106 @@ class Trace:
         """Read the own format (safetensors or npz); corrupt or foreign files raise TraceFormatError."""
         path = Path(path)
         try:
-            if _is_zip(path):
-                with np.load(path, allow_pickle=False) as z:
-                    header = {k: str(z[k]) for k in ("format", "version", "meta") if k in z.files}
-                    arrays = {k: z[k] for k in ("counts", "is_prefill", "num_tokens") if k in z.files}
-            else:
-                from safetensors import safe_open
-
-                with safe_open(str(path), framework="np") as f:
-                    header = dict(f.metadata() or {})
-                    arrays = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
-        except (OSError, ValueError, EOFError) as exc:
+            header, arrays = _read_npz(path) if _is_zip(path) else _read_safetensors(path)
+        except TraceFormatError:
+            raise
+        except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
             raise TraceFormatError(f"{path}: not a readable eplb trace ({exc})") from None
         except Exception as exc:  # safetensors raises its own SafetensorError for corrupt headers
             raise TraceFormatError(
                 f"{path}: not a readable eplb trace ({type(exc).__name__}: {exc})"
             ) from None
-        if header.get("format") != FORMAT_NAME:
-            raise TraceFormatError(f"{path}: not an eplb trace (format tag {header.get('format')!r})")
-        if header.get("version") != FORMAT_VERSION:
-            raise TraceFormatError(f"{path}: eplb trace version {header.get('version')!r} is not supported")
-        missing = {"counts", "is_prefill", "num_tokens"} - arrays.keys()
-        if missing:
-            raise TraceFormatError(f"{path}: eplb trace lacks {sorted(missing)}")
         try:
             meta = json.loads(header.get("meta", "{}"))
+        except (json.JSONDecodeError, RecursionError) as exc:
+            raise TraceFormatError(f"{path}: the metadata is not valid JSON ({type(exc).__name__})") from None
+        if not isinstance(meta, dict):
+            raise TraceFormatError(f"{path}: the metadata must be a JSON object")
+        prefill = arrays["is_prefill"]
+        if prefill.dtype not in (np.uint8, np.bool_) or (prefill.size and prefill.max() > 1):
+            raise TraceFormatError(f"{path}: is_prefill must hold 0 or 1 per step")
+        try:
             return cls(
-                np.ascontiguousarray(arrays["counts"]),
-                np.asarray(arrays["is_prefill"]).astype(bool),
-                np.asarray(arrays["num_tokens"]),
-                meta,
+                np.ascontiguousarray(arrays["counts"]), prefill.astype(bool), arrays["num_tokens"], meta
             )
-        except (ValueError, json.JSONDecodeError) as exc:
+        except ValueError as exc:
             raise TraceFormatError(f"{path}: inconsistent eplb trace ({exc})") from None
+
+
+def _check_header(path: Path, header: Mapping[str, str]) -> None:
+    if header.get("format") != FORMAT_NAME:
+        raise TraceFormatError(f"{path}: not an eplb trace (format tag {header.get('format')!r})")
+    if header.get("version") != FORMAT_VERSION:
+        raise TraceFormatError(f"{path}: eplb trace version {header.get('version')!r} is not supported")
+
+
+def _check_shapes(path: Path, shapes: Mapping[str, Any]) -> None:
+    """The declared array shapes, before any array is read."""
+    missing = set(ARRAY_KEYS) - shapes.keys()
+    if missing:
+        raise TraceFormatError(f"{path}: eplb trace lacks {sorted(missing)}")
+    counts = list(shapes["counts"])
+    if len(counts) != 3:
+        raise TraceFormatError(f"{path}: counts must be [T, L, E], got shape {counts}")
+    check_dims(counts[1], counts[2], str(path))
+    for key in ("is_prefill", "num_tokens"):
+        if list(shapes[key]) != counts[:1]:
+            raise TraceFormatError(f"{path}: {key} must be [{counts[0]}], got shape {list(shapes[key])}")
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as f:
+        header = dict(f.metadata() or {})
+        _check_header(path, header)
+        names = set(f.keys())
+        _check_shapes(path, {k: f.get_slice(k).get_shape() for k in ARRAY_KEYS if k in names})
+        return header, {k: f.get_tensor(k) for k in ARRAY_KEYS}
+
+
+def _read_npz(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    infos = check_zip_sizes(path, stored_only=False)
+    with zipfile.ZipFile(path) as zf:
+        declared = {
+            key: npy_header(zf, infos[f"{key}.npy"], f"{path}: {key}")
+            for key in (*HEADER_KEYS, *ARRAY_KEYS)
+            if f"{key}.npy" in infos
+        }
+    with np.load(path, allow_pickle=False) as z:
+        header = {k: str(z[k]) for k in HEADER_KEYS if k in declared and declared[k][1].kind == "U"}
+        _check_header(path, header)
+        _check_shapes(path, {k: shape for k, (shape, _) in declared.items()})
+        return header, {k: z[k] for k in ARRAY_KEYS}
+
+
+def _write_npz(path: Path, entries: Mapping[str, np.ndarray], progress: ProgressFn | None) -> None:
+    """What ``np.savez_compressed`` writes, at a faster zlib level and reporting bytes written."""
+    total = sum(int(a.nbytes) for a in entries.values())
+    done = 0
+    with zipfile.ZipFile(
+        path, "w", compression=zipfile.ZIP_DEFLATED, compresslevel=NPZ_COMPRESSION_LEVEL
+    ) as zf:
+        for key, arr in entries.items():
+            with zf.open(f"{key}.npy", "w", force_zip64=True) as member:
+                sink = member if progress is None else _Counting(member, progress, done, total)
+                np.lib.format.write_array(sink, np.asanyarray(arr), allow_pickle=False)
+            done += int(arr.nbytes)
+            if progress is not None:
+                progress(done, total)
+
+
+class _Counting:
+    """A write-only file wrapper that reports ``(start + bytes written, total)``."""
+
+    def __init__(self, f: IO[bytes], progress: ProgressFn, start: int, total: int) -> None:
+        self._f, self._progress, self._done, self._total = f, progress, start, total
+
+    def write(self, data: bytes) -> int:
+        written = self._f.write(data)
+        self._done += len(data)
+        self._progress(self._done, self._total)
+        return written
 
 
 def _is_zip(path: Path) -> bool:
