@@ -106,6 +106,76 @@ def test_simulate_reads_a_trace_and_prefill_only_recording(
     assert all(e["window_steps"] == 20 for e in result["rebalances"]["deepseek:static"])
 
 
+def test_simulate_continuous_mode_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "simulate", *TINY, "--steps", "240", "--ep-num-redundant-experts", "4",
+        "--eplb-rebalance-mode", "continuous", "--eplb-rebalance-num-iterations", "20",
+        "--expert-distribution-recorder-buffer-size", "60", "--eplb-max-moved-experts", "3",
+        "--eplb-transfer-gbps", "50", "--cost-interference", "0.05",
+        "--algorithms", "none", "scipy", "--json", str(tmp_path / "r.json"),
+    ]  # fmt: skip
+    assert main(args) == 0
+    assert "interf. s" in capsys.readouterr().out
+    result = json.loads((tmp_path / "r.json").read_text())
+    config = result["config"]
+    assert (config["rebalance_mode"], config["interval"], config["window_size"]) == ("continuous", 20, 60)
+    assert config["move_budget"] == 3 and config["transfer_gbps"] == 50.0
+    assert config["cost"]["interference"] == 0.05
+    events = result["rebalances"]["scipy:static"]
+    assert len(events) == 240 // 20 - 1
+    # The window reaches back past the last rebalance, up to 60 passes.
+    assert [e["window_steps"] for e in events] == [min(e["step"], 60) for e in events]
+    assert all(e["experts_moved_across_gpus"] <= 3 for e in events)
+    sent = [e for e in events if e["applied"] and e["transfer_seconds"] > 0]
+    assert sent and all(e["switch_step"] > e["step"] for e in sent)  # sent beside the passes first
+    run = next(r for r in result["runs"] if r["name"] == "scipy:static")
+    assert run["interference_seconds"] == pytest.approx(sum(e["interference_seconds"] for e in sent))
+    assert run["interference_seconds"] > 0 and run["stall_seconds"] == 0.0
+
+
+def test_continuous_mode_takes_the_servers_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    from eplb.config import CONTINUOUS_BUFFER_SIZE, CONTINUOUS_INTERVAL, CONTINUOUS_MAX_MOVED_EXPERTS
+
+    base = ["simulate", *TINY, "--steps", "60", "--ep-num-redundant-experts", "4", "--algorithms", "none"]
+    assert main([*base, "--eplb-rebalance-mode", "continuous", "--json", "-"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert config["interval"] == CONTINUOUS_INTERVAL
+    assert config["window_size"] == max(CONTINUOUS_BUFFER_SIZE, CONTINUOUS_INTERVAL)
+    assert config["move_budget"] == CONTINUOUS_MAX_MOVED_EXPERTS
+    assert main([*base, "--eplb-rebalance-mode", "periodic", "--json", "-"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert (config["interval"], config["window_size"], config["move_budget"]) == (500, 500, None)
+
+
+def test_sweep_tradeoff_compares_periodic_and_continuous(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "sweep", "--tradeoff", *TINY, "--steps", "300", "--ep-num-redundant-experts", "4",
+        "--algorithm", "scipy", "--periodic-intervals", "100", "25", "--budgets", "2", "8",
+        "--eplb-rebalance-num-iterations", "20", "--eplb-transfer-gbps", "100",
+        "--plots", str(tmp_path), "--json", str(tmp_path / "t.json"),
+    ]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "deepseek periodic 100" in out and "scipy continuous 20 budget 8" in out
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert [(r["mode"], r["interval"], r["budget"]) for r in rows] == [
+        ("periodic", 100, None),
+        ("periodic", 25, None),
+        ("continuous", 20, 2),
+        ("continuous", 20, 8),
+    ]
+    # Every point is scored on the same steps: from the slowest schedule's first rebalance.
+    assert all(r["scored_from"] == 100 for r in rows)
+    for r in rows:
+        assert r["bytes_moved_per_1000_passes"] == pytest.approx(r["bytes_moved"] * 1000 / 200)
+    assert all(r["experts_moved_per_rebalance"] <= r["budget"] for r in rows[2:])
+    assert rows[0]["experts_moved"] > 0 and rows[0]["stall_seconds"] > 0
+    data = (tmp_path / "tradeoff.png").read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 5000
+
+
 def test_sweep_finds_fewest_redundant_and_longest_interval(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -188,6 +258,12 @@ def test_placement_file_round_trips_and_refuses_corrupt_files(tmp_path: Path) ->
         (["--algorithms", "deepseek", "--solver-option", "bogus=1"], "bogus"),
         (["--algorithms", "deepseek", "--solver-option", "prediction"], "KEY=VALUE"),
         (["--nnodes", "3"], "--nnodes"),
+        (["--eplb-transfer-gbps", "10"], "--eplb-transfer-gbps"),
+        (
+            ["--eplb-rebalance-mode", "continuous", "--eplb-max-moved-experts", "-1"],
+            "--eplb-max-moved-experts",
+        ),
+        (["--eplb-rebalance-mode", "continuous", "--cost-interference", "-1"], "interference"),
         (["--trace", "/nonexistent/trace.safetensors"], "not found"),
     ],
 )

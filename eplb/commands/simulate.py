@@ -1,7 +1,8 @@
 """``eplb simulate``: replay a trace (or the built-in DeepSeek-V3 workload) under several planners.
 
 With no arguments it generates the deepseek-v3 synthetic workload and compares no balancing with
-DeepSeek's algorithm and the SciPy solver at EP32 over 4 nodes with 32 redundant experts.
+DeepSeek's algorithm and the SciPy solver at EP32 over 4 nodes with 32 redundant experts, on
+SGLang's periodic schedule; ``--eplb-rebalance-mode continuous`` replays eplb's continuous one.
 """
 
 from __future__ import annotations
@@ -69,8 +70,15 @@ def run(args: argparse.Namespace) -> int:
         print(
             f"{trace.num_steps} steps x {trace.num_layers} layers x {trace.num_experts} experts, "
             f"EP{config.num_gpus} on {config.num_nodes} node(s), {config.num_redundant} redundant, "
-            f"rebalance every {config.interval} recorded steps (window {config.window_size}); "
-            f"scored from step {result.scored_from}"
+            f"{config.rebalance_mode} rebalancing every {config.interval} recorded steps (window "
+            f"{config.window_size}"
+            + (
+                f", at most {config.move_budget} expert copies, swaps paced at "
+                + (f"{config.transfer_gbps:g} GB/s" if config.transfer_gbps else "link speed")
+                if config.continuous
+                else ""
+            )
+            + f"); scored from step {result.scored_from}"
         )
         print(result.table())
         for note in result.notes:

@@ -1,10 +1,16 @@
-"""``eplb sweep``: how few redundant experts, and how long an interval, reach a target balancedness."""
+"""``eplb sweep``: how few redundant experts, and how long an interval, reach a target balancedness.
+
+With ``--tradeoff`` it instead compares periodic repacking at several intervals with continuous
+budgeted moves at several budgets, on the same trace and scored steps: prefill balancedness and
+modeled speed-up against bytes moved per 1000 passes, as a table and ``--plots DIR/tradeoff.png``.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
 from eplb.commands.common import add_json_out, add_progress, add_seed, write_json
 
@@ -50,6 +56,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[100, 200, 500, 1000, 2000],
         help="rebalance intervals to try, longest first (default: %(default)s)",
     )
+    from eplb.simulate.tradeoff import CONTINUOUS_BUDGETS, PERIODIC_INTERVALS
+
+    t = parser.add_argument_group("--tradeoff: periodic vs continuous against bytes moved")
+    t.add_argument(
+        "--tradeoff",
+        action="store_true",
+        help="compare --periodic-algorithm every --periodic-intervals with --algorithm in continuous mode "
+        "(--eplb-rebalance-num-iterations, --expert-distribution-recorder-buffer-size) at each of --budgets",
+    )
+    t.add_argument("--periodic-algorithm", default="deepseek", help="the periodic run (default: %(default)s)")
+    t.add_argument(
+        "--periodic-intervals",
+        type=int,
+        nargs="+",
+        default=list(PERIODIC_INTERVALS),
+        help="its intervals (default: %(default)s)",
+    )
+    t.add_argument(
+        "--budgets",
+        type=int,
+        nargs="+",
+        default=list(CONTINUOUS_BUDGETS),
+        help="continuous budgets, expert copies per rebalance (default: %(default)s)",
+    )
+    t.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write DIR/tradeoff.png")
     add_input_arguments(parser, default_steps=2000)
     add_topology_arguments(parser)
     add_schedule_arguments(parser)
@@ -64,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
     from eplb.simulate.planners import RunSpec
     from eplb.simulate.sweep import SweepPoint, redundant_candidates, sweep
 
+    if args.tradeoff:
+        return _tradeoff(args)
     if not 0.0 < args.target <= 1.0:
         raise ValueError(f"--target must lie in (0, 1], got {args.target}")
     spec = RunSpec.parse(args.algorithm, args.ep_dispatch_algorithm)
@@ -123,4 +156,50 @@ def run(args: argparse.Namespace) -> int:
         },
         args.json_out,
     )
+    return 0
+
+
+def _tradeoff(args: argparse.Namespace) -> int:
+    from eplb.simulate.options import load_input, simulation_config
+    from eplb.simulate.planners import RunSpec
+    from eplb.simulate.tradeoff import default_settings, tradeoff, tradeoff_table
+
+    periodic = RunSpec.parse(args.periodic_algorithm, args.ep_dispatch_algorithm)
+    continuous = RunSpec.parse(args.algorithm, args.ep_dispatch_algorithm)
+    if "none" in (periodic.algorithm, continuous.algorithm):
+        raise ValueError("--tradeoff compares planners: none never rebalances")
+    trace = load_input(args, quiet=args.disable_tqdm)
+    # The schedule flags describe the continuous runs; the periodic ones take --periodic-intervals.
+    args.eplb_rebalance_mode = "continuous"
+    base = simulation_config(args, trace)
+    settings = default_settings(
+        periodic_algorithm=periodic.algorithm,
+        continuous_algorithm=continuous.algorithm,
+        dispatch=continuous.dispatch,
+        periodic_intervals=args.periodic_intervals,
+        continuous_interval=base.interval,
+        continuous_window=base.window,
+        budgets=args.budgets,
+    )
+    to_stdout = args.json_out is not None and str(args.json_out) == "-"
+
+    def report(row: dict[str, object]) -> None:
+        if not args.disable_tqdm:
+            print(f"  {row['label']}: done", file=sys.stderr)
+
+    rows = tradeoff(trace, settings, base, on_row=report)
+    out: dict[str, object] = {"config": base.to_dict(), "rows": rows}
+    if not to_stdout:
+        print(
+            f"{trace.num_steps} steps, EP{base.num_gpus} on {base.num_nodes} node(s), "
+            f"{base.num_redundant} redundant; scored from step {rows[0]['scored_from']}"
+        )
+        print(tradeoff_table(rows))
+    if args.plots is not None:
+        from eplb.simulate.plots import write_tradeoff_plot
+
+        out["plots"] = [str(write_tradeoff_plot(rows, args.plots / "tradeoff.png"))]
+        if not to_stdout:
+            print(f"plot: {out['plots'][0]}")  # type: ignore[index]
+    write_json(out, args.json_out)
     return 0

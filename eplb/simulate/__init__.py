@@ -1,20 +1,23 @@
 """Offline rebalance simulation: replay a load trace under each planner and dispatch mode.
 
 ``simulate(trace, runs, config)`` returns per-step balancedness and modeled MoE time for every
-run and for the no-balancing baseline, with every rebalance's moves and costs. See docs/simulate.md.
+run and for the no-balancing baseline, with every rebalance's moves and costs, under SGLang's
+periodic schedule or eplb's continuous one (``SimulationConfig.rebalance_mode``). See docs/simulate.md.
 """
 
 from __future__ import annotations
 
-from eplb.simulate.cost_model import CostModel
+from eplb.simulate.config import REBALANCE_MODES, SimulationConfig
+from eplb.simulate.cost_model import CostModel, swap_beside_passes
 from eplb.simulate.dispatch import DISPATCH_MODES
-from eplb.simulate.engine import SimulationConfig, rebalance_steps, simulate
+from eplb.simulate.engine import rebalance_steps, simulate
 from eplb.simulate.planners import ALGORITHMS, PastView, RunSpec, parse_runs
 from eplb.simulate.results import RebalanceEvent, RunResult, SimulationResult
 
 __all__ = [
     "ALGORITHMS",
     "DISPATCH_MODES",
+    "REBALANCE_MODES",
     "CostModel",
     "PastView",
     "RebalanceEvent",
@@ -25,4 +28,5 @@ __all__ = [
     "parse_runs",
     "rebalance_steps",
     "simulate",
+    "swap_beside_passes",
 ]

@@ -1,13 +1,20 @@
-"""The simulator's cost model: MoE time per step from per-GPU load, and rebalance transfer time.
+"""The simulator's cost model: MoE time per step from per-GPU load, and what a rebalance costs.
 
-Shape legend: T steps, L layers, E logical experts, G GPUs.
+Shape legend: T steps, n passes, L layers, E logical experts, G GPUs.
 
 Per step and layer, GPU g spends ``a + max(b * active_experts_g, c * tokens_g)`` µs on its
 experts (a roofline fitted to grouped-GEMM timings on an H200 with DeepSeek-V3 dims):
 in decode the GPU is bound by reading its distinct active experts' weights, in prefill by
 its routed tokens. The layer waits for its busiest GPU and a step is the sum over layers. A
-rebalance stalls serving for the time the busiest receiving GPU needs to pull its new experts:
-intra-node bytes over NVLink, cross-node bytes over the inter-node network.
+rebalance's transfer takes the link time the busiest receiving GPU needs to pull its new experts:
+intra-node bytes over NVLink, cross-node bytes over the inter-node network, each at most at the
+pace of the swap when it has one.
+
+Periodic rebalancing (SGLang's) stalls serving for all of that time. A continuous swap is sent
+beside the following passes (:func:`swap_beside_passes`): it costs no stall while the passes
+last longer than its link time, and stalls for the excess when they do not; meanwhile every pass
+runs ``1 + slowdown`` times slower, where the slowdown depends on the swap's pace and kind
+(:meth:`CostModel.interference_slowdown`, from H200 measurements until a two-GPU run refines them).
 """
 
 from __future__ import annotations
@@ -21,6 +28,21 @@ from eplb.placement.diff import PlacementDiff
 
 # One DeepSeek-V3 expert of one layer (3 * H * I with H=7168, I=2048) in fp8: about 44 MB.
 DEEPSEEK_V3_BYTES_PER_EXPERT = 3 * 7168 * 2048
+
+TRANSFER_KINDS = ("copy_engine", "sm")
+"""How a swap beside the passes moves bytes: paced copy-engine copies, or SM copy kernels (NCCL P2P)."""
+
+# Slowdown of DeepSeek-V3 expert FFNs of 256-4096 tokens (one H200, a side stream beside nine
+# FFNs) while a copy runs, as (pace GB/s, slowdown) points interpolated linearly in the pace and
+# held at the ends; midpoints of the measured ranges. Copy-engine copies paced in 4 MB chunks:
+# about 2-3% at 78-500 GB/s. SM copy kernels: 22-76% on one CTA (53 GB/s), up to 90% on more
+# (the GEMMs lose a wave); "more" is put at NVLink speed.
+INTERFERENCE_POINTS: dict[str, tuple[tuple[float, float], ...]] = {
+    "copy_engine": ((78.0, 0.02), (500.0, 0.03)),
+    "sm": ((53.0, 0.49), (316.0, 0.90)),
+}
+UNPACED_SLOWDOWN = {"copy_engine": 1.05, "sm": 0.90}
+"""Slowdown of an unpaced swap: full-speed copy-engine copies 46-164% (memory bandwidth), SM kernels up to 90%."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,6 +59,11 @@ class CostModel:
     """Bandwidth into one GPU from GPUs of its node, GB/s (NCCL send/recv at 44 MB on H200)."""
     internode_gbps: float = 50.0
     """Bandwidth into one GPU from other nodes, GB/s (about one 400 Gb/s NIC per GPU)."""
+    transfer_kind: str = "copy_engine"
+    """How a swap beside the passes copies: copy_engine | sm (TRANSFER_KINDS)."""
+    interference: float | None = None
+    """Slowdown of a pass while a swap runs beside it (0.03: 3% slower); None: from the H200
+    figures by ``transfer_kind`` and pace (INTERFERENCE_POINTS)."""
 
     def __post_init__(self) -> None:
         for name in ("base_us", "per_expert_us", "per_token_us"):
@@ -47,22 +74,69 @@ class CostModel:
             value = getattr(self, name)
             if not (np.isfinite(value) and value > 0):
                 raise ValueError(f"cost model {name} must be a finite number > 0, got {value}")
+        if self.transfer_kind not in TRANSFER_KINDS:
+            raise ValueError(f"unknown transfer kind {self.transfer_kind!r}; choose from {TRANSFER_KINDS}")
+        if self.interference is not None and not (np.isfinite(self.interference) and self.interference >= 0):
+            raise ValueError(f"cost model interference must be a finite number >= 0, got {self.interference}")
 
     def layer_times_us(self, tokens_xG: np.ndarray, active_xG: np.ndarray) -> np.ndarray:
         """float64 [...]: µs of one MoE layer, the busiest GPU's time, from per-GPU tokens and active experts."""
         per_gpu = np.maximum(self.per_expert_us * active_xG, self.per_token_us * tokens_xG)
         return self.base_us + per_gpu.max(axis=-1).astype(np.float64)
 
-    def transfer_seconds(self, diff: PlacementDiff) -> float:
-        """Seconds the busiest receiving GPU needs for the expert weights ``diff`` moves onto it."""
+    def transfer_seconds(self, diff: PlacementDiff, gbps: float | None = None) -> float:
+        """Seconds the busiest receiving GPU needs for the expert weights ``diff`` moves onto it,
+        each link at most at ``gbps`` (the swap's pace; None: link speed)."""
         arrivals_G = diff.arrivals_LGE.sum(axis=(0, 2))
         cross_node_G = diff.cross_node_arrivals_LGE.sum(axis=(0, 2))
         intra_node_G = arrivals_G - cross_node_G
+        pace = np.inf if gbps is None else gbps
         bytes_per = float(diff.bytes_per_expert)
         seconds_G = bytes_per * (
-            intra_node_G / (self.nvlink_gbps * 1e9) + cross_node_G / (self.internode_gbps * 1e9)
+            intra_node_G / (min(self.nvlink_gbps, pace) * 1e9)
+            + cross_node_G / (min(self.internode_gbps, pace) * 1e9)
         )
         return float(seconds_G.max(initial=0.0))
 
+    def interference_slowdown(self, gbps: float | None) -> float:
+        """Fraction by which a pass slows while a swap paced at ``gbps`` (None: unpaced) runs beside it."""
+        if self.interference is not None:
+            return self.interference
+        if gbps is None:
+            return UNPACED_SLOWDOWN[self.transfer_kind]
+        pace_x, slowdown_x = zip(*INTERFERENCE_POINTS[self.transfer_kind], strict=True)
+        return float(np.interp(gbps, pace_x, slowdown_x))
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class SwapProgress:
+    """How far a swap got beside a run of passes (:func:`swap_beside_passes`)."""
+
+    passes: int
+    """Passes that ran beside it; when ``remaining_seconds`` is 0, the maps switch after the last one."""
+    remaining_seconds: float
+    """Link time still needed after those passes (0: it arrived)."""
+    interference_seconds: float
+    """Time those passes lost to the swap."""
+
+
+def swap_beside_passes(link_seconds: float, pass_us_n: np.ndarray, slowdown: float) -> SwapProgress:
+    """A swap needing ``link_seconds`` of link time, sent beside passes of ``pass_us_n`` µs each.
+
+    Each pass beside it takes ``1 + slowdown`` times as long, and the swap moves on during all of
+    that time. It arrives during the first pass at whose end the elapsed time reaches its link time.
+    """
+    assert slowdown >= 0 and link_seconds >= 0
+    if link_seconds == 0:
+        return SwapProgress(0, 0.0, 0.0)
+    wall_n = pass_us_n.astype(np.float64) * 1e-6 * (1.0 + slowdown)
+    elapsed_n = np.cumsum(wall_n)
+    arrive = int(np.searchsorted(elapsed_n, link_seconds))
+    if arrive >= len(wall_n):
+        spent = float(elapsed_n[-1]) if len(wall_n) else 0.0
+        return SwapProgress(len(wall_n), max(link_seconds - spent, 0.0), spent * slowdown / (1.0 + slowdown))
+    # Of the link time spent beside passes, the share slowdown / (1 + slowdown) is time they lost.
+    return SwapProgress(arrive + 1, 0.0, link_seconds * slowdown / (1.0 + slowdown))

@@ -4,9 +4,12 @@ Flags that mean what SGLang's mean keep SGLang's names (``--ep-size``, ``--nnode
 ``--ep-num-redundant-experts``, ``--eplb-rebalance-num-iterations``,
 ``--expert-distribution-recorder-buffer-size``, ``--eplb-record-prefill-only``,
 ``--eplb-min-rebalancing-utilization-threshold``, ``--ep-dispatch-algorithm``,
-``--init-expert-location``), and their combinations are checked by ``eplb.config.EplbConfig``,
-so an invalid one fails with the same message a server would give. Defaults differ from SGLang's
-where an offline study needs it (EP32 over 4 nodes, 32 redundant experts, interval 500).
+``--init-expert-location``), as do eplb's own server flags (``--eplb-rebalance-mode``,
+``--eplb-max-moved-experts``, ``--eplb-transfer-gbps``), and their combinations are checked by
+``eplb.config.EplbConfig``, so an invalid one fails with the same message a server would give.
+Continuous mode takes its defaults (interval, window, budget) from ``EplbConfig`` too. Periodic
+defaults differ from SGLang's where an offline study needs it (EP32 over 4 nodes, 32 redundant
+experts, interval 500).
 """
 
 from __future__ import annotations
@@ -17,14 +20,16 @@ from pathlib import Path
 from typing import Any
 
 from eplb.placement.model import Placement
-from eplb.simulate.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
+from eplb.simulate.config import REBALANCE_MODES, SimulationConfig
+from eplb.simulate.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, TRANSFER_KINDS, CostModel
 from eplb.simulate.dispatch import DISPATCH_MODES
-from eplb.simulate.engine import SimulationConfig
 from eplb.simulate.planners import parse_solver_options
 from eplb.traces import Trace
 
 DEFAULT_STEPS = 4000
 DEFAULT_INTERVAL = 500
+"""Periodic mode's interval here (SGLang's server default, 1000, leaves fewer rebalances in a short trace)."""
+DEFAULT_MODE = "periodic"
 
 
 def add_input_arguments(parser: argparse.ArgumentParser, default_steps: int = DEFAULT_STEPS) -> None:
@@ -83,13 +88,36 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = True) -> None:
     """Recording, dispatch and initial placement; with ``schedule`` also the interval and threshold."""
-    g = parser.add_argument_group("rebalancing (SGLang flag names)")
+    from eplb.config import CONTINUOUS_INTERVAL, CONTINUOUS_MAX_MOVED_EXPERTS
+
+    g = parser.add_argument_group("rebalancing (SGLang's flag names, and eplb's server flags)")
     if schedule:
+        g.add_argument(
+            "--eplb-rebalance-mode",
+            choices=REBALANCE_MODES,
+            default=DEFAULT_MODE,
+            help="periodic: SGLang's schedule, the transfer stalls serving; continuous: budgeted moves "
+            "every few passes, each swap sent beside the following passes (default: %(default)s)",
+        )
         g.add_argument(
             "--eplb-rebalance-num-iterations",
             type=int,
-            default=DEFAULT_INTERVAL,
-            help="rebalance every N recorded passes (default: %(default)s; SGLang's server default is 1000)",
+            default=None,
+            help=f"rebalance every N recorded passes (default: {DEFAULT_INTERVAL}, SGLang's server default "
+            f"is 1000; continuous: {CONTINUOUS_INTERVAL})",
+        )
+        g.add_argument(
+            "--eplb-max-moved-experts",
+            type=int,
+            default=None,
+            help="budget of one rebalance in cross-GPU expert copies, for the solver-backed runs "
+            f"(default: none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS})",
+        )
+        g.add_argument(
+            "--eplb-transfer-gbps",
+            type=float,
+            default=None,
+            help="continuous mode: pace of a swap beside the passes, GB/s into one GPU (default: unpaced)",
         )
         g.add_argument(
             "--eplb-min-rebalancing-utilization-threshold",
@@ -102,7 +130,11 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
         type=int,
         default=None,
         help="window the planner sees, in recorded passes (default: "
-        + ("the rebalance interval)" if schedule else "the whole trace)"),
+        + (
+            "the rebalance interval; continuous mode's from eplb.config, and only it may exceed the interval)"
+            if schedule
+            else "the whole trace)"
+        ),
     )
     g.add_argument(
         "--eplb-record-prefill-only", action="store_true", help="record and count only prefill passes"
@@ -150,6 +182,20 @@ def add_cost_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--internode-gbps", type=float, default=d.internode_gbps, help="inter-node GB/s per GPU (%(default)s)"
     )
+    g.add_argument(
+        "--cost-transfer-kind",
+        choices=TRANSFER_KINDS,
+        default=d.transfer_kind,
+        help="continuous mode: a swap beside the passes goes by paced copy-engine copies or SM copy "
+        "kernels (%(default)s)",
+    )
+    g.add_argument(
+        "--cost-interference",
+        type=float,
+        default=None,
+        help="continuous mode: slowdown of a pass while a swap runs beside it, e.g. 0.03 (default: "
+        "from H200 figures by transfer kind and pace, docs/simulate.md)",
+    )
 
 
 def load_input(args: argparse.Namespace, quiet: bool = False) -> Trace:
@@ -175,19 +221,26 @@ def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) 
     from eplb.config import EplbConfig
 
     threshold = getattr(args, "eplb_min_rebalancing_utilization_threshold", 1.0)
+    mode = getattr(args, "eplb_rebalance_mode", DEFAULT_MODE)
+    interval = getattr(args, "eplb_rebalance_num_iterations", None)
     values: dict[str, Any] = {
         "ep_size": args.ep_size,
         "nnodes": args.nnodes,
         "ep_num_redundant_experts": args.ep_num_redundant_experts,
-        "eplb_rebalance_num_iterations": getattr(args, "eplb_rebalance_num_iterations", DEFAULT_INTERVAL),
+        "eplb_rebalance_num_iterations": (
+            DEFAULT_INTERVAL if interval is None and mode == "periodic" else interval
+        ),
         "expert_distribution_recorder_buffer_size": args.expert_distribution_recorder_buffer_size,
+        "eplb_max_moved_experts": getattr(args, "eplb_max_moved_experts", None),
     }
     unknown = set(overrides) - set(values)
     if unknown:
         raise TypeError(f"unknown overrides {sorted(unknown)}")
     values.update(overrides)
-    EplbConfig(
+    server = EplbConfig(
         enable_eplb=True,
+        eplb_rebalance_mode=mode,
+        eplb_transfer_gbps=getattr(args, "eplb_transfer_gbps", None),
         eplb_record_prefill_only=args.eplb_record_prefill_only,
         eplb_min_rebalancing_utilization_threshold=threshold,
         ep_dispatch_algorithm=args.ep_dispatch_algorithm,
@@ -204,8 +257,11 @@ def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) 
         num_gpus=values["ep_size"],
         num_nodes=values["nnodes"],
         num_redundant=values["ep_num_redundant_experts"],
-        interval=values["eplb_rebalance_num_iterations"],
+        interval=server.rebalance_interval,
         window=values["expert_distribution_recorder_buffer_size"],
+        rebalance_mode=mode,
+        max_moved_experts=values["eplb_max_moved_experts"],
+        transfer_gbps=server.eplb_transfer_gbps,
         record_prefill_only=args.eplb_record_prefill_only,
         utilization_threshold=threshold,
         default_dispatch=args.ep_dispatch_algorithm,
@@ -227,6 +283,8 @@ def cost_model(args: argparse.Namespace) -> CostModel:
         per_token_us=args.cost_per_token_us,
         nvlink_gbps=args.nvlink_gbps,
         internode_gbps=args.internode_gbps,
+        transfer_kind=args.cost_transfer_kind,
+        interference=args.cost_interference,
     )
 
 

@@ -5,11 +5,14 @@ Shape legend: T steps, L layers, G GPUs.
 - ``balancedness.png``: balancedness of prefill steps over time per run (rolling mean), with
   the rebalance steps marked;
 - ``load_heatmap.png``: (layer x GPU) load relative to the layer's mean, no balancing vs each run;
-- ``balance_vs_migration.png``: balancedness against expert copies moved, one point per run.
+- ``balance_vs_migration.png``: balancedness against expert copies moved, one point per run;
+- ``tradeoff.png`` (:func:`write_tradeoff_plot`, from ``eplb.simulate.tradeoff`` rows): prefill
+  balancedness and modeled speed-up against bytes moved per 1000 passes, periodic vs continuous.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +24,18 @@ MAX_HEATMAPS = 4
 """Runs shown next to the baseline in the heatmap figure (the first ones given)."""
 
 
-def write_plots(result: SimulationResult, out_dir: str | Path) -> list[Path]:
-    """Write the three PNGs into ``out_dir`` (created if needed); returns their paths."""
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def write_plots(result: SimulationResult, out_dir: str | Path) -> list[Path]:
+    """Write the three PNGs into ``out_dir`` (created if needed); returns their paths."""
+    plt = _pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = [
@@ -113,3 +121,41 @@ def _balance_vs_migration(plt: Any, result: SimulationResult, path: Path) -> Pat
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     return path
+
+
+def write_tradeoff_plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
+    """Two panels against bytes moved per 1000 passes (log scale): prefill balancedness, speed-up.
+
+    One line per (mode, algorithm): periodic points are labelled with their interval, continuous
+    ones with their budget.
+    """
+    plt = _pyplot()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    for row in rows:
+        series.setdefault((row["mode"], row["algorithm"]), []).append(row)
+    for (mode, algorithm), group in series.items():
+        group = sorted(group, key=lambda r: r["bytes_moved_per_1000_passes"])
+        x = [max(r["bytes_moved_per_1000_passes"], 1.0) / 1e9 for r in group]
+        marker = "o" if mode == "periodic" else "s"
+        for ax, key in zip(axes, ("balancedness_prefill_mean", "speedup_vs_none"), strict=True):
+            y = [r[key] for r in group]
+            ax.plot(x, y, marker=marker, label=f"{algorithm}, {mode}")
+            for xi, yi, r in zip(x, y, group, strict=True):
+                tag = f"every {r['interval']}" if mode == "periodic" else f"{r['budget']} copies"
+                ax.annotate(tag, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    for ax, ylabel in zip(
+        axes, ("balancedness, prefill passes (mean)", "modeled MoE speed-up vs none"), strict=True
+    ):
+        ax.set_xscale("log")
+        ax.set_xlabel("GB moved across GPUs per 1000 passes")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8, loc="lower right")
+    fig.suptitle(title or "Balance and speed-up against weight traffic")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

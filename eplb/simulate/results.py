@@ -5,6 +5,7 @@ Shape legend: T steps, L layers, G GPUs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,6 +27,14 @@ class RebalanceEvent:
     reason: str
     solve_seconds: float
     transfer_seconds: float = 0.0
+    """Link time of its transfer on the busiest receiving GPU (at the swap's pace in continuous mode)."""
+    stall_seconds: float = 0.0
+    """Serving stalled for it: all of the link time in periodic mode, the part the passes did not
+    cover in continuous mode."""
+    interference_seconds: float = 0.0
+    """Time the passes lost while its swap ran beside them (continuous mode)."""
+    switch_step: int | None = None
+    """First step on the new placement (periodic: ``step``; None: not applied, or still in flight at the end)."""
     changed_slots: int = 0
     experts_moved_across_gpus: int = 0
     experts_moved_across_nodes: int = 0
@@ -34,6 +43,9 @@ class RebalanceEvent:
     window_balancedness: float = float("nan")
     """Balancedness of the window under the placement in use when the plan was made."""
     predicted_balancedness: float | None = None
+    realized_balancedness: float | None = None
+    """Balancedness of the load its plan served until the next rebalance, summed over those
+    recorded steps as a window is (None: not applied, or the trace ended first)."""
 
 
 @dataclass(kw_only=True)
@@ -54,21 +66,28 @@ class RunResult:
     apply_seconds: float = 0.0
     """Wall time spent diffing applied plans and building their dispatch matrices (static maps)."""
 
-    @property
-    def transfer_seconds(self) -> float:
-        return float(sum(e.transfer_seconds for e in self.events))
+    def scored_events(self, scored_from: int = 0) -> list[RebalanceEvent]:
+        """The rebalances from step ``scored_from`` on (their costs count; earlier ones warm up)."""
+        return [e for e in self.events if e.step >= scored_from]
 
     def total_seconds(self, scored_from: int = 0) -> float:
-        """Modeled MoE time of steps ``scored_from`` onwards plus every rebalance stall, seconds."""
-        return float(self.moe_us_T[scored_from:].sum()) * 1e-6 + self.transfer_seconds
+        """Modeled MoE time of steps ``scored_from`` onwards plus those rebalances' stalls and interference."""
+        events = self.scored_events(scored_from)
+        overhead = sum(e.stall_seconds + e.interference_seconds for e in events)
+        return float(self.moe_us_T[scored_from:].sum()) * 1e-6 + float(overhead)
 
     def summary(self, baseline: RunResult, is_prefill_T: np.ndarray, scored_from: int = 0) -> dict[str, Any]:
         """Figures over the scored steps (from ``scored_from``), compared with ``baseline``."""
-        applied = [e for e in self.events if e.applied]
-        solve = np.array([e.solve_seconds for e in self.events], dtype=np.float64)
+        events = self.scored_events(scored_from)
+        applied = [e for e in events if e.applied]
+        solve = np.array([e.solve_seconds for e in events], dtype=np.float64)
         bal = self.balancedness_T[scored_from:]
         prefill_bal = bal[is_prefill_T[scored_from:]]
         total = self.total_seconds(scored_from)
+        bytes_moved = int(sum(e.bytes_moved for e in applied))
+        pairs = [(e.predicted_balancedness, e.realized_balancedness) for e in applied]
+        error = np.array([p - r for p, r in pairs if p is not None and r is not None])
+        delays = [e.switch_step - e.step for e in applied if e.switch_step is not None]
         return {
             "name": self.spec.name,
             "algorithm": self.spec.algorithm,
@@ -77,7 +96,9 @@ class RunResult:
             "balancedness_p5": float(np.percentile(bal, 5)) if bal.size else float("nan"),
             "balancedness_prefill_mean": _mean(prefill_bal),
             "moe_seconds": float(self.moe_us_T[scored_from:].sum()) * 1e-6,
-            "transfer_seconds": self.transfer_seconds,
+            "transfer_seconds": float(sum(e.transfer_seconds for e in applied)),
+            "stall_seconds": float(sum(e.stall_seconds for e in applied)),
+            "interference_seconds": float(sum(e.interference_seconds for e in applied)),
             "total_seconds": total,
             "speedup_vs_none": baseline.total_seconds(scored_from) / total if total > 0 else float("nan"),
             "rebalances_applied": len(applied),
@@ -87,7 +108,13 @@ class RunResult:
             "experts_moved_per_rebalance": (
                 float(np.mean([e.experts_moved_across_gpus for e in applied])) if applied else 0.0
             ),
-            "bytes_moved": int(sum(e.bytes_moved for e in applied)),
+            "bytes_moved": bytes_moved,
+            "bytes_moved_per_1000_passes": bytes_moved * 1000.0 / max(bal.size, 1),
+            "switch_delay_steps_mean": float(np.mean(delays)) if delays else 0.0,
+            # None when no applied plan served a whole window (NaN would not compare equal to itself).
+            "prediction_error_mean": float(np.abs(error).mean()) if error.size else None,
+            "prediction_bias_mean": float(error.mean()) if error.size else None,
+            "predictions_checked": int(error.size),
             "solve_seconds_total": float(solve.sum()),
             "solve_seconds_mean": _mean(solve) if solve.size else 0.0,
             "solve_seconds_max": float(solve.max(initial=0.0)),
@@ -102,6 +129,19 @@ def format_bytes(num_bytes: float) -> str:
         if num_bytes >= scale:
             return f"{num_bytes / scale:.1f} {unit}"
     return f"{int(num_bytes)} B"
+
+
+def format_table(rows: Sequence[Sequence[str]]) -> str:
+    """Rows of cells (the first the header) as aligned text: first column left, others right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
 
 
 def _mean(values: np.ndarray) -> float:
@@ -169,6 +209,7 @@ class SimulationResult:
             "experts moved",
             "moved",
             "stall s",
+            "interf. s",
             "solve s/rebal",
         )
         rows = [header]
@@ -183,16 +224,9 @@ class SimulationResult:
                     f"{s['rebalances_applied']}/{s['rebalances_applied'] + s['rebalances_skipped']}",
                     f"{s['experts_moved']}",
                     format_bytes(s["bytes_moved"]),
-                    f"{s['transfer_seconds']:.2f}",
+                    f"{s['stall_seconds']:.2f}",
+                    f"{s['interference_seconds']:.2f}",
                     f"{s['solve_seconds_mean']:.3f}",
                 )
             )
-        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
-        lines = [
-            "  ".join(
-                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
-            )
-            for r in rows
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        return "\n".join(lines)
+        return format_table(rows)

@@ -63,7 +63,8 @@ def sweep(
     points: list[SweepPoint] = []
 
     def measure(num_redundant: int, interval: int) -> SweepPoint:
-        window = None if config.window is None else min(config.window, interval)
+        # Periodic windows never reach past the last rebalance; continuous ones may.
+        window = config.window if config.window is None or config.continuous else min(config.window, interval)
         cfg = replace(config, num_redundant=num_redundant, interval=interval, window=window)
         summary = simulate(trace, [run], cfg).summaries()[0]
         value = float(summary[METRICS[metric]])

@@ -1,0 +1,257 @@
+"""One simulated run as it advances: its placement, the swap in flight, and its timeline so far.
+
+Shape legend: T steps, n steps of one chunk, W window, L layers, E logical experts, G GPUs.
+
+At a rebalance the run plans from the window. Periodic mode switches to the plan at once and
+stalls for its transfer. Continuous mode keeps serving on the old placement while the swap goes
+beside the passes (``eplb.simulate.cost_model.swap_beside_passes``); the maps switch at the pass
+boundary after it arrives, and a swap still in flight at the next rebalance stalls serving for
+the rest of its link time. Each applied plan's *realized* balancedness is that of the load it
+served until the next rebalance, summed as its window was, to set against its prediction.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from eplb.placement.balance import balancedness
+from eplb.placement.diff import diff_placements
+from eplb.placement.model import Placement
+from eplb.policy import PlanLike, Planner
+from eplb.simulate.config import SimulationConfig
+from eplb.simulate.cost_model import swap_beside_passes
+from eplb.simulate.dispatch import DispatchMatrices, dispatch_matrices, fake_gpu_load
+from eplb.simulate.planners import PastView, RunSpec
+from eplb.simulate.results import RebalanceEvent, RunResult
+from eplb.traces import Trace
+
+
+@dataclass
+class _Swap:
+    """An applied plan whose weights are still travelling beside the passes."""
+
+    placement: Placement
+    weights_LER: np.ndarray | None
+    event: int
+    """Index of its rebalance event."""
+    remaining_seconds: float
+    """Link time it still needs."""
+    slowdown: float
+    """Slowdown of each pass it runs beside."""
+    interference_seconds: float = 0.0
+    """Time the passes have lost to it so far."""
+
+
+class RunState:
+    """One run's placement, dispatch matrices, swap in flight and accumulated timeline."""
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        initial: Placement,
+        planner: Planner | None,
+        trace: Trace,
+        config: SimulationConfig,
+        recorded_T: np.ndarray,
+        scored_from: int,
+    ) -> None:
+        self.spec, self.planner, self.trace, self.config = spec, planner, trace, config
+        self.placement = initial
+        self.weights_LER: np.ndarray | None = None
+        self.matrices = dispatch_matrices(initial, spec.dispatch)
+        self.recorded_T = recorded_T
+        self.past = PastView(trace, recorded_T)
+        self.scored_from = scored_from
+        T, L, E, G = trace.num_steps, trace.num_layers, trace.num_experts, config.num_gpus
+        self.balancedness_T = np.zeros(T)
+        self.moe_us_T = np.zeros(T)
+        self.relative_load_LG = np.zeros((L, G))
+        self.events: list[RebalanceEvent] = []
+        self.swap: _Swap | None = None
+        self.serving: int | None = None
+        """Event whose plan serves now and whose realized window is still open."""
+        self.served_LE = np.zeros((L, E))
+        self.eval_seconds = 0.0
+        self.apply_seconds = 0.0
+
+    # ---- rebalancing ----------------------------------------------------------------------------
+    def rebalance(self, step: int) -> None:
+        if self.planner is None:
+            return
+        if self.swap is not None:
+            # Not arrived yet: serving stalls until it has, then switches before this plan is made.
+            self.events[self.swap.event] = replace(
+                self.events[self.swap.event], stall_seconds=self.swap.remaining_seconds
+            )
+            self._switch(step)
+        self._close_realized()
+        self.past.now = step
+        window_WLE = self.past.window(self.config.window_size)
+        if window_WLE.shape[0] == 0:
+            self.events.append(
+                RebalanceEvent(
+                    step=step, window_steps=0, applied=False, reason="empty window", solve_seconds=0.0
+                )
+            )
+            return
+        window_bal = model_balancedness(window_WLE.sum(axis=0, dtype=np.float64), self.matrices)
+        if window_bal > self.config.utilization_threshold:
+            reason = (
+                f"window balancedness {window_bal:.3f} above threshold {self.config.utilization_threshold}"
+            )
+            self.events.append(
+                RebalanceEvent(
+                    step=step,
+                    window_steps=len(window_WLE),
+                    applied=False,
+                    reason=reason,
+                    solve_seconds=0.0,
+                    window_balancedness=window_bal,
+                )
+            )
+            return
+        started = time.perf_counter()
+        proposal: PlanLike = self.planner(window_WLE, self.placement, self.past)
+        skipped = RebalanceEvent(
+            step=step,
+            window_steps=len(window_WLE),
+            applied=False,
+            reason=proposal.reason,
+            solve_seconds=time.perf_counter() - started,
+            window_balancedness=window_bal,
+            predicted_balancedness=proposal.predicted_balancedness,
+        )
+        if not proposal.apply:
+            self.events.append(skipped)
+            return
+        diff = diff_placements(self.placement, proposal.placement, self.config.bytes_per_expert)
+        cost, gbps = self.config.cost, self.config.transfer_gbps
+        continuous = self.config.continuous
+        link_seconds = cost.transfer_seconds(diff, gbps if continuous else None)
+        self.events.append(
+            replace(
+                skipped,
+                applied=True,
+                transfer_seconds=link_seconds,
+                # Periodic: serving waits for the whole transfer.
+                stall_seconds=0.0 if continuous else link_seconds,
+                changed_slots=diff.num_changed_slots,
+                experts_moved_across_gpus=diff.experts_moved_across_gpus,
+                experts_moved_across_nodes=diff.experts_moved_across_nodes,
+                bytes_moved=diff.bytes_across_gpus,
+            )
+        )
+        self.swap = _Swap(
+            proposal.placement,
+            proposal.dispatch_weights_LER,
+            len(self.events) - 1,
+            link_seconds,
+            cost.interference_slowdown(gbps) if continuous else 0.0,
+        )
+        if not continuous or link_seconds == 0:
+            self._switch(step)
+
+    def _switch(self, step: int) -> None:
+        """The swap in flight has arrived: its placement serves from ``step``."""
+        swap = self.swap
+        assert swap is not None
+        started = time.perf_counter()
+        self.events[swap.event] = replace(
+            self.events[swap.event], switch_step=step, interference_seconds=swap.interference_seconds
+        )
+        self.placement, self.weights_LER = swap.placement, swap.weights_LER
+        self.matrices = dispatch_matrices(self.placement, self.spec.dispatch, self.weights_LER)
+        self.swap, self.serving = None, swap.event
+        self.served_LE[:] = 0.0
+        self.apply_seconds += time.perf_counter() - started
+
+    def _close_realized(self) -> None:
+        """Record the balancedness the serving plan realized on the load it served since its switch."""
+        if self.serving is not None and self.served_LE.any():
+            realized = model_balancedness(self.served_LE, self.matrices)
+            self.events[self.serving] = replace(self.events[self.serving], realized_balancedness=realized)
+        self.serving = None
+
+    # ---- evaluation -----------------------------------------------------------------------------
+    def evaluate(
+        self, start: int, counts_nLE: np.ndarray, load_LnE: np.ndarray, loaded_LnE: np.ndarray
+    ) -> None:
+        """Steps [start, start + n): counts int32 [n, L, E], as float32 [L, n, E] and as 0/1 float32."""
+        started = time.perf_counter()
+        n = counts_nLE.shape[0]
+        tokens_LnG, active_LnG = self._gpu_load(start, counts_nLE, load_LnE, loaded_LnE)
+        moe_us_n = self.config.cost.layer_times_us(tokens_LnG, active_LnG).sum(axis=0)
+        switched = 0
+        if self.swap is not None:
+            progress = swap_beside_passes(self.swap.remaining_seconds, moe_us_n, self.swap.slowdown)
+            self.swap.remaining_seconds = progress.remaining_seconds
+            self.swap.interference_seconds += progress.interference_seconds
+            if progress.remaining_seconds == 0:
+                switched = progress.passes
+                self._switch(start + switched)
+                # Fake dispatch ignores the placement: its load stays as drawn.
+                if switched < n and self.spec.dispatch != "fake":
+                    tail_LnG, tail_active_LnG = self._gpu_load(
+                        start + switched,
+                        counts_nLE[switched:],
+                        load_LnE[:, switched:],
+                        loaded_LnE[:, switched:],
+                    )
+                    tokens_LnG = np.concatenate([tokens_LnG[:, :switched], tail_LnG], axis=1)
+                    moe_us_n[switched:] = self.config.cost.layer_times_us(tail_LnG, tail_active_LnG).sum(
+                        axis=0
+                    )
+        stop = start + n
+        self.moe_us_T[start:stop] = moe_us_n
+        self.balancedness_T[start:stop] = balancedness(tokens_LnG).mean(axis=0)
+        first = max(start, self.scored_from)
+        if first < stop:
+            part_LnG = tokens_LnG[:, first - start :]
+            mean_Ln1 = part_LnG.mean(axis=2, keepdims=True)
+            relative_LnG = np.divide(part_LnG, mean_Ln1, out=np.ones_like(part_LnG), where=mean_Ln1 > 0)
+            self.relative_load_LG += relative_LnG.sum(axis=1)
+        if self.serving is not None:
+            served_n = self.recorded_T[start:stop].copy()
+            served_n[:switched] = False
+            self.served_LE += load_LnE[:, served_n].sum(axis=1, dtype=np.float64)
+        self.eval_seconds += time.perf_counter() - started
+
+    def _gpu_load(
+        self, start: int, counts_nLE: np.ndarray, load_LnE: np.ndarray, loaded_LnE: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens, active experts), float32 [L, n, G], of steps [start, start + n) on the placement now."""
+        if self.spec.dispatch == "fake":
+            # Seeded by the chunk, so every run sees the same random routing.
+            rng = np.random.default_rng([self.config.seed, start])
+            routed_nL = counts_nLE.sum(axis=2, dtype=np.int64)
+            tokens_nLG, active_nLG = fake_gpu_load(
+                routed_nL, self.placement.num_gpus, self.placement.slots_per_gpu, rng
+            )
+            return tokens_nLG.transpose(1, 0, 2), active_nLG.transpose(1, 0, 2)
+        return np.matmul(load_LnE, self.matrices.share_LEG), np.matmul(loaded_LnE, self.matrices.replicas_LEG)
+
+    def result(self) -> RunResult:
+        if self.swap is not None:  # still in flight when the trace ends: it never switched
+            self.events[self.swap.event] = replace(
+                self.events[self.swap.event], interference_seconds=self.swap.interference_seconds
+            )
+        after = self.trace.num_steps - self.scored_from
+        return RunResult(
+            spec=self.spec,
+            balancedness_T=self.balancedness_T,
+            moe_us_T=self.moe_us_T,
+            relative_load_LG=self.relative_load_LG / max(after, 1),
+            events=self.events,
+            final_placement=self.placement,
+            eval_seconds=self.eval_seconds,
+            apply_seconds=self.apply_seconds,
+        )
+
+
+def model_balancedness(load_LE: np.ndarray, matrices: DispatchMatrices) -> float:
+    """Model balancedness (mean over layers) of summed logical load [L, E] under dispatch ``matrices``."""
+    gpu_LG = np.matmul(load_LE[:, None, :].astype(np.float32), matrices.share_LEG)[:, 0]
+    return float(balancedness(gpu_LG).mean())

@@ -1,0 +1,256 @@
+"""Continuous rebalancing in the simulator: swaps beside the passes, interference, budgets, the gate."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from eplb.placement.balance import model_balancedness
+from eplb.placement.diff import diff_placements
+from eplb.placement.model import Placement
+from eplb.policy import Proposal
+from eplb.simulate import (
+    CostModel,
+    PastView,
+    RunSpec,
+    SimulationConfig,
+    parse_runs,
+    simulate,
+    swap_beside_passes,
+)
+from eplb.traces import Trace
+
+
+def _loop_reference(link_s: float, pass_us: list[float], slowdown: float) -> tuple[int, float, float]:
+    """(passes beside the swap, link time left, interference s), one pass at a time."""
+    if link_s == 0:
+        return 0, 0.0, 0.0
+    left, lost = link_s, 0.0
+    for i, us in enumerate(pass_us):
+        wall = us * 1e-6 * (1 + slowdown)
+        if wall >= left:  # arrives during this pass: it lost the slowed share of the time overlapped
+            lost += left * slowdown / (1 + slowdown)
+            return i + 1, 0.0, lost
+        left -= wall
+        lost += us * 1e-6 * slowdown
+    return len(pass_us), left, lost
+
+
+def test_swap_costs_no_stall_until_it_needs_more_link_time_than_the_passes_leave() -> None:
+    passes = np.array([1000.0, 1000.0, 1000.0])  # three 1 ms passes
+    got = swap_beside_passes(2.5e-3, passes, 0.0)
+    assert (got.passes, got.remaining_seconds, got.interference_seconds) == (3, 0.0, 0.0)
+    exact = swap_beside_passes(2e-3, passes, 0.0)  # arrives at the end of the second pass
+    assert exact.passes == 2 and exact.remaining_seconds == 0.0
+    over = swap_beside_passes(5e-3, passes, 0.0)
+    assert over.passes == 3 and over.remaining_seconds == pytest.approx(2e-3)
+    # 25% slower passes: 1.25 ms each, so 2.5 ms of link time fits in two, which lost 0.25 ms each.
+    slowed = swap_beside_passes(2.5e-3, passes, 0.25)
+    assert slowed.passes == 2 and slowed.interference_seconds == pytest.approx(0.5e-3)
+    assert swap_beside_passes(0.0, passes, 0.25).passes == 0
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        pass_us = rng.uniform(0, 3000, size=int(rng.integers(0, 8)))
+        link, slowdown = float(rng.uniform(0, 0.02)), float(rng.choice([0.0, 0.03, 1.05]))
+        got = swap_beside_passes(link, pass_us, slowdown)
+        want = _loop_reference(link, pass_us.tolist(), slowdown)
+        assert got.passes == want[0]
+        assert got.remaining_seconds == pytest.approx(want[1], abs=1e-12)
+        assert got.interference_seconds == pytest.approx(want[2], abs=1e-12)
+
+
+def test_interference_follows_the_h200_figures_by_kind_and_pace() -> None:
+    ce, sm = CostModel(), CostModel(transfer_kind="sm")
+    # Paced copy-engine copies: about 2-3% at 78-500 GB/s.
+    assert ce.interference_slowdown(78.0) == pytest.approx(0.02)
+    assert ce.interference_slowdown(500.0) == pytest.approx(0.03)
+    assert 0.02 < ce.interference_slowdown(200.0) < 0.03
+    assert ce.interference_slowdown(10.0) == pytest.approx(0.02)
+    assert ce.interference_slowdown(900.0) == pytest.approx(0.03)
+    # Unpaced copy-engine copies: 46-164%; SM copy kernels: 22-76% on one CTA (53 GB/s), up to 90%.
+    assert 0.46 <= ce.interference_slowdown(None) <= 1.64
+    assert 0.22 <= sm.interference_slowdown(53.0) <= 0.76
+    assert (
+        sm.interference_slowdown(53.0)
+        < sm.interference_slowdown(200.0)
+        <= sm.interference_slowdown(None)
+        <= 0.9
+    )
+    assert CostModel(interference=0.1).interference_slowdown(None) == 0.1
+    with pytest.raises(ValueError, match="transfer kind"):
+        CostModel(transfer_kind="dma")
+    with pytest.raises(ValueError, match="interference"):
+        CostModel(interference=-0.5)
+
+
+def test_a_pace_caps_each_link() -> None:
+    # GPU 1 pulls expert 0 from its node and expert 4 from the other node (1 GB each).
+    old = Placement.from_phy2log(np.array([[0, 1, 2, 3, 4, 5, 6, 7]]), num_gpus=4, num_nodes=2)
+    new = Placement.from_phy2log(np.array([[1, 2, 0, 4, 3, 5, 6, 7]]), num_gpus=4, num_nodes=2)
+    diff = diff_placements(old, new, bytes_per_expert=10**9)
+    cost = CostModel(nvlink_gbps=100.0, internode_gbps=10.0)
+    assert cost.transfer_seconds(diff) == pytest.approx(1 / 100 + 1 / 10)
+    assert cost.transfer_seconds(diff, gbps=20.0) == pytest.approx(1 / 20 + 1 / 10)
+    assert cost.transfer_seconds(diff, gbps=5.0) == pytest.approx(2 / 5)
+
+
+class _OneMove:
+    """Proposes ``target`` at its first call and keeps it after; predicts its exact balancedness."""
+
+    def __init__(self, target: Placement, load_LE: np.ndarray) -> None:
+        self.target, self.load_LE, self.windows = target, load_LE, []
+
+    def __call__(self, window_WLE: np.ndarray, current: Placement, past: PastView | None = None) -> Proposal:
+        self.windows.append(window_WLE.shape[0])
+        if current.same_slots(self.target):
+            return Proposal(current, apply=False, reason="converged")
+        predicted = float(model_balancedness(self.load_LE, self.target))
+        return Proposal(self.target, predicted_balancedness=predicted)
+
+
+def _constant_setup(
+    link_passes: float, mode: str, interference: float = 0.1
+) -> tuple[Trace, SimulationConfig, Placement]:
+    """Constant load; every pass takes 2 layers x 1 ms; one move whose link time is ``link_passes`` passes."""
+    # Layer 0: GPU 0 holds both hot experts (0, 1) and GPU 1 both cold ones (2, 3) until the move.
+    load_LE = np.array([[100, 100, 1, 1, 50, 50, 50, 50], [5, 9, 30, 2, 7, 7, 12, 40]], dtype=np.int32)
+    trace = Trace.from_counts(np.broadcast_to(load_LE, (60, 2, 8)).copy())
+    target = Placement.from_phy2log(
+        np.array([[2, 1, 0, 3, 4, 5, 6, 7], [0, 1, 2, 3, 4, 5, 6, 7]]), num_gpus=4
+    )
+    # Experts 0 and 2 trade GPUs 0 and 1 in layer 0: each of them receives one expert over NVLink.
+    cost = CostModel(
+        base_us=1000.0, per_expert_us=0.0, per_token_us=0.0, nvlink_gbps=100.0, interference=interference
+    )
+    pass_s = 2e-3
+    config = SimulationConfig(
+        num_gpus=4,
+        num_nodes=1,
+        num_redundant=0,
+        interval=10,
+        rebalance_mode=mode,
+        bytes_per_expert=int(link_passes * pass_s * 100e9),
+        cost=cost,
+    )
+    return trace, config, target
+
+
+def test_continuous_swap_switches_after_it_arrives_and_pays_only_interference() -> None:
+    trace, config, target = _constant_setup(link_passes=2.5, mode="continuous")
+    planner = _OneMove(target, trace.counts_TLE[0])
+    result = simulate(trace, [RunSpec("one", "dynamic")], config, planners={"one:dynamic": planner})
+    run, event = result.runs[0], result.runs[0].events[0]
+    # 2.5 passes of link time at 10% slower passes (2.2 ms each): it arrives during the third pass.
+    assert event.applied and event.step == 10 and event.switch_step == 13
+    assert event.transfer_seconds == pytest.approx(5e-3)
+    assert event.stall_seconds == 0.0
+    assert event.interference_seconds == pytest.approx(5e-3 * 0.1 / 1.1)
+    before = model_balancedness(trace.counts_TLE[0], Placement.trivial(2, 8, num_gpus=4, num_redundant=0))
+    after = model_balancedness(trace.counts_TLE[0], target)
+    np.testing.assert_allclose(run.balancedness_T[:13], before)
+    np.testing.assert_allclose(run.balancedness_T[13:], after)
+    # The plan served exactly the load it predicted for: no prediction error.
+    assert event.realized_balancedness == pytest.approx(event.predicted_balancedness)
+    summary = result.summaries()[0]
+    assert summary["prediction_error_mean"] == pytest.approx(0.0, abs=1e-12)
+    assert summary["switch_delay_steps_mean"] == 3
+    assert run.total_seconds(result.scored_from) == pytest.approx(50 * 2e-3 + 5e-3 * 0.1 / 1.1)
+    assert all(not e.applied for e in run.events[1:])
+
+
+def test_continuous_swap_stalls_for_the_link_time_the_passes_do_not_leave() -> None:
+    trace, config, target = _constant_setup(link_passes=13.0, mode="continuous")
+    planner = _OneMove(target, trace.counts_TLE[0])
+    run = simulate(trace, [RunSpec("one", "dynamic")], config, planners={"one:dynamic": planner}).runs[0]
+    event = run.events[0]
+    # 10 passes of 2.2 ms before the next rebalance at step 20 cover 22 of the 26 ms; 4 ms stall.
+    assert event.switch_step == 20
+    assert event.stall_seconds == pytest.approx(26e-3 - 22e-3)
+    assert event.interference_seconds == pytest.approx(10 * 2e-3 * 0.1)
+    after = model_balancedness(trace.counts_TLE[0], target)
+    np.testing.assert_allclose(run.balancedness_T[20:], after)
+    assert not np.allclose(run.balancedness_T[10:20], after)
+
+
+def test_periodic_mode_stalls_for_the_whole_transfer() -> None:
+    trace, config, target = _constant_setup(link_passes=2.5, mode="periodic")
+    planner = _OneMove(target, trace.counts_TLE[0])
+    result = simulate(trace, [RunSpec("one", "dynamic")], config, planners={"one:dynamic": planner})
+    event = result.runs[0].events[0]
+    assert event.switch_step == event.step == 10
+    assert event.stall_seconds == event.transfer_seconds == pytest.approx(5e-3)
+    assert event.interference_seconds == 0.0
+    assert result.summaries()[0]["stall_seconds"] == pytest.approx(5e-3)
+
+
+def test_the_window_may_exceed_the_interval_only_in_continuous_mode() -> None:
+    trace, config, target = _constant_setup(link_passes=0.0, mode="continuous")
+    planner = _OneMove(target, trace.counts_TLE[0])
+    simulate(
+        trace, [RunSpec("one", "dynamic")], replace(config, window=25), planners={"one:dynamic": planner}
+    )
+    assert planner.windows == [10, 20, 25, 25, 25]
+    with pytest.raises(ValueError, match="periodic mode"):
+        SimulationConfig(interval=10, window=25)
+    with pytest.raises(ValueError, match="rebalance-mode"):
+        SimulationConfig(rebalance_mode="sometimes")
+
+
+def _drifting_trace(seed: int, T: int = 240, L: int = 4, E: int = 16) -> Trace:
+    rng = np.random.default_rng(seed)
+    popularity = rng.lognormal(0.0, 1.0, size=(L, E))
+    drift = np.cumsum(rng.normal(0.0, 0.05, size=(T, L, E)), axis=0)
+    prob = popularity * np.exp(drift)
+    prob /= prob.sum(axis=2, keepdims=True)
+    counts = np.stack([[rng.multinomial(2000, prob[t, layer]) for layer in range(L)] for t in range(T)])
+    return Trace.from_counts(counts.astype(np.int32))
+
+
+@pytest.mark.parametrize("budget", [0, 3, 10])
+def test_the_budget_reaches_the_solver_and_is_never_exceeded(budget: int) -> None:
+    trace = _drifting_trace(seed=budget)
+    config = SimulationConfig(
+        num_gpus=4, num_nodes=2, num_redundant=4, interval=20, rebalance_mode="continuous",
+        max_moved_experts=budget, bytes_per_expert=1000, transfer_gbps=100.0,
+    )  # fmt: skip
+    result = simulate(trace, parse_runs(["scipy"], "static"), config)
+    applied = [e for e in result.runs[0].events if e.applied]
+    assert result.config["move_budget"] == budget and len(result.runs[0].events) == 11
+    assert all(e.experts_moved_across_gpus <= budget for e in applied)
+    if budget == 0:
+        assert sum(e.experts_moved_across_gpus for e in applied) == 0
+    else:
+        assert applied and max(e.experts_moved_across_gpus for e in applied) > 0
+        assert result.summaries()[0]["balancedness_mean"] > result.baseline.balancedness_T[20:].mean()
+
+
+def test_on_stationary_load_continuous_mode_stops_moving() -> None:
+    rng = np.random.default_rng(7)
+    step_LE = (rng.lognormal(0, 1.0, size=(4, 16)) * 100).astype(np.int32)
+    trace = Trace.from_counts(np.broadcast_to(step_LE, (400, 4, 16)).copy())
+    config = SimulationConfig(
+        num_gpus=4, num_nodes=2, num_redundant=4, interval=10, rebalance_mode="continuous",
+        max_moved_experts=2, bytes_per_expert=1000,
+    )  # fmt: skip
+    events = simulate(trace, parse_runs(["scipy"], "static"), config).runs[0].events
+    applied = [i for i, e in enumerate(events) if e.applied and e.experts_moved_across_gpus > 0]
+    assert applied, "a skewed load should be rebalanced at first"
+    # Once converged the gate skips every plan: nothing moves in the second half of the trace.
+    assert max(applied) < len(events) // 2
+    assert all(e.experts_moved_across_gpus == 0 for e in events[len(events) // 2 :])
+
+
+def test_score_from_sets_the_scored_steps_and_counts_only_their_rebalances() -> None:
+    trace, config, target = _constant_setup(link_passes=1.0, mode="periodic")
+    planner = _OneMove(target, trace.counts_TLE[0])
+    cfg = replace(config, score_from=30)
+    result = simulate(trace, [RunSpec("one", "dynamic")], cfg, planners={"one:dynamic": planner})
+    summary = result.summaries()[0]
+    assert result.scored_from == 30
+    # The one applied move happened at step 10, before the scored steps: it costs nothing here.
+    assert summary["rebalances_applied"] == 0 and summary["stall_seconds"] == 0.0
+    assert summary["bytes_moved_per_1000_passes"] == 0.0
+    with pytest.raises(ValueError, match="score_from"):
+        simulate(trace, [RunSpec("none", "dynamic")], replace(config, score_from=60))
