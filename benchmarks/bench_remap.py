@@ -1,108 +1,90 @@
-"""Remap + record: this project's fused kernel against a same-bytes copy (the floor) and SGLang's paths.
+"""Remap + record per MoE layer: static and ``lp`` dispatch against the copy floor and SGLang, in one run.
 
-Shape legend: T tokens, K top-k, E logical experts, P physical slots.
+Shape legend: T tokens, K top-k, E logical experts, P physical slots, G EP ranks, L layers.
 
-For every T: build router-like int32 ids [T, K] (K distinct experts per token from a skewed
-distribution), check that every variant's physical ids and slot counts equal the torch reference,
-then time each variant eagerly and under CUDA-graph replay. Two graph figures per variant: a graph
-holding one call (replay overhead included, as in design.md §6) and a graph holding 20 calls
-(the per-call cost inside a longer graph, as in a captured forward pass).
+For every T: router-like int32 ids [T, K] (K distinct experts per token, Zipf-skewed), E = 256,
+P = 288 on G = 32 ranks (EP32, 32 redundant slots), this rank 3. Every variant's physical ids and
+slot counts are first checked equal to the torch reference, then timed two ways: eagerly (CUDA
+events around one call: host launch cost included, what a prefill pass pays per layer) and inside
+one CUDA graph of ``--graph-calls`` (58: one per layer of a captured DeepSeek-V3 forward) calls,
+time / calls.
 
-Variants: ``copy`` (min of ``Tensor.copy_`` and a Triton copy kernel: read and write T*K int32),
-``eplb`` (static mode, slot counts; default launch config; ``eplb alloc`` allocates the output;
-``eplb launcher`` is the same launch without the public function's argument checks, to split host
-overhead, and ``eplb launcher jit`` the launch through ``kernel[grid]`` instead of the direct
-launcher), ``eplb+logical`` (also logical counts), ``eplb rec=0`` (record flag off), ``eplb
-dynamic`` / ``eplb weighted``,
-``sglang-fused`` (SGLang 0.5.23's Triton kernel, loaded from the PyPI wheel by benchmarks/peers.py)
-and ``sglang-unfused`` (gather through the dispatch map, then ``scatter_add_`` into the counts, as
-SGLang's recorder does). ``--sweep`` also times a grid of launch configs of this kernel.
+Variants: ``copy`` (the floor: the faster of ``Tensor.copy_`` and a Triton copy kernel of the same
+T*K int32), ``static`` (``remap_and_record``, slot counts, device ``num_valid_tokens`` and record
+flag), ``static prepared`` (the same through ``eplb.remap.prepared``), ``static rec=0`` (flag off:
+no histogram), ``lp`` (``mode="lp"``: count kernel, counts exchange, assign kernel; on one GPU the
+exchange is a device copy of this rank's row into counts of 32 ranks held fixed, so the
+all-gather's network latency is not in these figures), ``sglang-fused`` (SGLang 0.5.23's Triton
+kernel, benchmarks/peers.py) and ``sglang-unfused`` (gather + ``scatter_add_``).
 
-    python -m benchmarks.bench_remap --json out.json            # on a CUDA machine
-    TRITON_INTERPRET=1 python -m benchmarks.bench_remap --check-only --tokens 64 512   # CPU
+Recorder (host CPU per forward pass of ``--graph-calls`` layers at T = 4096, the calling thread's
+clock, GPU work queued): plain remap by the public function; the same with the stat recorder
+(``layer_kwargs``); the prepared path plain and with the recorder (``ExpertDistributionRecorder.
+prepare``); each pass includes ``begin_pass``/``end_pass`` where a recorder is used.
+
+``--sweep`` adds static launch configs inside the graph (block x warps x programs per SM, with
+and without ``gather_map``: the lookup from the map row in registers).
+Prints compact tables; writes JSON to ``--json`` or, when ``$OUT`` is set, ``$OUT/bench_remap.json``.
+
+    python -m benchmarks.bench_remap --sweep                                  # on a CUDA machine
+    TRITON_INTERPRET=1 python -m benchmarks.bench_remap --check-only --tokens 64 300   # CPU
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import triton
 
-from benchmarks.harness import capture_graph, event_us, graph_us, run_info, warm_up_gpu, write_result
+from benchmarks.harness import capture_graph, event_us, run_info, warm_up_gpu, write_result
 from benchmarks.peers import load_sglang_fused_kernel
 from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids, sglang_unfused, triton_copy
-from eplb.kernels.remap_record import LaunchConfig, default_config, remap_record_triton
 from eplb.placement.model import Placement
+from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 from eplb.remap.api import remap_and_record
-from eplb.remap.call import RemapCall
+from eplb.remap.exchange import LpExchange
+from eplb.remap.prepared import prepare_remap
 from eplb.remap.tables import DispatchTables
 
-GRAPH_CALLS = 20
+RANK, GPUS, LAYER = 3, 32, 2
 
 
-def time_interleaved(variants: dict[str, Callable[[], Any]], reps: int) -> dict[str, dict[str, float]]:
-    """Median µs per call of every variant: eager, graph of 1 call, graph of GRAPH_CALLS calls.
+def make_tables(E: int, P: int, L: int, device: torch.device) -> DispatchTables:
+    return DispatchTables.from_placement(
+        Placement.trivial(L, E, num_gpus=GPUS, num_redundant=P - E), RANK, device
+    )
 
-    Variants take turns within each repetition, in a new random order each time, so drift in clocks
-    or host load, and what ran just before (in a fixed order, the eager calls placed right after a
-    ``kernel[grid]`` launch ran 4-17 µs slower than the same path elsewhere), hit all alike.
-    """
-    g1 = {name: capture_graph(fn, 1) for name, fn in variants.items()}
-    gn = {name: capture_graph(fn, GRAPH_CALLS) for name, fn in variants.items()}
-    for fn in variants.values():
-        for _ in range(100):
-            fn()
-    samples: dict[str, dict[str, list[float]]] = {n: {"eager": [], "g1": [], "gn": []} for n in variants}
-    order = list(variants)
-    shuffle = random.Random(0).shuffle
-    for _ in range(reps):
-        shuffle(order)
-        for name in order:
-            fn = variants[name]
-            samples[name]["eager"].append(event_us(fn))
-            samples[name]["g1"].append(event_us(g1[name].replay))
-            samples[name]["gn"].append(event_us(gn[name].replay) / GRAPH_CALLS)
-    return {
-        name: {
-            "eager_us": statistics.median(s["eager"]),
-            "eager_p10_us": float(np.percentile(s["eager"], 10)),
-            "eager_p90_us": float(np.percentile(s["eager"], 90)),
-            "graph1_us": statistics.median(s["g1"]),
-            f"graph{GRAPH_CALLS}_us": statistics.median(s["gn"]),
-            f"graph{GRAPH_CALLS}_p10_us": float(np.percentile(s["gn"], 10)),
-            f"graph{GRAPH_CALLS}_p90_us": float(np.percentile(s["gn"], 90)),
-        }
-        for name, s in samples.items()
-    }
+
+def stub_exchange(tables: DispatchTables, others_E: torch.Tensor) -> LpExchange:
+    """An exchange for one GPU: the other 31 ranks' counts fixed (``others_E`` each), this rank's copied in."""
+    held_GE = others_E[None, :].repeat(GPUS, 1).contiguous()
+
+    def gather(local_E: torch.Tensor, out_GE: torch.Tensor) -> None:
+        out_GE.copy_(held_GE)  # rows other than RANK: fixed (set once per call, one device copy)
+        out_GE[RANK].copy_(local_E)
+
+    return LpExchange(tables, gather=gather)
 
 
 def build_variants(
     T: int, K: int, E: int, P: int, device: torch.device, sglang: Any, seed: int
 ) -> tuple[dict[str, Callable[[], Any]], dict[str, Any]]:
-    """Closures for every variant, and the buffers to check after one call of each."""
-    placement = Placement.trivial(4, E, num_gpus=8, num_redundant=P - E)
-    rng_weights = (
-        torch.rand((4, E, placement.max_replicas), generator=torch.Generator().manual_seed(seed)) + 0.1
-    )
-    tables = DispatchTables.from_placement(placement, rank=3, device=device, weights_LER=rng_weights)
-    layer = 2
+    """Closures for every variant, and what :func:`check` needs."""
+    tables = make_tables(E, P, 4, device)
     ids = router_ids(T, K, E, device, seed)
     nvalid = torch.tensor([T], dtype=torch.int32, device=device)
     rec_on = torch.ones(1, dtype=torch.int32, device=device)
     rec_off = torch.zeros(1, dtype=torch.int32, device=device)
-    bufs: dict[str, Any] = {"ids": ids, "tables": tables, "layer": layer, "nvalid": nvalid}
+    others_E = torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32)
+    lp = stub_exchange(tables, others_E)
     out: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}
 
@@ -117,54 +99,22 @@ def build_variants(
     o_tcopy, _ = new("copy triton")
     variants["copy triton"] = lambda: triton_copy(ids, o_tcopy)
 
-    def eplb(name: str, mode: str, logical: bool, record: torch.Tensor, alloc: bool = False) -> None:
+    def public(name: str, mode: str, record: torch.Tensor) -> None:
         o, c = new(name)
-        lc = torch.zeros(E, dtype=torch.int32, device=device) if logical else None
-        bufs[f"{name} logical"] = lc
+        kw: dict[str, Any] = {"counts_P": c, "num_valid_tokens": nvalid, "record": record, "out_TK": o}
+        if mode == "lp":
+            kw["lp"] = lp
+        variants[name] = lambda: remap_and_record(ids, tables, LAYER, mode=mode, backend="triton", **kw)
 
-        def run() -> None:
-            out[name] = remap_and_record(
-                ids,
-                tables,
-                layer,
-                mode=mode,
-                counts_P=c,
-                logical_counts_E=lc,
-                num_valid_tokens=nvalid,
-                record=record,
-                out_TK=None if alloc else o,
-                backend="triton",
-            )
-
-        variants[name] = run
-
-    eplb("eplb", "static", False, rec_on)
-    eplb("eplb alloc", "static", False, rec_on, alloc=True)
-
-    def launcher_call(name: str) -> RemapCall:
-        """The launcher's argument, built once: its variants time the launcher alone, as before."""
-        o, c = new(name)
-        return RemapCall(
-            topk_ids_TK=ids,
-            tables=tables,
-            layer=layer,
-            mode="static",
-            out_TK=o,
-            counts_P=c,
-            num_valid_tokens=nvalid,
-            record=rec_on,
-        )
-
-    direct_call, jit_call = launcher_call("eplb launcher"), launcher_call("eplb launcher jit")
-    bufs["launcher call"] = direct_call
-    jit_config = default_config(ids.numel(), device)
-    variants["eplb launcher"] = lambda: remap_record_triton(direct_call)
-    variants["eplb launcher jit"] = lambda: remap_record_triton(jit_call, config=jit_config)
-    eplb("eplb+logical", "static", True, rec_on)
-    eplb("eplb rec=0", "static", False, rec_off)
-    eplb("eplb dynamic", "dynamic", False, rec_on)
-    eplb("eplb weighted", "weighted", False, rec_on)
-    map_E = tables.static_LE[layer].contiguous()
+    public("static", "static", rec_on)
+    o_p, c_p = new("static prepared")
+    prepared = prepare_remap(
+        tables, LAYER, counts_P=c_p, num_valid_tokens=nvalid, record=rec_on, backend="triton"
+    )
+    variants["static prepared"] = lambda: prepared(ids, o_p)
+    public("static rec=0", "static", rec_off)
+    public("lp", "lp", rec_on)
+    map_E = tables.static_LE[LAYER].contiguous()
     if sglang is not None:
         info = SGLangDispatchInfo(map_E)
         _, c_sf = new("sglang-fused")
@@ -179,94 +129,233 @@ def build_variants(
         out["sglang-unfused"] = sglang_unfused(ids, map_E, c_su, nvalid)
 
     variants["sglang-unfused"] = unfused
-    bufs["out"], bufs["counts"] = out, counts
-    return variants, bufs
-
-
-STATIC_CHECKED = ["eplb", "eplb alloc", "eplb launcher", "eplb launcher jit", "eplb+logical", "eplb rec=0"]
-STATIC_CHECKED += ["sglang-fused", "sglang-unfused"]
+    return variants, {"ids": ids, "tables": tables, "nvalid": nvalid, "lp": lp, "out": out, "counts": counts}
 
 
 def check(variants: dict[str, Callable[[], Any]], bufs: dict[str, Any]) -> list[str]:
-    """Run each variant twice on zeroed counts; return a list of mismatches against the torch reference."""
-    ids, tables, layer, nvalid = bufs["ids"], bufs["tables"], bufs["layer"], bufs["nvalid"]
-    P, E = tables.num_physical, tables.num_logical
+    """Run each variant twice on zeroed counts (the second static call takes the direct launch);
+    return the mismatches against the torch reference."""
+    ids, tables, nvalid = bufs["ids"], bufs["tables"], bufs["nvalid"]
     problems = []
-    for name, fn in variants.items():
-        for _ in range(2):  # the first call of a specialisation goes through kernel[grid], the next direct
-            bufs["counts"][name].zero_()
-            if bufs.get(f"{name} logical") is not None:
-                bufs[f"{name} logical"].zero_()
-            fn()
+    for name, fn in list(variants.items()):
+        try:
+            for _ in range(2):
+                bufs["counts"][name].zero_()
+                fn()
+        except Exception as exc:  # one broken variant must not cost the others their figures
+            problems.append(f"{name}: raised {type(exc).__name__}: {exc}")
+            del variants[name]
     for mode, names in (
-        ("static", STATIC_CHECKED),
-        ("dynamic", ["eplb dynamic"]),
-        ("weighted", ["eplb weighted"]),
+        ("static", ["static", "static prepared", "static rec=0", "sglang-fused", "sglang-unfused"]),
+        ("lp", ["lp"]),
     ):
-        ref_c = torch.zeros(P, dtype=torch.int32, device=ids.device)
-        ref_l = torch.zeros(E, dtype=torch.int32, device=ids.device)
+        ref_c = torch.zeros(tables.num_physical, dtype=torch.int32, device=ids.device)
+        kw = {"lp": bufs["lp"]} if mode == "lp" else {}
         ref_o = remap_and_record(
-            ids,
-            tables,
-            layer,
-            mode=mode,
-            counts_P=ref_c,
-            logical_counts_E=ref_l,
-            num_valid_tokens=nvalid,
-            backend="torch",
+            ids, tables, LAYER, mode=mode, counts_P=ref_c, num_valid_tokens=nvalid, backend="torch", **kw
         )
         for name in names:
             if name not in variants:
                 continue
             if not torch.equal(bufs["out"][name].to(torch.int32), ref_o):
                 problems.append(f"{name}: physical ids differ from the reference")
-            want = torch.zeros_like(ref_c) if name == "eplb rec=0" else ref_c
+            want = torch.zeros_like(ref_c) if name == "static rec=0" else ref_c
             if not torch.equal(bufs["counts"][name], want):
                 problems.append(f"{name}: slot counts differ from the reference")
-            lc = bufs.get(f"{name} logical")
-            if lc is not None and not torch.equal(lc, ref_l):
-                problems.append(f"{name}: logical counts differ from the reference")
     for name in ("copy torch", "copy triton"):
         if not torch.equal(bufs["out"][name], ids):
             problems.append(f"{name}: copy is wrong")
     return problems
 
 
+def time_variants(
+    variants: dict[str, Callable[[], Any]], reps: int, graph_calls: int
+) -> dict[str, dict[str, float]]:
+    """Median (p10, p90) µs per call, eager and inside a graph of ``graph_calls`` calls.
+
+    Variants take turns within each repetition, in a new random order each time, so drift and
+    what ran just before hit all alike.
+    """
+    graphs = {name: capture_graph(fn, graph_calls) for name, fn in variants.items()}
+    for fn in variants.values():
+        for _ in range(20):
+            fn()
+    samples: dict[str, dict[str, list[float]]] = {n: {"eager": [], "graph": []} for n in variants}
+    order = list(variants)
+    shuffle = random.Random(0).shuffle
+    for _ in range(reps):
+        shuffle(order)
+        for name in order:
+            samples[name]["eager"].append(event_us(variants[name]))
+            samples[name]["graph"].append(event_us(graphs[name].replay) / graph_calls)
+    return {
+        name: {
+            f"{kind}_{stat}_us": float(fn(s[kind]))
+            for kind in ("eager", "graph")
+            for stat, fn in (
+                ("median", statistics.median),
+                ("p10", lambda x: np.percentile(x, 10)),
+                ("p90", lambda x: np.percentile(x, 90)),
+            )
+        }
+        for name, s in samples.items()
+    }
+
+
 SWEEP = [
-    LaunchConfig(block=b, num_warps=w, programs_per_sm=p)
-    for b in (512, 1024, 2048, 4096, 8192)
-    for w in (4, 8, 16)
-    for p in (1, 2, 4, 8)
-    if b // (32 * w) >= 2
+    (b, w, p, g) for b in (512, 1024, 2048, 4096) for w in (4, 8) for p in (1, 2, 4) for g in (False, True)
 ]
 
 
-def sweep(bufs: dict[str, Any], reps: int) -> list[dict[str, Any]]:
+def sweep(bufs: dict[str, Any], reps: int, graph_calls: int) -> list[dict[str, Any]]:
+    """Static launch configs inside the graph (through kernel[grid]: the config is explicit); the
+    first call of each is checked against the torch reference."""
+    from eplb.kernels.remap_record import LaunchConfig, remap_record_triton
+    from eplb.remap.call import RemapCall
+
     ids, tables = bufs["ids"], bufs["tables"]
-    # The launcher variants' call on buffers of its own, counting without a record flag.
-    call = replace(
-        bufs["launcher call"],
+    counts_P = torch.zeros(tables.num_physical, dtype=torch.int32, device=ids.device)
+    call = RemapCall(
+        topk_ids_TK=ids,
+        tables=tables,
+        layer=LAYER,
+        mode="static",
         out_TK=torch.empty_like(ids),
-        counts_P=torch.zeros(tables.num_physical, dtype=torch.int32, device=ids.device),
-        record=None,
+        counts_P=counts_P,
+        num_valid_tokens=bufs["nvalid"],
     )
     rows = []
-    for cfg in SWEEP:
-        if cfg.block > 4 * triton.next_power_of_2(ids.numel()):
+    for block, warps, per_sm, gather in SWEEP:
+        if block > 4 * max(128, 1 << (ids.numel() - 1).bit_length()):
             continue
+        cfg = LaunchConfig(block=block, num_warps=warps, programs_per_sm=per_sm, gather_map=gather)
 
         def run(cfg: LaunchConfig = cfg) -> None:
             remap_record_triton(call, config=cfg)
 
-        rows.append(
-            {
-                "block": cfg.block,
-                "warps": cfg.num_warps,
-                "per_sm": cfg.programs_per_sm,
-                "graph20_us": graph_us(run, GRAPH_CALLS, reps),
-            }
-        )
+        counts_P.zero_()
+        run()
+        if not torch.equal(call.out_TK, bufs["out"]["static"]) or not torch.equal(
+            counts_P, bufs["counts"]["static"]
+        ):
+            raise AssertionError(f"launch config {cfg} differs from the reference")
+        graph = capture_graph(run, graph_calls)
+        us = statistics.median(event_us(graph.replay) / graph_calls for _ in range(reps))
+        rows.append({"block": block, "warps": warps, "per_sm": per_sm, "gather_map": gather, "graph_us": us})
     return rows
+
+
+def recorder_pass_us(T: int, K: int, E: int, P: int, layers: int, device: torch.device, passes: int) -> dict:
+    """Host CPU µs per pass of ``layers`` layers: plain remap, and with the stat recorder."""
+    tables = make_tables(E, P, layers, device)
+    pl = Placement.trivial(layers, E, num_gpus=GPUS, num_redundant=P - E)
+    ids = router_ids(T, K, E, device, seed=T)
+    out = torch.empty_like(ids)
+    rec = ExpertDistributionRecorder(RecorderConfig(mode="stat", window=100), pl, device=device)
+    rec.start()
+    plain = [prepare_remap(tables, layer, backend="triton") for layer in range(layers)]
+    recorded = rec.prepare(tables, backend="triton")
+
+    def public_plain() -> None:
+        for layer in range(layers):
+            remap_and_record(ids, tables, layer, out_TK=out, backend="triton")
+
+    def public_recorder() -> None:
+        rec.begin_pass(has_prefill=True, num_tokens=T)
+        for layer in range(layers):
+            kw: dict[str, Any] = rec.layer_kwargs(layer)
+            remap_and_record(ids, tables, layer, out_TK=out, backend="triton", **kw)
+        rec.end_pass()
+
+    def prepared_plain() -> None:
+        for remap in plain:
+            remap(ids, out)
+
+    def prepared_recorder() -> None:
+        rec.begin_pass(has_prefill=True, num_tokens=T)
+        for remap in recorded:
+            remap(ids, out)
+        rec.end_pass()
+
+    rows = {
+        "public, plain": public_plain,
+        "public, recorder (layer_kwargs)": public_recorder,
+        "prepared, plain": prepared_plain,
+        "prepared, recorder (prepare)": prepared_recorder,
+    }
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for fn in rows.values():
+        for _ in range(3):
+            fn()
+    best = {name: float("inf") for name in rows}
+    order = list(rows)
+    for r in range(15):
+        random.Random(r).shuffle(order)
+        for name in order:
+            sync()
+            start = time.thread_time()
+            for _ in range(passes):
+                rows[name]()
+            best[name] = min(best[name], (time.thread_time() - start) / passes * 1e6)
+    sync()
+    base = best["public, plain"]
+    return {
+        "T": T,
+        "layers": layers,
+        "pass_us": best,
+        "recorder_overhead_vs_public_plain_us": {
+            "layer_kwargs": best["public, recorder (layer_kwargs)"] - base,
+            "prepare": best["prepared, recorder (prepare)"] - base,
+        },
+        "recorder_overhead_vs_prepared_plain_us": best["prepared, recorder (prepare)"]
+        - best["prepared, plain"],
+    }
+
+
+def print_tables(results: list[dict[str, Any]], recorder: dict[str, Any] | None, graph_calls: int) -> None:
+    names = ["copy", "static", "static prepared", "static rec=0", "lp", "sglang-fused", "sglang-unfused"]
+    for kind, label in (("graph", f"inside a graph of {graph_calls} calls"), ("eager", "eager")):
+        print(f"\nµs per call, {label} (median)")
+        print("T".rjust(6) + "".join(n.rjust(16) for n in names) + "  static/copy  lp/copy  sglang/static")
+        for row in results:
+            t = row["timings"]
+            key = f"{kind}_median_us"
+            copy = min(t["copy torch"][key], t["copy triton"][key])
+            cell = {n: t[n][key] if n in t else float("nan") for n in names[1:]}
+            cells = [copy, *cell.values()]
+            print(
+                str(row["T"]).rjust(6)
+                + "".join(f"{v:16.2f}" for v in cells)
+                + f"{cell['static'] / copy:13.2f}{cell['lp'] / copy:9.2f}"
+                + f"{cell['sglang-fused'] / cell['static']:15.2f}"
+            )
+    if graph_calls:
+        print(
+            f"\ntargets (graph of {graph_calls}): static <= 1.5x copy at T >= 4096, <= copy + 1 µs at T = 64"
+        )
+        for row in results:
+            t = row["timings"]
+            copy = min(t["copy torch"]["graph_median_us"], t["copy triton"]["graph_median_us"])
+            s = t["static"]["graph_median_us"] if "static" in t else float("nan")
+            ok = s <= copy + 1.0 if row["T"] <= 64 else (s <= 1.5 * copy if row["T"] >= 4096 else True)
+            print(f"  T={row['T']}: static {s:.2f} vs copy {copy:.2f} -> {'met' if ok else 'NOT met'}")
+    for row in results:
+        if "sweep" in row:
+            best = sorted(row["sweep"], key=lambda r: r["graph_us"])[:3]
+            plain = min((r for r in row["sweep"] if not r["gather_map"]), key=lambda r: r["graph_us"])
+            print(f"sweep T={row['T']}: best {best}; best without gather_map {plain}")
+    if recorder is not None:
+        print(
+            f"\nhost µs per pass of {recorder['layers']} layers at T = {recorder['T']} (thread CPU, min of 15)"
+        )
+        for name, us in recorder["pass_us"].items():
+            print(f"  {name:34s}{us:10.1f}")
+        over = recorder["recorder_overhead_vs_public_plain_us"]
+        print(
+            f"  recorder overhead vs plain public remap: layer_kwargs {over['layer_kwargs']:+.1f}, "
+            f"prepare {over['prepare']:+.1f}; vs plain prepared: "
+            f"{recorder['recorder_overhead_vs_prepared_plain_us']:+.1f} (target <= 20)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,80 +364,52 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--experts", type=int, default=256)
     ap.add_argument("--physical", type=int, default=288)
-    ap.add_argument("--reps", type=int, default=300)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--graph-calls", type=int, default=58)
+    ap.add_argument("--recorder-passes", type=int, default=20, help="passes per round of the recorder rows")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--sweep", action="store_true", help="also time a grid of launch configs")
+    ap.add_argument("--sweep", action="store_true", help="also time static launch configs in the graph")
     ap.add_argument(
         "--check-only", action="store_true", help="correctness only (works under TRITON_INTERPRET=1)"
     )
     ap.add_argument("--no-sglang", action="store_true", help="skip SGLang's fused kernel")
-    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="default: $OUT/bench_remap.json when $OUT is set")
     args = ap.parse_args(argv)
-
+    started = time.perf_counter()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    sglang = None if args.no_sglang else load_sglang_fused_kernel()
-    if device.type == "cpu" and sglang is not None:
-        sglang = None  # SGLang's wrapper returns None off CUDA
+    sglang = None if args.no_sglang or device.type != "cuda" else load_sglang_fused_kernel()
     info = run_info()
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (TRITON_INTERPRET=1)",
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": sys.version.split()[0],
-        "K": args.top_k,
-        "E": args.experts,
-        "P": args.physical,
-        "graph_calls": GRAPH_CALLS,
-        "interpret": os.environ.get("TRITON_INTERPRET", "0"),
-    }
-    print(json.dumps(meta))
+    K, E, P = args.top_k, args.experts, args.physical
+    meta = {"K": K, "E": E, "P": P, "G": GPUS, "graph_calls": args.graph_calls, "reps": args.reps}
+    print(meta, info.get("gpu"), "torch", info["torch"], "triton", info["triton"])
+    timed = device.type == "cuda" and not args.check_only
+    if timed:
+        warm_up_gpu()
     results: list[dict[str, Any]] = []
     failed = False
-    if device.type == "cuda" and not args.check_only:
-        warm_up_gpu()
     for T in args.tokens:
-        variants, bufs = build_variants(
-            T, args.top_k, args.experts, args.physical, device, sglang, args.seed + T
-        )
+        variants, bufs = build_variants(T, K, E, P, device, sglang, args.seed + T)
         problems = check(variants, bufs)
-        cfg = default_config(T * args.top_k, device)
         print(
-            f"T={T}: outputs {'checked equal' if not problems else 'DIFFER: ' + '; '.join(problems)} (default config {cfg})"
+            f"T={T}: outputs {'checked equal' if not problems else 'DIFFER: ' + '; '.join(problems)}",
+            flush=True,
         )
         failed |= bool(problems)
-        if args.check_only or device.type != "cuda":
+        if not timed:
             continue
-        row: dict[str, Any] = {"T": T, "timings": time_interleaved(variants, args.reps)}
+        row: dict[str, Any] = {"T": T, "timings": time_variants(variants, args.reps, args.graph_calls)}
         if args.sweep:
-            row["sweep"] = sweep(bufs, max(50, args.reps // 3))
+            row["sweep"] = sweep(bufs, max(30, args.reps // 4), args.graph_calls)
         results.append(row)
-    if results:
-        print_table(results)
-    if args.json:
-        write_result(args.json, {"meta": meta, "results": results}, info=info)
+    recorder = None
+    if timed:
+        recorder = recorder_pass_us(4096, K, E, P, args.graph_calls, device, args.recorder_passes)
+        print_tables(results, recorder, args.graph_calls)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s")
+    path = args.json or (Path(os.environ["OUT"]) / "bench_remap.json" if os.environ.get("OUT") else None)
+    if path is not None:
+        write_result(path, {"meta": meta, "results": results, "recorder": recorder}, info=info)
     return 1 if failed else 0
-
-
-def print_table(results: list[dict[str, Any]]) -> None:
-    g = f"graph{GRAPH_CALLS}_us"
-    for key in ("graph1_us", g, "eager_us"):
-        print(f"\n{key} (median µs per call)")
-        names = list(results[0]["timings"])
-        print("T".rjust(6) + "".join(n.rjust(18) for n in names) + "  eplb/floor  sglang/eplb")
-        for row in results:
-            t = row["timings"]
-            floor = min(t["copy torch"][key], t["copy triton"][key])
-            ratio_sg = t["sglang-fused"][key] / t["eplb"][key] if "sglang-fused" in t else float("nan")
-            print(
-                str(row["T"]).rjust(6)
-                + "".join(f"{t[n][key]:18.2f}" for n in names)
-                + f"{t['eplb'][key] / floor:12.2f}{ratio_sg:13.2f}"
-            )
-    for row in results:
-        if "sweep" in row:
-            best = sorted(row["sweep"], key=lambda r: r["graph20_us"])[:3]
-            print(f"sweep T={row['T']}: best {best}")
 
 
 if __name__ == "__main__":

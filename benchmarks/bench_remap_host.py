@@ -7,12 +7,15 @@ machine do not count; the minimum over ``--rounds`` rounds of ``--calls`` calls.
 
 - ``checks (stub backend)``: :func:`eplb.remap.api.remap_and_record` with a backend that does nothing
   (argument checks, backend lookup), with ``out_TK`` given and with the output allocated;
+- ``prepared (stub backend)``: a prepared call (eplb.remap.prepared: the layer's fixed arguments
+  checked once) with that backend;
 - ``direct path (no-op launcher)``: ``remap_record_triton``'s direct path (eplb.kernels.
-  remap_record_direct: launch shape, key, arguments) ending in a launcher that does nothing, alone
-  and behind the public function. On CPU this stands in for the compiled kernel;
+  remap_record_direct: launch shape, key, arguments) ending in a launcher that does nothing, alone,
+  behind the public function and behind a prepared call (its own direct path). On CPU this stands
+  in for the compiled kernel;
 - on CUDA also the real calls: the public function, the launcher alone, the launcher through
   ``kernel[grid]`` (an explicit config), SGLang 0.5.23's fused kernel and ``Tensor.copy_`` of
-  the same bytes. The GPU work is queued, not waited for (one sync per round).
+  the same bytes, and the prepared call. The GPU work is queued, not waited for (one sync per round).
 
     python -m benchmarks.bench_remap_host            # CPU: the Python parts
     python -m benchmarks.bench_remap_host --json out.json   # on a CUDA machine: also real launches
@@ -37,6 +40,7 @@ from eplb.kernels.remap_record_direct import RemapDirectLauncher
 from eplb.placement.model import Placement
 from eplb.remap import api as remap
 from eplb.remap.call import RemapCall
+from eplb.remap.prepared import prepare_remap
 from eplb.remap.tables import DispatchTables
 
 
@@ -72,6 +76,8 @@ def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[]
             ids, tables, 2, backend="noop", **kw
         ),
     }
+    stub_prepared = prepare_remap(tables, 2, backend="noop", **kw)
+    rows["prepared (stub backend), out given"] = lambda: stub_prepared(ids, out)
     if device.type == "cpu":
         # The direct path with a launcher that does nothing (the compiled kernel's place on a GPU).
         direct = RemapDirectLauncher(
@@ -86,6 +92,8 @@ def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[]
         rows["public + direct path (no-op launcher)"] = lambda: remap.remap_and_record(
             ids, tables, 2, out_TK=out, backend="direct-noop", **kw
         )
+        prepared = prepare_remap(tables, 2, backend="triton", **kw)
+        rows["prepared + direct path (no-op launcher)"] = lambda: prepared(ids, out)
         rows["_restore"] = lambda: setattr(kernel, "DIRECT", real_direct)
         return rows
     cfg = kernel.default_config(ids.numel(), device)
@@ -96,6 +104,8 @@ def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[]
         ids, tables, 2, backend="triton", **kw
     )
     rows["eplb launcher (direct)"] = lambda: kernel.remap_record_triton(call)
+    prepared = prepare_remap(tables, 2, backend="triton", **kw)
+    rows["eplb prepared (direct)"] = lambda: prepared(ids, out)
     rows["eplb launcher (kernel[grid])"] = lambda: kernel.remap_record_triton(call, config=cfg)
     if sglang is not None:
         info = SGLangDispatchInfo(tables.static_LE[2].contiguous())

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 
 from eplb.kernels.direct_launch import DirectLaunchCache, direct_launch_supported
-from eplb.kernels.remap_record_direct import RemapDirectLauncher
+from eplb.kernels.remap_record_direct import PreparedDirect, RemapDirectLauncher
 from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables, as_int32_bits, hash_rank, salt_base
 
@@ -85,6 +85,7 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
     HIST_MASK: tl.constexpr,
     HAS_NVALID: tl.constexpr,
     HAS_RECORD: tl.constexpr,
+    GATHER_MAP: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -105,9 +106,9 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
     pacc = tl.zeros([PBINS], dtype=tl.int32)
     lacc = tl.zeros([LBINS], dtype=tl.int32)
     lbins = tl.arange(0, LBINS)
-    if LOGICAL_HIST and COUNT_PHYS and not PHYS_HIST:
-        # The map row the static-mode flush scatters through, loaded now so its latency hides
-        # behind the main loop instead of adding to the end of the kernel.
+    if (MODE == 0 and GATHER_MAP) or (LOGICAL_HIST and COUNT_PHYS and not PHYS_HIST):
+        # The map row the static-mode flush scatters through (and, with GATHER_MAP, the lookup
+        # reads from registers), loaded now so its latency hides behind the ids' load.
         slot_of_expert = tl.load(static_ptr + table_base + lbins, mask=lbins < num_logical, other=-1)
     num_blocks = tl.cdiv(numel, BLOCK)
     for blk in range(pid, num_blocks, nprog):
@@ -117,7 +118,10 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
         valid = (ids >= 0) & (ids < num_logical) & (offs < limit)
         safe = tl.where(valid, ids, 0)
         if MODE == 0:
-            phys = tl.load(static_ptr + table_base + safe, mask=valid, other=0)
+            if GATHER_MAP:
+                phys = tl.gather(slot_of_expert, safe, 0)
+            else:
+                phys = tl.load(static_ptr + table_base + safe, mask=valid, other=0)
         elif MODE == 3:
             h = _mix32(offs.to(tl.uint32) ^ salt)
             phys = (h % num_physical.to(tl.uint32)).to(tl.int32)
@@ -180,6 +184,9 @@ class LaunchConfig:
     """Warps per program."""
     programs_per_sm: int
     """Upper bound on programs per SM (persistent grid)."""
+    gather_map: bool = False
+    """Static mode: look ids up in the map row held in registers (``tl.gather``) instead of a
+    dependent global load per id (a benchmark option until measured; the direct path uses False)."""
 
 
 DEFAULT_PROGRAMS_PER_SM = 2
@@ -236,6 +243,7 @@ def grid_size(numel: int, config: LaunchConfig, device: torch.device) -> int:
 
 # tl.histogram takes a mask since Triton 3.3; before, excluded ids go to a spare bin.
 HIST_MASK = "mask" in inspect.signature(tl.histogram).parameters
+HAS_GATHER = hasattr(tl, "gather")  # Triton >= 3.2
 MAX_NUMEL = 2**31 - 2**16
 
 
@@ -245,9 +253,14 @@ def _num_bins(n: int) -> int:
 
 
 def constexpr_args(
-    K: int, tables: DispatchTables, mode: str, block: int, flags: tuple[bool, bool, bool, bool]
+    K: int,
+    tables: DispatchTables,
+    mode: str,
+    block: int,
+    flags: tuple[bool, bool, bool, bool],
+    gather_map: bool = False,
 ) -> tuple[int | bool, ...]:
-    """The kernel's compile-time arguments, in order (K .. HAS_RECORD).
+    """The kernel's compile-time arguments, in order (K .. GATHER_MAP).
 
     ``flags``: whether slot counts, logical counts, ``num_valid_tokens`` and ``record`` are given.
     """
@@ -267,6 +280,7 @@ def constexpr_args(
         HIST_MASK,
         has_nvalid,
         has_record,
+        gather_map and mode == "static" and HAS_GATHER,
     )
 
 
@@ -296,14 +310,16 @@ def remap_record_triton(call: RemapCall, config: LaunchConfig | None = None) -> 
             return
     device = ids_TK.device
     cfg = config or default_config(numel, device)
-    runtime, constexprs = kernel_args(call, cfg.block)
+    runtime, constexprs = kernel_args(call, cfg.block, cfg.gather_map)
     grid = grid_size(numel, cfg, device)
     compiled = _remap_record_kernel[(grid,)](*runtime, *constexprs, num_warps=cfg.num_warps)
     if direct_key is not None:
         DIRECT.cache.keep(direct_key, compiled, constexprs)
 
 
-def kernel_args(call: RemapCall, block: int) -> tuple[tuple[Any, ...], tuple[int | bool, ...]]:
+def kernel_args(
+    call: RemapCall, block: int, gather_map: bool = False
+) -> tuple[tuple[Any, ...], tuple[int | bool, ...]]:
     """The kernel's arguments in order: (runtime arguments, compile-time arguments).
 
     Absent optional tensors are replaced by ``call.out_TK``, never dereferenced (their flag is off).
@@ -333,11 +349,20 @@ def kernel_args(call: RemapCall, block: int) -> tuple[tuple[Any, ...], tuple[int
         call.num_valid_tokens is not None,
         call.record is not None,
     )
-    return runtime, constexpr_args(K, tables, call.mode, block, flags)
+    return runtime, constexpr_args(K, tables, call.mode, block, flags, gather_map)
 
 
 DIRECT = RemapDirectLauncher(default_launch, DirectLaunchCache(direct_launch_supported(_remap_record_kernel)))
 """Direct launches of the default config (disabled under the interpreter, on ROCm, with hooks)."""
+
+
+def prepare_direct(call: RemapCall) -> PreparedDirect | None:
+    """``call``'s layer on the direct path with its fixed arguments resolved (eplb.remap.prepared);
+    None where direct launches are off (the interpreter, ROCm)."""
+    if not DIRECT.cache.usable():
+        return None
+    return DIRECT.prepare(call)
+
 
 __all__ = [
     "DIRECT",
@@ -350,5 +375,6 @@ __all__ = [
     "grid_size",
     "kernel_args",
     "launch_shape",
+    "prepare_direct",
     "remap_record_triton",
 ]

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable
 from typing import NamedTuple
 
+import torch
+
 from eplb.kernels.direct_launch import DirectLaunchCache
 from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables, as_int32_bits, hash_rank, salt_base
@@ -110,7 +112,7 @@ class RemapDirectLauncher:
             if len(self._shapes) >= 4096:
                 self._shapes.clear()
             shape = self._shapes[numel, device] = self._launch_shape(numel, device)
-        block, num_warps, grid = shape
+        grid = shape[2]
         counts_P, logical_counts_E = call.counts_P, call.logical_counts_E
         num_valid_tokens, record = call.num_valid_tokens, call.record
         p_ids = ids_TK.data_ptr()
@@ -121,44 +123,22 @@ class RemapDirectLauncher:
         p_nvalid = p_out if num_valid_tokens is None else num_valid_tokens.data_ptr()
         p_record = p_out if record is None else record.data_ptr()
         mode, layer = call.mode, call.layer
-        key = (
+        key = launch_key(
             device,
             mode,
             K,
-            block,
-            num_warps,
-            numel == 1,
-            numel & 15 == 0,
-            counts_P is None,
-            logical_counts_E is None,
-            num_valid_tokens is None,
-            record is None,
-            p_ids & 15,
-            p_out & 15,
-            p_counts & 15,
-            p_logical & 15,
-            p_nvalid & 15,
-            p_record & 15,
+            shape,
+            numel,
+            (counts_P is None, logical_counts_E is None, num_valid_tokens is None, record is None),
+            (p_ids & 15, p_out & 15, p_counts & 15, p_logical & 15, p_nvalid & 15, p_record & 15),
             facts.key,
         )
         entry = cache.get(key)
         if entry is None:
             return False, key
-        runtime_args = (
-            p_ids,
-            p_out,
-            *facts.pointers,
-            p_counts,
-            p_logical,
-            p_nvalid,
-            p_record,
-            facts.seed,
-            numel,
-            T,
-            facts.num_logical,
-            facts.num_physical,
-            layer,
-            facts.salts[mode == "weighted"][layer],
+        pointers = (p_ids, p_out, p_counts, p_logical, p_nvalid, p_record)
+        runtime_args = runtime_arguments(
+            facts, pointers, numel, T, (layer, facts.salts[mode == "weighted"][layer])
         )
         try:
             entry(grid, stream, runtime_args)
@@ -169,5 +149,117 @@ class RemapDirectLauncher:
             return False, None
         return True, key
 
+    def prepare(self, call: RemapCall) -> PreparedDirect:
+        """The direct path of ``call``'s layer, its fixed arguments resolved once (ids and output vary)."""
+        return PreparedDirect(self, call)
 
-__all__ = ["RemapDirectLauncher", "TableFacts", "table_facts"]
+
+def runtime_arguments(
+    facts: TableFacts,
+    pointers: tuple[int, int, int, int, int, int],
+    numel: int,
+    num_tokens: int,
+    layer_args: tuple[int, int],
+) -> tuple[int, ...]:
+    """The kernel's runtime arguments in order, from the ids, output and optional tensors' pointers
+    (absent ones: the output's), ``numel``, T and (layer, salt bits)."""
+    p_ids, p_out, p_counts, p_logical, p_nvalid, p_record = pointers
+    return (
+        p_ids,
+        p_out,
+        *facts.pointers,
+        p_counts,
+        p_logical,
+        p_nvalid,
+        p_record,
+        facts.seed,
+        numel,
+        num_tokens,
+        facts.num_logical,
+        facts.num_physical,
+        *layer_args,
+    )
+
+
+def launch_key(
+    device: int,
+    mode: str,
+    K: int,
+    shape: tuple[int, int, int],
+    numel: int,
+    absent: tuple[bool, bool, bool, bool],
+    pointer_mods: tuple[int, int, int, int, int, int],
+    tables_key: tuple[int, ...],
+) -> Hashable:
+    """The key of one specialisation (module docstring): one definition for both launch paths."""
+    return (device, mode, K, *shape[:2], numel == 1, numel & 15 == 0, *absent, *pointer_mods, tables_key)
+
+
+class PreparedDirect:
+    """A layer's direct launch with the fixed tensors' pointers, alignment and salt resolved once.
+
+    :meth:`launch` computes what varies per call (ids and output pointers, the launch shape of
+    ``numel``) and builds the same key as :meth:`RemapDirectLauncher.launch`, so the compiled
+    kernels that path keeps serve this one too.
+    """
+
+    __slots__ = ("_absent", "_cache", "_facts", "_fixed", "_launcher", "_layer_args", "_mode", "_shapes")
+
+    def __init__(self, launcher: RemapDirectLauncher, call: RemapCall) -> None:
+        self._launcher = launcher
+        self._cache = launcher.cache
+        self._shapes = launcher._shapes
+        tables = call.tables
+        facts = self._facts = table_facts(tables)
+        optional = (call.counts_P, call.logical_counts_E, call.num_valid_tokens, call.record)
+        self._absent = tuple(t is None for t in optional)
+        # Pointers of the given optional tensors (0 where absent: the output's, per call).
+        self._fixed = tuple(0 if t is None else t.data_ptr() for t in optional)
+        self._mode = call.mode
+        self._layer_args = (call.layer, facts.salts[call.mode == "weighted"][call.layer])
+
+    def launch(self, ids_TK: torch.Tensor, out_TK: torch.Tensor) -> bool:
+        """Launch on validated int32 ids and output (same shape, ``numel > 0``); False: not launched."""
+        cache = self._cache
+        if not cache.usable():
+            return False
+        device, stream = cache.device_and_stream()
+        if ids_TK.get_device() != device:
+            return False
+        T, K = ids_TK.shape
+        numel = T * K
+        shape = self._shapes.get((numel, device))
+        if shape is None:
+            return False  # the general path computes and keeps it
+        p_ids, p_out = ids_TK.data_ptr(), out_TK.data_ptr()
+        p_counts, p_logical, p_nvalid, p_record = (p or p_out for p in self._fixed)
+        key = launch_key(
+            device,
+            self._mode,
+            K,
+            shape,
+            numel,
+            self._absent,  # type: ignore[arg-type]
+            (p_ids & 15, p_out & 15, p_counts & 15, p_logical & 15, p_nvalid & 15, p_record & 15),
+            self._facts.key,
+        )
+        entry = cache.get(key)
+        if entry is None:
+            return False
+        pointers = (p_ids, p_out, p_counts, p_logical, p_nvalid, p_record)
+        try:
+            entry(shape[2], stream, runtime_arguments(self._facts, pointers, numel, T, self._layer_args))
+        except TypeError:
+            cache.disable()
+            return False
+        return True
+
+
+__all__ = [
+    "PreparedDirect",
+    "RemapDirectLauncher",
+    "TableFacts",
+    "launch_key",
+    "runtime_arguments",
+    "table_facts",
+]

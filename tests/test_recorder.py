@@ -217,3 +217,57 @@ def test_config_and_protocol_errors() -> None:
         rec.begin_pass(has_prefill=False)
     with pytest.raises(ValueError, match="unknown dump format"):
         rec.dump("x.bin", fmt="pickle")
+
+
+def test_prepared_layers_record_what_layer_kwargs_record() -> None:
+    pl, tables, by_kwargs = _setup(window=4)
+    by_prepared = ExpertDistributionRecorder(RecorderConfig(window=4), pl)
+    remaps = by_prepared.prepare(tables, backend="torch")
+    assert len(remaps) == L and by_kwargs.layer_kwargs(1) is by_kwargs.layer_kwargs(1)  # built once
+    for rec in (by_kwargs, by_prepared):
+        rec.start()
+    for s in range(5):
+        passes = _ids(60 + s)
+        _pass(by_kwargs, tables, passes)
+        by_prepared.begin_pass(has_prefill=True, num_tokens=5)
+        for layer, ids in enumerate(passes):
+            remaps[layer](ids)
+        by_prepared.end_pass()
+    assert np.array_equal(by_prepared.window_logical_counts(), by_kwargs.window_logical_counts())
+
+
+def test_a_known_batch_kind_needs_no_collective(monkeypatch: pytest.MonkeyPatch) -> None:
+    import eplb.recorder.recorder as recorder_module
+
+    def no_collective(*args: object) -> bool:
+        raise AssertionError("end_pass ran the prefill agreement although the engine gave it")
+
+    _, tables, rec = _setup(window=4, prefill_only=True)
+    rec.start()
+    monkeypatch.setattr(recorder_module, "_any_rank", no_collective)
+    # Another rank's prefill counts the pass here too (a zero row: this rank decoded).
+    for local, anywhere in ((True, True), (False, True), (False, False), (True, True)):
+        rec.begin_pass(has_prefill=local, num_tokens=5, any_rank_prefill=anywhere)
+        for layer, ids in enumerate(_ids(70)):
+            remap_and_record(ids, tables, layer, backend="torch", **rec.layer_kwargs(layer))
+        assert rec.end_pass() is anywhere
+    assert rec.num_counted_passes == 3
+    window = rec.window_logical_counts()
+    assert window[1].sum() == 0 and np.array_equal(window[0], _counts(_ids(70)))
+    with pytest.raises(ValueError, match="any_rank_prefill=False"):
+        rec.begin_pass(has_prefill=True, any_rank_prefill=False)
+
+
+def test_record_flag_follows_the_pass_without_refilling_it() -> None:
+    _, _, rec = _setup(prefill_only=True)
+    rec.start()
+    fills = []
+    for prefill in (True, True, False, False, True):
+        rec.begin_pass(has_prefill=prefill)
+        fills.append(int(rec.record_flag_1.item()))
+        rec.end_pass()
+    assert fills == [1, 1, 0, 0, 1]
+    rec.stop()
+    rec.begin_pass(has_prefill=True)
+    assert int(rec.record_flag_1.item()) == 0
+    rec.end_pass()

@@ -7,8 +7,6 @@ here by plain numpy bincounts of the same router ids.
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -17,12 +15,7 @@ import torch
 
 import tests.helpers.recorder_workers as w
 from eplb.traces import load_trace
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tests.helpers.spawn import free_port, run_spawned
 
 
 def _expected() -> tuple[list[bool], list[np.ndarray], list[bool], list[int]]:
@@ -48,19 +41,7 @@ def _expected() -> tuple[list[bool], list[np.ndarray], list[bool], list[int]]:
 @pytest.fixture(scope="module")
 def run_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("recorder_dist")
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=w.run, args=(rank, port, str(out))) for rank in range(w.G)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=150)
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.terminate()
-        p.join(5)
-    assert not hung, "a rank hung (a collective did not complete)"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    run_spawned(w.run, w.G, free_port(), str(out))
     return out
 
 

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 
-from eplb.remap.api import MODES, remap_and_record
+from eplb.remap.api import remap_and_record
 from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables
-from tests.helpers.remap_reference import random_ids, random_tables, run_remap
+from tests.helpers.remap_reference import LOCAL_MODES, random_ids, random_tables, run_remap
 
 kernel = pytest.importorskip("eplb.kernels.remap_record")
 from eplb.kernels.direct_launch import DirectLaunchCache  # noqa: E402
@@ -124,7 +124,7 @@ def _random_case(rng: np.random.Generator, tables_pool: list[DispatchTables]) ->
     return {
         "tables": tables,
         "layer": int(rng.integers(0, L)),
-        "mode": str(rng.choice(MODES)),
+        "mode": str(rng.choice(LOCAL_MODES)),
         "ids": ids,
         "counts": counts_LP[int(rng.integers(0, L))] if rng.random() < 0.8 else None,
         "logical": logical if rng.random() < 0.5 else None,
@@ -256,7 +256,7 @@ def test_launch_shape_is_the_default_config() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOCAL_MODES)
 def test_compiled_direct_launches_equal_the_jit_path(mode: str) -> None:
     """Real compiled kernels: direct == kernel[grid], and Triton's own cache picks the kernel we kept."""
     rng = np.random.default_rng(24)

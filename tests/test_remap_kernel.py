@@ -15,12 +15,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eplb.placement.model import Placement
-from eplb.remap.api import MODES, remap_and_record
+from eplb.remap.api import remap_and_record
 from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables
 from tests.helpers.devices import KERNEL_DEVICE as DEVICE
 from tests.helpers.devices import on_kernel_device
-from tests.helpers.remap_reference import random_ids, random_tables, run_remap
+from tests.helpers.remap_reference import LOCAL_MODES, random_ids, random_tables, run_remap
 
 kernel = pytest.importorskip("eplb.kernels.remap_record")
 
@@ -64,7 +64,7 @@ def _cases(draw):
         "G": G,
         "T": draw(st.sampled_from([0, 1, 2, 7, 64, 129, 300])),
         "K": draw(st.integers(1, 16)),
-        "mode": draw(st.sampled_from(MODES)),
+        "mode": draw(st.sampled_from(LOCAL_MODES)),
         "style": draw(st.sampled_from(["uniform", "nasty", "one_expert", "skewed"])),
         "nvalid": draw(st.one_of(st.none(), st.integers(-2, 310))),
         "record": draw(st.sampled_from([None, 0, 1, 7])),
@@ -96,7 +96,7 @@ def test_kernel_equals_torch_reference(case: dict) -> None:
 
 
 @on_kernel_device
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOCAL_MODES)
 def test_persistent_loop_over_many_blocks(mode: str) -> None:
     """Small blocks and few programs: every program strides over several blocks and flushes once."""
     rng = np.random.default_rng(11)
@@ -169,7 +169,7 @@ def test_kernel_refuses_int64_ids() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", LOCAL_MODES)
 def test_compiled_kernel_equals_reference_on_gpu(mode: str) -> None:
     rng = np.random.default_rng(13)
     _, tables = random_tables(rng, 256, 288, 8, rank=5, device="cuda")
@@ -222,3 +222,31 @@ def test_cuda_graph_replay_toggles_recording_and_follows_table_updates() -> None
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out[:100], remap_and_record(ids[:100], tables, 0, backend="torch"))
+
+
+@on_kernel_device
+@pytest.mark.parametrize("count_logical", [False, True])
+def test_static_lookup_from_the_map_row_in_registers(count_logical: bool) -> None:
+    """``gather_map``: the static lookup through ``tl.gather`` on the preloaded row counts the same."""
+    if not kernel.HAS_GATHER:
+        pytest.skip("this Triton has no tl.gather")
+    rng = np.random.default_rng(16)
+    _, tables = random_tables(rng, 40, 48, 4, rank=3, device=DEVICE)
+    ids = random_ids(rng, 700, 8, 40, "nasty").to(DEVICE)
+    base = kernel.default_config(ids.numel(), ids.device)
+    config = kernel.LaunchConfig(
+        block=base.block, num_warps=base.num_warps, programs_per_sm=1, gather_map=True
+    )
+    for record in (None, 0, 1):
+        _assert_same(
+            _both(
+                ids,
+                tables,
+                1,
+                "static",
+                nvalid=650,
+                record=record,
+                count_logical=count_logical,
+                config=config,
+            )
+        )

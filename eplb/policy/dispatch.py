@@ -20,6 +20,9 @@ class DispatchMode:
     """One line for ``--help`` and docs."""
     needs_weights: bool = False
     """Reads per-replica dispatch weights [L, E, R] that the rebalancer fits."""
+    collective: bool = False
+    """Exchanges this batch's counts over the EP group on every call (every rank must call, an
+    idle one with T = 0 too)."""
     flag: bool = True
     """Offered as ``--ep-dispatch-algorithm`` (False: a device-path variant only)."""
 
@@ -39,6 +42,12 @@ DISPATCH_MODES: dict[str, DispatchMode] = {
             name="weighted",
             summary="a replica drawn by the rebalancer's per-replica weights",
             needs_weights=True,
+        ),
+        DispatchMode(
+            name="lp",
+            summary="this batch's tokens of each replicated expert water-filled over its GPUs "
+            "(counts all-gathered over the EP group per layer)",
+            collective=True,
         ),
     )
 }

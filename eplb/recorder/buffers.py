@@ -36,6 +36,7 @@ class StatWindow:
 
     def __init__(self, window: int, num_layers: int, num_physical: int, device: torch.device) -> None:
         self.counts_WLP = torch.zeros((window, num_layers, num_physical), dtype=torch.int32, device=device)
+        self._rows = list(self.counts_WLP.unbind(0))  # views made once: a push is one device op
         self.info: list[PassInfo | None] = [None] * window
         self.next_row = 0
         self.filled = 0
@@ -46,7 +47,7 @@ class StatWindow:
 
     def push(self, pass_counts_LP: torch.Tensor, info: PassInfo) -> None:
         """Copy one pass's counts into the next row (a device op; no host sync)."""
-        self.counts_WLP[self.next_row].copy_(pass_counts_LP)
+        self._rows[self.next_row].copy_(pass_counts_LP)
         self.info[self.next_row] = info
         self.next_row = (self.next_row + 1) % self.window
         self.filled = min(self.filled + 1, self.window)

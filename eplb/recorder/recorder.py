@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -22,6 +22,11 @@ from eplb.config import RECORDER_MODES, EplbConfig
 from eplb.placement.model import Placement
 from eplb.recorder.buffers import PassInfo, PerPassStaging, StatWindow, TokenBuffer
 from eplb.recorder.dump import WindowDump, check_dump_format, save_per_token, save_window
+from eplb.remap.prepared import PreparedRemap, prepare_remap
+
+if TYPE_CHECKING:
+    from eplb.remap.exchange import LpExchange
+    from eplb.remap.tables import DispatchTables
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,15 +69,18 @@ class ExpertDistributionRecorder:
 
     One per rank. Per forward pass::
 
+        remaps = rec.prepare(tables, mode="static")               # once: one prepared call per layer
         rec.begin_pass(has_prefill=..., num_tokens=T)            # sets the device record flag
         for layer in layers:                                      # inside the (captured) forward
-            phys = remap_and_record(ids, tables, layer, **rec.layer_kwargs(layer))
+            phys = remaps[layer](ids, out)                        # or remap_and_record(..., **rec.layer_kwargs(layer))
             rec.record_topk(layer, ids)                           # per_token mode only
         counted = rec.end_pass()                                  # commits the pass, advances the step
 
-    ``layer_kwargs`` hands the kernel a fixed int32 [P] row of ``pass_counts_LP`` and the int32
-    ``record_flag_1``; both keep their address for the recorder's life, so a captured CUDA graph
-    records or not by the flag alone. After a hot-swap call :meth:`set_placement` before the next
+    ``prepare`` and ``layer_kwargs`` hand the kernel a fixed int32 [P] row of ``pass_counts_LP``
+    and the int32 ``record_flag_1``; both keep their address for the recorder's life, so a
+    captured CUDA graph records or not by the flag alone. Both are built once (views, dicts,
+    checked arguments), so a pass costs the kernel launches plus two device ops at its end
+    (the window push and the reset of the pass counts) and the flag's fill when it changes. After a hot-swap call :meth:`set_placement` before the next
     pass: every stored pass remembers which placement was live, and its slot counts become expert
     counts through that placement's map.
 
@@ -82,6 +90,8 @@ class ExpertDistributionRecorder:
     passes that carry prefill locally, and the step counter advances only on passes where SOME rank
     had prefill: ``end_pass`` all-reduces the flag, so every rank must call it on every pass (an
     idle rank with T = 0 too) and all ranks count, rebalance and fill window rows in lockstep.
+    An engine that already knows whether any rank has prefill (its scheduler agreed on the batch)
+    passes ``any_rank_prefill`` to ``begin_pass``: then no collective runs and nothing waits.
     Counts are int32 per pass and int64 once summed, so nothing overflows on long runs.
     :meth:`dump` sums the window over ranks and hands it to eplb.recorder.dump as plain arrays.
     """
@@ -107,6 +117,10 @@ class ExpertDistributionRecorder:
         """int32 [L, P]: this pass's slot counts; row ``layer`` is the kernel's ``counts_P``."""
         self.record_flag_1 = torch.zeros(1, dtype=torch.int32, device=self.device)
         """int32 [1]: 1 while this pass is recorded (the kernel's ``record`` flag)."""
+        self._rows_LP = list(self.pass_counts_LP.unbind(0))  # the per-layer views, made once
+        self._kwargs = [{"counts_P": row, "record": self.record_flag_1} for row in self._rows_LP]
+        self._flag_value = 0
+        self._any_rank_prefill: bool | None = None
         self._placement = placement
         self._maps: dict[int, np.ndarray] = {0: placement.phy2log_LP.copy()}
         self._map_version = 0
@@ -164,6 +178,7 @@ class ExpertDistributionRecorder:
         """Stop recording; the step counter keeps advancing."""
         self._recording = False
         self.record_flag_1.zero_()
+        self._flag_value = 0
 
     def reset(self) -> None:
         """Drop everything recorded (not the step counter, not the recording state)."""
@@ -185,19 +200,62 @@ class ExpertDistributionRecorder:
         self._maps[self._map_version] = placement.phy2log_LP.copy()
 
     # ---- per pass ------------------------------------------------------------------------------
-    def begin_pass(self, *, has_prefill: bool, num_tokens: int = 0) -> None:
-        """Start a pass: set the device record flag (an enqueued fill, no host sync)."""
+    def begin_pass(
+        self, *, has_prefill: bool, num_tokens: int = 0, any_rank_prefill: bool | None = None
+    ) -> None:
+        """Start a pass: set the device record flag (an enqueued fill, only when it changes; no host sync).
+
+        ``any_rank_prefill``: whether some rank's pass carries prefill, when the engine knows it on
+        every rank; ``end_pass`` then agrees without a collective (prefill_only; None: all-reduce).
+        """
         if self._pass_open:
             raise RuntimeError("begin_pass called twice without end_pass")
         self._pass_open = True
         self._local_prefill = bool(has_prefill)
         self._num_tokens = int(num_tokens)
+        if any_rank_prefill is not None and has_prefill and not any_rank_prefill:
+            raise ValueError("any_rank_prefill=False on a rank whose pass carries prefill")
+        self._any_rank_prefill = any_rank_prefill
         self._local_flag = self._recording and (self._local_prefill or not self.config.prefill_only)
-        self.record_flag_1.fill_(1 if self._local_flag else 0)
+        flag = 1 if self._local_flag else 0
+        if flag != self._flag_value:
+            self.record_flag_1.fill_(flag)
+            self._flag_value = flag
 
     def layer_kwargs(self, layer: int) -> dict[str, torch.Tensor]:
-        """Keyword arguments for eplb.remap.api.remap_and_record that record into this pass."""
-        return {"counts_P": self.pass_counts_LP[layer], "record": self.record_flag_1}
+        """Keyword arguments for eplb.remap.api.remap_and_record that record into this pass.
+
+        The same dict on every call (built once; do not modify it).
+        """
+        return self._kwargs[layer]
+
+    def prepare(
+        self,
+        tables: DispatchTables,
+        *,
+        mode: str = "static",
+        backend: str = "auto",
+        num_valid_tokens: torch.Tensor | None = None,
+        lp: LpExchange | None = None,
+    ) -> list[PreparedRemap]:
+        """One prepared remap per layer that records into this recorder (eplb.remap.prepared).
+
+        ``num_valid_tokens``: the engine's device scalar, fixed like the rest; ``lp``: the rank's
+        counts exchange in mode ``lp``.
+        """
+        return [
+            prepare_remap(
+                tables,
+                layer,
+                mode=mode,
+                counts_P=row,
+                num_valid_tokens=num_valid_tokens,
+                record=self.record_flag_1,
+                backend=backend,
+                lp=lp,
+            )
+            for layer, row in enumerate(self._rows_LP)
+        ]
 
     def record_topk(self, layer: int, topk_ids_TK: torch.Tensor) -> None:
         """per_token mode: keep this layer's logical ids (int32 [T, K]) of this pass."""
@@ -211,7 +269,8 @@ class ExpertDistributionRecorder:
         self._pass_open = False
         counted = True
         if self.config.prefill_only:
-            counted = _any_rank(self._local_prefill, self.flag_group, self.device)
+            known = self._any_rank_prefill
+            counted = _any_rank(self._local_prefill, self.flag_group, self.device) if known is None else known
         if counted:
             info = PassInfo(self._num_counted, self._map_version, self._local_prefill, self._num_tokens)
             self._num_counted += 1

@@ -17,7 +17,10 @@ Semantics (every backend, bit for bit):
 - An element is *valid* when ``0 <= id < E`` and its row is below ``num_valid_tokens`` (all rows
   when None). Invalid elements (-1 padding, ids out of range, padded rows) are copied through
   unchanged and never counted.
-- Modes: ``static`` (``tables.static_LE[layer, id]``), ``dynamic`` (uniform over the expert's
+- Modes: ``static`` (``tables.static_LE[layer, id]``), ``lp`` (this batch's tokens of each
+  replicated expert split over its GPUs by the rule in eplb.remap.lp_rule, from counts
+  all-gathered over the EP group by ``lp``, an :class:`eplb.remap.lp.LpExchange`: every rank
+  calls, an idle one with T = 0 too), ``dynamic`` (uniform over the expert's
   replicas, hashed from the element index, rank, layer and ``tables.seed_1``), ``dynamic_row``
   (rank-invariant: replica ``row % logcnt``), ``fake`` (uniform over all P slots, ignoring the
   id; for benchmarks), ``weighted`` (replica drawn by ``tables.cumweights_LER`` from a hash of
@@ -30,7 +33,9 @@ Semantics (every backend, bit for bit):
 Backends (``backend=``): ``triton`` (CUDA and ROCm; CPU under TRITON_INTERPRET=1), ``torch``
 (reference, any device), ``aiter`` (ROCm with amd-aiter installed), ``auto`` (triton on a GPU,
 else torch). Backends are imported only when chosen: importing this module loads no Triton.
-Each takes one :class:`eplb.remap.call.RemapCall`, built here after the checks.
+Each takes one :class:`eplb.remap.call.RemapCall`, built here after the checks; ``lp`` has a
+function of its own in each backend (two kernels around the collective). For a layer's fixed
+arguments checked once, see eplb.remap.prepared.
 """
 
 from __future__ import annotations
@@ -38,12 +43,16 @@ from __future__ import annotations
 import importlib
 import importlib.util
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
 from eplb.policy.dispatch import dispatch_mode_names
 from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables
+
+if TYPE_CHECKING:
+    from eplb.remap.exchange import LpExchange
 
 RemapBackend = Callable[[RemapCall], None]
 """A backend: writes ``call.out_TK`` and adds the call's counts (semantics above)."""
@@ -55,6 +64,12 @@ _BACKENDS: dict[str, str] = {
     "torch": "eplb.remap.torch_backend:remap_record_torch",
     "triton": "eplb.kernels.remap_record:remap_record_triton",
     "aiter": "eplb.remap.aiter_backend:remap_record_aiter",
+}
+# The same for mode "lp" (aiter: the Triton kernels, which run on ROCm as they are).
+_LP_BACKENDS: dict[str, str] = {
+    "torch": "eplb.remap.lp:remap_record_lp_torch",
+    "triton": "eplb.kernels.remap_lp:remap_record_lp_triton",
+    "aiter": "eplb.kernels.remap_lp:remap_record_lp_triton",
 }
 
 
@@ -74,21 +89,24 @@ def _aiter_usable() -> bool:
     return importlib.util.find_spec("aiter") is not None
 
 
-_RESOLVED: dict[tuple[str, str], RemapBackend] = {}
+_RESOLVED: dict[tuple[str, ...], RemapBackend] = {}
 # The same by torch.device, for the per-call lookup (device.type costs more than hashing the device).
-_BY_DEVICE: dict[tuple[str, torch.device], RemapBackend] = {}
+_BY_DEVICE: dict[tuple[str, torch.device, bool], RemapBackend] = {}
 
 
-def get_backend(name: str, device: torch.device) -> RemapBackend:
-    """Resolve a backend name (``auto`` included) for tensors on ``device`` (cached: once per pair)."""
-    key = (name, device.type)
+def get_backend(name: str, device: torch.device, mode: str = "static") -> RemapBackend:
+    """Resolve a backend name (``auto`` included) for tensors on ``device`` (cached: once per pair).
+
+    ``mode="lp"`` gives the backend's ``lp`` function; every other mode shares one function.
+    """
+    key: tuple[str, ...] = (name, device.type) if mode != "lp" else (name, device.type, "lp")
     fn = _RESOLVED.get(key)
     if fn is None:
-        fn = _RESOLVED[key] = _resolve_backend(name, device)
+        fn = _RESOLVED[key] = _resolve_backend(name, device, mode == "lp")
     return fn
 
 
-def _resolve_backend(name: str, device: torch.device) -> RemapBackend:
+def _resolve_backend(name: str, device: torch.device, lp: bool = False) -> RemapBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
     if name not in _BACKENDS:
@@ -98,7 +116,7 @@ def _resolve_backend(name: str, device: torch.device) -> RemapBackend:
             "remap backend 'aiter' needs a ROCm build of torch and the amd-aiter package "
             "(pip install 'eplb[rocm]'); use backend='triton' or 'torch' here"
         )
-    module_name, func_name = _BACKENDS[name].split(":")
+    module_name, func_name = (_LP_BACKENDS if lp else _BACKENDS)[name].split(":")
     fn: RemapBackend = getattr(importlib.import_module(module_name), func_name)
     return fn
 
@@ -115,13 +133,15 @@ def remap_and_record(
     record: torch.Tensor | None = None,
     out_TK: torch.Tensor | None = None,
     backend: str = "auto",
+    lp: LpExchange | None = None,
 ) -> torch.Tensor:
     """Map router ids [T, K] int32 to physical slot ids [T, K] int32 and add the layer's counts.
 
     ``counts_P`` int32 [P] and ``logical_counts_E`` int32 [E] are added to in place (contiguous,
     on the ids' device). ``num_valid_tokens`` and ``record`` are int32 tensors of one element on
     that device. ``out_TK`` (int32 [T, K], contiguous) receives the result when given: pass it to
-    skip an allocation per call. See the module docstring for the semantics of each mode.
+    skip an allocation per call. ``lp``: the rank's counts exchange in mode ``lp`` (None: the
+    tables' own, over the default process group). See the module docstring for each mode.
     """
     device = check_remap_args(
         topk_ids_TK, tables, layer, mode, counts_P, logical_counts_E, num_valid_tokens, record
@@ -129,12 +149,20 @@ def remap_and_record(
     if out_TK is None:
         out_TK = torch.empty_like(topk_ids_TK)  # int32 and contiguous, as checked; the fastest allocator call
     else:
-        _check_tensor("out_TK", out_TK, topk_ids_TK.shape, device)
+        check_tensor("out_TK", out_TK, topk_ids_TK.shape, device)
+    exchange = None
+    if mode == "lp":
+        from eplb.remap.exchange import exchange_for
+
+        exchange = exchange_for(tables, lp)
     if topk_ids_TK.numel() == 0:
+        if exchange is not None:
+            exchange.idle()  # the other ranks wait for this rank's counts
         return out_TK
-    fn = _BY_DEVICE.get((backend, device))
+    key = (backend, device, mode == "lp")
+    fn = _BY_DEVICE.get(key)
     if fn is None:
-        fn = _BY_DEVICE[backend, device] = get_backend(backend, device)
+        fn = _BY_DEVICE[key] = get_backend(backend, device, mode)
     fn(
         RemapCall(
             topk_ids_TK=topk_ids_TK,
@@ -146,6 +174,7 @@ def remap_and_record(
             logical_counts_E=logical_counts_E,
             num_valid_tokens=num_valid_tokens,
             record=record,
+            lp=exchange,
         )
     )
     return out_TK
@@ -171,6 +200,27 @@ def check_remap_args(
 
     Returns the ids' device.
     """
+    check_ids(topk_ids_TK)
+    if mode not in MODES:
+        raise ValueError(f"unknown dispatch mode {mode!r}; choose from {MODES}")
+    if not 0 <= layer < tables.num_layers:
+        raise ValueError(f"layer {layer} outside [0, {tables.num_layers})")
+    device = topk_ids_TK.device
+    if tables.device != device:
+        raise ValueError(f"dispatch tables live on {tables.device} but topk_ids on {device}")
+    if counts_P is not None:
+        check_tensor("counts_P", counts_P, (tables.num_physical,), device)
+    if logical_counts_E is not None:
+        check_tensor("logical_counts_E", logical_counts_E, (tables.num_logical,), device)
+    if num_valid_tokens is not None:
+        check_tensor("num_valid_tokens", num_valid_tokens, None, device)
+    if record is not None:
+        check_tensor("record", record, None, device)
+    return device
+
+
+def check_ids(topk_ids_TK: torch.Tensor) -> None:
+    """The router's ids: a contiguous int32 tensor [T, K] (TypeError naming a wrong dtype)."""
     if not isinstance(topk_ids_TK, torch.Tensor):
         raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids_TK).__name__}")
     if topk_ids_TK.dtype != _INT32:
@@ -182,25 +232,9 @@ def check_remap_args(
         raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids_TK.shape)}")
     if not topk_ids_TK.is_contiguous():
         raise ValueError("topk_ids must be contiguous")
-    if mode not in MODES:
-        raise ValueError(f"unknown dispatch mode {mode!r}; choose from {MODES}")
-    if not 0 <= layer < tables.num_layers:
-        raise ValueError(f"layer {layer} outside [0, {tables.num_layers})")
-    device = topk_ids_TK.device
-    if tables.device != device:
-        raise ValueError(f"dispatch tables live on {tables.device} but topk_ids on {device}")
-    if counts_P is not None:
-        _check_tensor("counts_P", counts_P, (tables.num_physical,), device)
-    if logical_counts_E is not None:
-        _check_tensor("logical_counts_E", logical_counts_E, (tables.num_logical,), device)
-    if num_valid_tokens is not None:
-        _check_tensor("num_valid_tokens", num_valid_tokens, None, device)
-    if record is not None:
-        _check_tensor("record", record, None, device)
-    return device
 
 
-def _check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None, device: torch.device) -> None:
+def check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None, device: torch.device) -> None:
     """An int32 contiguous tensor on ``device`` of ``shape`` (None: one element)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from eplb.remap.exchange import LpExchange
     from eplb.remap.tables import DispatchTables
 
 
-# Slotted: built on every call of every MoE layer, so its construction and field reads stay cheap.
+# Slotted and not frozen: built on every call of every MoE layer, and a frozen dataclass's __init__
+# sets each field through object.__setattr__ (about twice the cost). Treat it as read-only.
 # eq=False: tensors have no boolean equality; two calls are the same call only if they are one object.
-@dataclass(frozen=True, slots=True, kw_only=True, eq=False)
+@dataclass(slots=True, kw_only=True, eq=False)
 class RemapCall:
     """The arguments of one remap+record call (semantics: eplb.remap.api).
 
@@ -49,6 +51,8 @@ class RemapCall:
     """int32 [1] on the device: rows at or past it are padding; None: every row is valid."""
     record: torch.Tensor | None = None
     """int32 [1] on the device: count only while nonzero; None: always count."""
+    lp: LpExchange | None = None
+    """``lp`` mode: the rank's counts exchange (eplb.remap.lp); None in every other mode."""
 
 
 __all__ = ["RemapCall"]

@@ -1,7 +1,8 @@
 """Per-layer dispatch tables on the device, and the hash every remap backend shares.
 
 Shape legend: L layers, E logical experts, P physical slots, R replica capacity (P - E + 1, the
-most replicas one expert can have), T tokens, K top-k.
+most replicas one expert can have), T tokens, K top-k, N and D the ``lp`` mode's capacities
+(eplb.remap.lp_rule).
 
 :class:`DispatchTables` holds what the remap needs for every layer and mode, as device tensors
 of fixed shape and address. After a hot-swap, :meth:`DispatchTables.update_` copies the new
@@ -28,6 +29,7 @@ import numpy as np
 
 from eplb.placement.dispatch_map import static_dispatch_map
 from eplb.placement.model import Placement
+from eplb.remap.lp_rule import lp_tables
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +89,14 @@ class DispatchTables:
     derived: dict[str, Any] = field(default_factory=dict, init=False, repr=False)
     """Host-side facts backends derive once per tables (kernel arguments, pointers): valid because
     the tensors keep their shape and storage for the tables' lifetime (:meth:`update_` copies)."""
+    num_gpus: int = 1
+    """G, EP ranks (the ``lp`` mode's all-gather spans them)."""
+    lp_expert_LN: torch.Tensor | None = None
+    """int32 [L, N]: replicated experts per layer (eplb.remap.lp_rule.LpTables); None: no ``lp`` mode."""
+    lp_slot_LND: torch.Tensor | None = None
+    """int32 [L, N, D]: each replicated expert's first replica on each GPU holding it."""
+    lp_index_LE: torch.Tensor | None = None
+    """int32 [L, E]: an expert's row in ``lp_expert_LN``, -1 with one replica."""
 
     # Cached: the remap reads these on every call, and the tensors never change shape or device.
     @cached_property
@@ -129,19 +139,29 @@ class DispatchTables:
             torch.zeros(1, dtype=torch.int32, device=device),
             placement.num_physical,
             rank,
+            num_gpus=placement.num_gpus,
+            lp_expert_LN=_to_torch(host["lp_expert"], device),
+            lp_slot_LND=_to_torch(host["lp_slot"], device),
+            lp_index_LE=_to_torch(host["lp_index"], device),
         )
+
+    @property
+    def slots_per_gpu(self) -> int:
+        """S = P / G."""
+        return self.num_physical // self.num_gpus
 
     def update_(self, placement: Placement, weights_LER: Any = None) -> None:
         """Copy a new placement (and weights) into the existing tensors, keeping their addresses."""
-        if (placement.num_layers, placement.num_logical, placement.num_physical) != (
+        if (placement.num_layers, placement.num_logical, placement.num_physical, placement.num_gpus) != (
             self.num_layers,
             self.num_logical,
             self.num_physical,
+            self.num_gpus,
         ):
             raise ValueError(
                 f"placement shape (L={placement.num_layers}, E={placement.num_logical}, "
-                f"P={placement.num_physical}) differs from the tables' (L={self.num_layers}, "
-                f"E={self.num_logical}, P={self.num_physical})"
+                f"P={placement.num_physical}, G={placement.num_gpus}) differs from the tables' "
+                f"(L={self.num_layers}, E={self.num_logical}, P={self.num_physical}, G={self.num_gpus})"
             )
         host = _host_tables(placement, self.rank, weights_LER)
         for name, dst in (
@@ -149,8 +169,12 @@ class DispatchTables:
             ("log2phy", self.log2phy_LER),
             ("logcnt", self.logcnt_LE),
             ("cumweights", self.cumweights_LER),
+            ("lp_expert", self.lp_expert_LN),
+            ("lp_slot", self.lp_slot_LND),
+            ("lp_index", self.lp_index_LE),
         ):
-            dst.copy_(_to_torch(host[name], "cpu"))
+            if dst is not None:
+                dst.copy_(_to_torch(host[name], "cpu"))
 
     def advance_seed_(self) -> None:
         """Change the dynamic/fake salt for the next pass (a device op, capturable in a graph)."""
@@ -176,11 +200,15 @@ def _host_tables(placement: Placement, rank: int, weights_LER: Any) -> dict[str,
         raise ValueError(f"log2phy holds more than {R} replicas for an expert")
     log2phy[:, :, :keep] = placement.log2phy_LER[:, :, :keep]
     logcnt = placement.logcnt_LE.astype(np.int32)
+    lp = lp_tables(placement)
     return {
         "static": static_dispatch_map(placement, rank).astype(np.int32),
         "log2phy": log2phy,
         "logcnt": logcnt,
         "cumweights": cumulative_weights(weights_LER, logcnt, R),
+        "lp_expert": lp.expert_LN,
+        "lp_slot": lp.slot_LND,
+        "lp_index": lp.index_LE,
     }
 
 

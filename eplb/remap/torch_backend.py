@@ -52,14 +52,9 @@ def remap_record_torch(call: RemapCall) -> None:
     """Write int32 physical ids into ``call.out_TK`` and add this pass's counts (see eplb.remap.api)."""
     tables, layer, mode = call.tables, call.layer, call.mode
     T, K = call.topk_ids_TK.shape
-    E, P = tables.num_logical, tables.num_physical
+    P = tables.num_physical
     device = call.topk_ids_TK.device
-    ids = call.topk_ids_TK.to(torch.int64)
-    row_TK = torch.arange(T, dtype=torch.int64, device=device)[:, None].expand(T, K)
-    valid = (ids >= 0) & (ids < E)
-    if call.num_valid_tokens is not None:
-        valid &= row_TK < call.num_valid_tokens.to(torch.int64).reshape(())
-    safe = torch.where(valid, ids, torch.zeros_like(ids))
+    ids, row_TK, valid, safe = valid_elements(call)
     if mode == "static":
         phys = tables.static_LE[layer].to(torch.int64)[safe]
     elif mode == "fake":
@@ -79,10 +74,26 @@ def remap_record_torch(call: RemapCall) -> None:
             replica = below.sum(dim=-1)
         phys = tables.log2phy_LER[layer].to(torch.int64)[safe, replica]
     call.out_TK.copy_(torch.where(valid, phys, ids).to(torch.int32))
+    count_elements(call, valid & (phys >= 0) & (phys < P), phys, safe)
+
+
+def valid_elements(call: RemapCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int64 [T, K] ids, rows, valid mask and ids with invalid ones set to 0 (see eplb.remap.api)."""
+    T, K = call.topk_ids_TK.shape
+    ids = call.topk_ids_TK.to(torch.int64)
+    row_TK = torch.arange(T, dtype=torch.int64, device=ids.device)[:, None].expand(T, K)
+    valid = (ids >= 0) & (ids < call.tables.num_logical)
+    if call.num_valid_tokens is not None:
+        valid &= row_TK < call.num_valid_tokens.to(torch.int64).reshape(())
+    return ids, row_TK, valid, torch.where(valid, ids, torch.zeros_like(ids))
+
+
+def count_elements(call: RemapCall, counted: torch.Tensor, phys: torch.Tensor, safe: torch.Tensor) -> None:
+    """Add 1 per ``counted`` element to ``call.counts_P[phys]`` and ``call.logical_counts_E[safe]``
+    (times the record flag), where those buffers are given."""
     counts_P, logical_counts_E = call.counts_P, call.logical_counts_E
     if counts_P is None and logical_counts_E is None:
         return
-    counted = valid & (phys >= 0) & (phys < P)
     weight = counted.to(torch.int32)
     if call.record is not None:
         weight = weight * (call.record.reshape(()) != 0).to(torch.int32)
@@ -92,4 +103,4 @@ def remap_record_torch(call: RemapCall) -> None:
         logical_counts_E.scatter_add_(0, safe.reshape(-1), weight.reshape(-1))
 
 
-__all__ = ["element_hash", "mix32", "remap_record_torch"]
+__all__ = ["count_elements", "element_hash", "mix32", "remap_record_torch", "valid_elements"]

@@ -10,6 +10,7 @@ S slots per GPU.
   ranks mapped to it.
 - fake: uniformly random routing over all slots, independent of the trace (SGLang's benchmark
   mode); see :func:`fake_gpu_load`.
+- lp: each batch's tokens of a replicated expert water-filled over its GPUs (eplb.simulate.dispatch_lp).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from eplb.placement.balance import expert_gpu_share, slot_share_LP
 from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
 from eplb.policy.dispatch import dispatch_mode_names
+from eplb.simulate.dispatch_lp import lp_matrices_parts
 
 DISPATCH_MODES = dispatch_mode_names(flags_only=True)
 """The modes the simulator models: those offered as --ep-dispatch-algorithm (eplb.policy)."""
@@ -43,6 +45,8 @@ def dispatch_matrices(
     """The share and active-replica matrices of ``placement`` under a dispatch ``mode``."""
     if mode not in DISPATCH_MODES:
         raise ValueError(f"unknown dispatch mode {mode!r}; choose from {DISPATCH_MODES}")
+    if mode == "lp":
+        return DispatchMatrices(*lp_matrices_parts(placement))
     if mode == "static":
         weights_LER = static_weights(placement)
     elif mode != "weighted":

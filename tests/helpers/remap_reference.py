@@ -14,13 +14,18 @@ import numpy as np
 import torch
 
 from eplb.placement.model import Placement
-from eplb.remap.api import remap_and_record
+from eplb.policy.dispatch import dispatch_mode
+from eplb.remap.api import MODES, remap_and_record
 from eplb.remap.call import RemapCall
 from eplb.remap.tables import DispatchTables, mix32_int, salt_base
 from tests.helpers.placements import random_phy2log
 
 if TYPE_CHECKING:
     from eplb.kernels.remap_record import LaunchConfig
+
+
+LOCAL_MODES = tuple(mode for mode in MODES if not dispatch_mode(mode).collective)
+"""The modes one call computes alone (``lp`` exchanges counts: tests/test_remap_lp.py)."""
 
 
 @dataclass
@@ -164,3 +169,101 @@ def run_remap(
     )
     remap_record_triton(call, config=config)
     return call.out_TK
+
+
+# ---- lp dispatch (eplb.remap.lp_rule), one token at a time --------------------------------------
+LP_PASSES_REFERENCE = 2
+"""Re-fill passes of the rule (eplb.remap.lp_rule.LP_PASSES), restated so the reference stays independent."""
+
+
+def _pour(amount: int, levels: list[int]) -> list[int]:
+    """Tokens one at a time, each onto the lowest level (ties: the first): the water-filling."""
+    level = list(levels)
+    got = [0] * len(levels)
+    for _ in range(amount):
+        d = min(range(len(level)), key=lambda i: (level[i], i))
+        level[d] += 1
+        got[d] += 1
+    return got
+
+
+def brute_lp_quotas(counts_E: list[int], placement: Placement, layer: int) -> dict[int, dict[int, int]]:
+    """expert -> {gpu: tokens} for every replicated expert of ``layer``, from global counts."""
+    S, G = placement.slots_per_gpu, placement.num_gpus
+    p2l = placement.phy2log_LP[layer].tolist()
+    gpus_of: dict[int, list[int]] = {}
+    for slot, expert in enumerate(p2l):
+        gpus_of.setdefault(expert, [])
+        if slot // S not in gpus_of[expert]:
+            gpus_of[expert].append(slot // S)
+    copies = {e: p2l.count(e) for e in gpus_of}
+    loads = [0] * G
+    for e, gpus in gpus_of.items():
+        if copies[e] == 1:
+            loads[gpus[0]] += counts_E[e]
+    replicated = sorted(e for e in gpus_of if copies[e] > 1)
+    quota: dict[int, dict[int, int]] = {}
+    for e in replicated:
+        gpus = sorted(gpus_of[e])
+        c, w = counts_E[e], len(gpus)
+        quota[e] = {g: c // w + (1 if i < c % w else 0) for i, g in enumerate(gpus)}
+        for g, q in quota[e].items():
+            loads[g] += q
+    order = sorted(replicated, key=lambda e: (-counts_E[e], e))
+    for _ in range(LP_PASSES_REFERENCE):
+        for e in order:
+            gpus = sorted(quota[e])
+            for g in gpus:
+                loads[g] -= quota[e][g]
+            got = _pour(counts_E[e], [loads[g] for g in gpus])
+            quota[e] = dict(zip(gpus, got, strict=True))
+            for g in gpus:
+                loads[g] += quota[e][g]
+    return quota
+
+
+def brute_lp(
+    ids_by_rank: list[list[list[int]]],
+    placement: Placement,
+    layer: int,
+    nvalid_by_rank: list[int | None],
+) -> list[list[list[int]]]:
+    """Every rank's output ids under ``lp`` (ranks' tokens in rank order, then flat order)."""
+    E, S = placement.num_logical, placement.slots_per_gpu
+    p2l = placement.phy2log_LP[layer].tolist()
+
+    def valid(rank: int, row: int, x: int) -> bool:
+        nvalid = nvalid_by_rank[rank]
+        return 0 <= x < E and (nvalid is None or row < nvalid)
+
+    counts = [0] * E
+    for rank, ids in enumerate(ids_by_rank):
+        for row, xs in enumerate(ids):
+            for x in xs:
+                if valid(rank, row, x):
+                    counts[x] += 1
+    quota = brute_lp_quotas(counts, placement, layer)
+    first_slot = {}
+    for slot, expert in enumerate(p2l):
+        first_slot.setdefault((expert, slot // S), slot)
+    seen = [0] * E
+    outs = []
+    for rank, ids in enumerate(ids_by_rank):
+        out = []
+        for row, xs in enumerate(ids):
+            out_row = []
+            for x in xs:
+                if not valid(rank, row, x):
+                    out_row.append(x)
+                elif x not in quota:
+                    out_row.append(p2l.index(x))
+                else:
+                    position, seen[x] = seen[x], seen[x] + 1
+                    for g in sorted(quota[x]):
+                        if position < quota[x][g]:
+                            out_row.append(first_slot[(x, g)])
+                            break
+                        position -= quota[x][g]
+            out.append(out_row)
+        outs.append(out)
+    return outs

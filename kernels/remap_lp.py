@@ -1,0 +1,432 @@
+"""``lp`` dispatch fused with remap + record: two Triton kernels around the counts all-gather.
+
+Shape legend: T tokens, K top-k, E logical experts, P physical slots, G EP ranks, S slots per GPU,
+N replicated experts, D GPUs holding one expert (eplb.remap.lp_rule states the rule), C programs.
+
+Program ``c`` of either kernel owns one contiguous chunk of the flat ``[T, K]`` ids, the same in
+both, so "earlier programs" means "earlier ids":
+
+1. ``_lp_count_kernel``: each program histograms its valid ids over the E experts, keeps that
+   row (int32 [C, E] scratch) and adds it to the rank's ``local_E`` (zeroed just before). While
+   recording it also adds the histogram to the logical counts and, for experts with one replica,
+   through the static map to the slot counts (their slot is known without the exchange).
+2. The exchange all-gathers ``local_E`` into int32 [G, E] (eplb.remap.lp.LpExchange).
+3. ``_lp_assign_kernel``: every program derives the same per-replica quotas from the gathered
+   counts (even split, then re-fill passes, eplb.remap.lp_rule) and writes their running starts
+   to a shared int32 [N, D] scratch (identical values from every program), then maps each id: one
+   replica through the static map; a replicated expert by its global position (earlier ranks'
+   tokens of it, earlier programs' from the scratch rows, then a running count within the
+   chunk), found among the quota starts by binary search. Program 0 adds the rank's per-replica
+   token counts to the slot counts once, from the quotas, so no per-id histogram is needed here.
+
+Everything is int32, no value is read back to the host, and the launch shapes depend only on T
+and the tables' shapes: the three steps capture in a CUDA graph (with an NCCL group). After the
+first call of each specialisation both kernels launch directly (eplb.kernels.direct_launch), so an
+eager call pays two launcher calls, not two ``JITFunction.run``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from eplb.kernels.direct_launch import DirectLaunchCache, direct_launch_supported
+from eplb.kernels.remap_record import HIST_MASK, MAX_NUMEL, _histogram, _num_bins, num_compute_units
+from eplb.remap.call import RemapCall
+from eplb.remap.exchange import LpExchange
+from eplb.remap.lp_rule import LP_PASSES
+
+SUB = 128
+"""Ids per step of the assign kernel's running count (a [SUB, N] one-hot and its prefix sum)."""
+COUNT_BLOCK = 1024
+"""Ids per step of the count kernel."""
+MAX_PROGRAMS = 256
+"""Most programs per launch (the assign kernel sums earlier programs' rows: [C, N] loads)."""
+INT32_MAX = 2**31 - 1
+
+
+@triton.jit(do_not_specialize=["numel", "num_tokens", "num_logical", "num_physical", "layer", "chunk"])
+def _lp_count_kernel(  # type: ignore[no-untyped-def]  # Triton types kernel arguments itself
+    ids_ptr,
+    static_ptr,
+    index_ptr,
+    local_ptr,
+    hist_ptr,
+    counts_ptr,
+    lcounts_ptr,
+    nvalid_ptr,
+    record_ptr,
+    numel,
+    num_tokens,
+    num_logical,
+    num_physical,
+    layer,
+    chunk,
+    K: tl.constexpr,
+    BLOCK: tl.constexpr,
+    EBINS: tl.constexpr,
+    COUNT_PHYS: tl.constexpr,
+    COUNT_LOGICAL: tl.constexpr,
+    HAS_NVALID: tl.constexpr,
+    HAS_RECORD: tl.constexpr,
+    HIST_MASK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    limit = numel
+    if HAS_NVALID:
+        limit = tl.minimum(tl.maximum(tl.load(nvalid_ptr), 0), num_tokens) * K
+    start = pid * chunk
+    stop = tl.minimum(start + chunk, numel)
+    acc = tl.zeros([EBINS], dtype=tl.int32)
+    for base in range(start, stop, BLOCK):
+        offs = base + tl.arange(0, BLOCK)
+        ids = tl.load(ids_ptr + offs, mask=offs < stop, other=-1)
+        valid = (ids >= 0) & (ids < num_logical) & (offs < limit) & (offs < stop)
+        acc += _histogram(tl.where(valid, ids, 0), valid, EBINS, HIST_MASK)
+    bins = tl.arange(0, EBINS)
+    in_e = bins < num_logical
+    tl.store(hist_ptr + pid * EBINS + bins, acc)
+    nonzero = in_e & (acc > 0)
+    tl.atomic_add(local_ptr + bins, acc, mask=nonzero, sem="relaxed")
+    do_count = COUNT_PHYS or COUNT_LOGICAL
+    if HAS_RECORD:
+        do_count = do_count & (tl.load(record_ptr) != 0)
+    if do_count:
+        if COUNT_LOGICAL:
+            tl.atomic_add(lcounts_ptr + bins, acc, mask=nonzero, sem="relaxed")
+        if COUNT_PHYS:
+            row = layer * num_logical + bins
+            single = tl.load(index_ptr + row, mask=in_e, other=0) < 0
+            slot = tl.load(static_ptr + row, mask=in_e, other=-1)
+            ok = nonzero & single & (slot >= 0) & (slot < num_physical)
+            tl.atomic_add(counts_ptr + slot, acc, mask=ok, sem="relaxed")
+
+
+@triton.jit
+def _water_fill(amount, levels, valid):  # type: ignore[no-untyped-def]
+    # The rule's water-filling in pairwise form (as eplb.remap.lp.water_fill_torch).
+    inc = valid[:, None] & (levels[:, None] <= levels[None, :])
+    n_inc = tl.sum(inc.to(tl.int32), axis=0)
+    s_inc = tl.sum(tl.where(inc, levels[:, None], 0), axis=0)
+    cand = (amount + s_inc) // tl.maximum(n_inc, 1)
+    feasible = valid & (cand >= levels)
+    level = tl.min(tl.where(feasible, cand, 2147483647), axis=0)
+    quota = tl.where(valid, tl.maximum(level - levels, 0), 0)
+    rest = amount - tl.sum(quota, axis=0)
+    eligible = valid & (levels <= level)
+    first = tl.cumsum(eligible.to(tl.int32), axis=0) <= rest
+    return quota + (eligible & first).to(tl.int32)
+
+
+@triton.jit(
+    do_not_specialize=[
+        "numel",
+        "num_tokens",
+        "num_logical",
+        "num_physical",
+        "num_gpus",
+        "slots_per_gpu",
+        "rank",
+        "layer",
+        "chunk",
+    ]
+)
+def _lp_assign_kernel(  # type: ignore[no-untyped-def]
+    ids_ptr,
+    out_ptr,
+    static_ptr,
+    index_ptr,
+    expert_ptr,
+    slot_ptr,
+    gathered_ptr,
+    hist_ptr,
+    start_ptr,
+    counts_ptr,
+    nvalid_ptr,
+    record_ptr,
+    numel,
+    num_tokens,
+    num_logical,
+    num_physical,
+    num_gpus,
+    slots_per_gpu,
+    rank,
+    layer,
+    chunk,
+    K: tl.constexpr,
+    N: tl.constexpr,
+    D: tl.constexpr,
+    SUB: tl.constexpr,
+    EBINS: tl.constexpr,
+    GBINS: tl.constexpr,
+    NBINS: tl.constexpr,
+    DBINS: tl.constexpr,
+    LOG2_DBINS: tl.constexpr,
+    CBINS: tl.constexpr,
+    PASSES: tl.constexpr,
+    COUNT_PHYS: tl.constexpr,
+    HAS_NVALID: tl.constexpr,
+    HAS_RECORD: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    e_ = tl.arange(0, EBINS)
+    g_ = tl.arange(0, GBINS)
+    n_ = tl.arange(0, NBINS)
+    d_ = tl.arange(0, DBINS)
+    c_ = tl.arange(0, CBINS)
+    in_e = e_ < num_logical
+    in_g = g_ < num_gpus
+    # ---- the batch's global counts and every GPU's base load (experts with one replica) ----------
+    counts_E = tl.sum(
+        tl.load(
+            gathered_ptr + g_[:, None] * num_logical + e_[None, :],
+            mask=in_g[:, None] & in_e[None, :],
+            other=0,
+        ),
+        axis=0,
+    )
+    row_E = layer * num_logical + e_
+    single_E = in_e & (tl.load(index_ptr + row_E, mask=in_e, other=0) < 0)
+    gpu_E = tl.load(static_ptr + row_E, mask=in_e, other=0) // slots_per_gpu
+    on_gpu_EG = single_E[:, None] & (gpu_E[:, None] == g_[None, :])
+    loads_G = tl.sum(tl.where(on_gpu_EG, counts_E[:, None], 0), axis=0)
+    # ---- replicated experts: global count, this rank's offset and count, earlier programs' -------
+    expert_N = tl.load(expert_ptr + layer * N + n_, mask=n_ < N, other=-1)
+    has_N = expert_N >= 0
+    safe_N = tl.where(has_N, expert_N, 0)
+    tile_GN = tl.load(
+        gathered_ptr + g_[:, None] * num_logical + safe_N[None, :],
+        mask=in_g[:, None] & has_N[None, :],
+        other=0,
+    )
+    amount_N = tl.sum(tile_GN, axis=0)
+    offset_N = tl.sum(tl.where(g_[:, None] < rank, tile_GN, 0), axis=0)
+    mine_N = tl.sum(tl.where(g_[:, None] == rank, tile_GN, 0), axis=0)
+    before_N = tl.sum(
+        tl.load(
+            hist_ptr + c_[:, None] * EBINS + safe_N[None, :],
+            mask=(c_[:, None] < pid) & has_N[None, :],
+            other=0,
+        ),
+        axis=0,
+    )
+    slot_ND = tl.load(
+        slot_ptr + (layer * N + n_[:, None]) * D + d_[None, :],
+        mask=has_N[:, None] & (d_[None, :] < D),
+        other=-1,
+    )
+    valid_ND = slot_ND >= 0
+    gpu_ND = tl.where(valid_ND, slot_ND // slots_per_gpu, -1)
+    # ---- quotas: even split, then re-fill passes, heaviest first ---------------------------------
+    width_N = tl.maximum(tl.sum(valid_ND.to(tl.int32), axis=1), 1)
+    even_N = amount_N // width_N
+    quota_ND = tl.where(valid_ND, even_N[:, None] + (d_[None, :] < (amount_N - even_N * width_N)[:, None]), 0)
+    loads_G += tl.sum(
+        tl.sum(tl.where(gpu_ND[:, :, None] == g_[None, None, :], quota_ND[:, :, None], 0), axis=0), axis=0
+    )
+    heavier = (amount_N[None, :] > amount_N[:, None]) | (
+        (amount_N[None, :] == amount_N[:, None]) & (n_[None, :] < n_[:, None])
+    )
+    order_N = tl.sum((has_N[None, :] & heavier).to(tl.int32), axis=1)
+    num_rep = tl.sum(has_N.to(tl.int32), axis=0)
+    for _ in tl.static_range(PASSES):
+        for i in range(num_rep):
+            pick_N = has_N & (order_N == i)
+            amount = tl.sum(tl.where(pick_N, amount_N, 0), axis=0)
+            old_D = tl.sum(tl.where(pick_N[:, None], quota_ND, 0), axis=0)
+            gpu_D = tl.sum(tl.where(pick_N[:, None], gpu_ND, 0), axis=0)
+            valid_D = tl.sum(tl.where(pick_N[:, None], valid_ND.to(tl.int32), 0), axis=0) > 0
+            on_DG = valid_D[:, None] & (gpu_D[:, None] == g_[None, :])
+            loads_G -= tl.sum(tl.where(on_DG, old_D[:, None], 0), axis=0)
+            levels_D = tl.sum(tl.where(on_DG, loads_G[None, :], 0), axis=1)
+            new_D = _water_fill(amount, levels_D, valid_D)
+            loads_G += tl.sum(tl.where(on_DG, new_D[:, None], 0), axis=0)
+            quota_ND = tl.where(pick_N[:, None], new_D[None, :], quota_ND)
+    starts_ND = tl.cumsum(quota_ND, axis=1) - quota_ND
+    # Past an expert's GPUs: unreachable starts, so the binary search stays on its GPUs.
+    tl.store(start_ptr + n_[:, None] * DBINS + d_[None, :], tl.where(valid_ND, starts_ND, 2147483647))
+    if COUNT_PHYS:
+        do_count = pid == 0
+        if HAS_RECORD:
+            do_count = do_count & (tl.load(record_ptr) != 0)
+        if do_count:
+            # This rank's positions [offset, offset + mine) against each replica's quota range.
+            lo = tl.maximum(starts_ND, offset_N[:, None])
+            hi = tl.minimum(starts_ND + quota_ND, (offset_N + mine_N)[:, None])
+            mine_ND = tl.maximum(hi - lo, 0)
+            ok = valid_ND & (mine_ND > 0) & (slot_ND < num_physical)
+            tl.atomic_add(counts_ptr + slot_ND, mine_ND, mask=ok, sem="relaxed")
+    tl.debug_barrier()  # the starts this program stored are read back below
+    # ---- map this program's chunk ------------------------------------------------------------------
+    limit = numel
+    if HAS_NVALID:
+        limit = tl.minimum(tl.maximum(tl.load(nvalid_ptr), 0), num_tokens) * K
+    running_N = offset_N + before_N
+    start = pid * chunk
+    stop = tl.minimum(start + chunk, numel)
+    for base in range(start, stop, SUB):
+        offs = base + tl.arange(0, SUB)
+        in_chunk = offs < stop
+        ids = tl.load(ids_ptr + offs, mask=in_chunk, other=-1)
+        valid = (ids >= 0) & (ids < num_logical) & (offs < limit) & in_chunk
+        safe = tl.where(valid, ids, 0)
+        row = layer * num_logical + safe
+        n = tl.load(index_ptr + row, mask=valid, other=-1)
+        replicated = valid & (n >= 0)
+        hot = replicated[:, None] & (n[:, None] == n_[None, :])
+        seen = tl.cumsum(hot.to(tl.int32), axis=0)
+        position = tl.sum(tl.where(hot, seen - 1 + running_N[None, :], 0), axis=1)
+        running_N += tl.sum(hot.to(tl.int32), axis=0)
+        n_safe = tl.where(replicated, n, 0)
+        entry = tl.zeros([SUB], dtype=tl.int32)
+        for s in tl.static_range(LOG2_DBINS):
+            probe = entry + (DBINS >> (s + 1))
+            bound = tl.load(start_ptr + n_safe * DBINS + probe, mask=replicated, other=2147483647)
+            entry = tl.where(bound <= position, probe, entry)
+        spread = tl.load(slot_ptr + (layer * N + n_safe) * D + entry, mask=replicated, other=0)
+        single = tl.load(static_ptr + row, mask=valid & ~replicated, other=0)
+        phys = tl.where(replicated, spread, single)
+        tl.store(out_ptr + offs, tl.where(valid, phys, ids), mask=in_chunk)
+
+
+def _pow2(n: int, floor: int = 16) -> int:
+    return max(floor, triton.next_power_of_2(max(n, 1)))
+
+
+def lp_launch_shape(numel: int, units: int) -> tuple[int, int]:
+    """(chunk, programs): contiguous chunks of a multiple of SUB ids, at most 2 per compute unit."""
+    target = max(1, min(MAX_PROGRAMS, 2 * units))
+    blocks = triton.cdiv(numel, SUB)
+    chunk = SUB * triton.cdiv(blocks, target)
+    return chunk, triton.cdiv(numel, chunk)
+
+
+def remap_record_lp_triton(call: RemapCall) -> None:
+    """Run ``lp`` dispatch of one call (validated by eplb.remap.api.remap_and_record, ``T * K > 0``)."""
+    ids_TK, out_TK, tables, lp = call.topk_ids_TK, call.out_TK, call.tables, call.lp
+    assert lp is not None and tables.lp_expert_LN is not None and tables.lp_slot_LND is not None
+    assert tables.lp_index_LE is not None
+    numel = ids_TK.numel()
+    if numel >= MAX_NUMEL:
+        raise ValueError(f"topk_ids has {numel} elements; the kernel indexes with int32 (< 2**31)")
+    T, K = ids_TK.shape
+    E, P, G = tables.num_logical, tables.num_physical, tables.num_gpus
+    N, D = tables.lp_slot_LND.shape[1:]
+    ebins, nbins, dbins = _num_bins(E), _pow2(N), _pow2(D)
+    chunk, programs = lp_launch_shape(numel, num_compute_units(ids_TK.device))
+    hist_CE, starts_ND = _scratch(lp, ebins, nbins, dbins)
+    optional = (call.counts_P, call.logical_counts_E, call.num_valid_tokens, call.record)
+    counts, lcounts, nvalid, record = (out_TK if t is None else t for t in optional)
+    has_nvalid, has_record = call.num_valid_tokens is not None, call.record is not None
+    lp.local_E.zero_()
+    COUNT.launch(
+        programs,
+        (ids_TK, tables.static_LE, tables.lp_index_LE, lp.local_E, hist_CE, counts, lcounts, nvalid, record),
+        (numel, T, E, P, call.layer, chunk),
+        # K, BLOCK, EBINS, COUNT_PHYS, COUNT_LOGICAL, HAS_NVALID, HAS_RECORD, HIST_MASK
+        (
+            K,
+            min(COUNT_BLOCK, triton.next_power_of_2(chunk)),
+            ebins,
+            call.counts_P is not None,
+            call.logical_counts_E is not None,
+            has_nvalid,
+            has_record,
+            HIST_MASK,
+        ),
+    )
+    lp.exchange()
+    ASSIGN.launch(
+        programs,
+        (
+            ids_TK,
+            out_TK,
+            tables.static_LE,
+            tables.lp_index_LE,
+            tables.lp_expert_LN,
+            tables.lp_slot_LND,
+            lp.gathered_GE,
+            hist_CE,
+            starts_ND,
+            counts,
+            nvalid,
+            record,
+        ),
+        (numel, T, E, P, G, tables.slots_per_gpu, tables.rank, call.layer, chunk),
+        # K, N, D, SUB, EBINS, GBINS, NBINS, DBINS, LOG2_DBINS, CBINS, PASSES, COUNT_PHYS,
+        # HAS_NVALID, HAS_RECORD
+        (
+            K,
+            N,
+            D,
+            SUB,
+            ebins,
+            _pow2(G),
+            nbins,
+            dbins,
+            dbins.bit_length() - 1,
+            _pow2(programs),
+            LP_PASSES,
+            call.counts_P is not None,
+            has_nvalid,
+            has_record,
+        ),
+    )
+
+
+class _Launcher:
+    """One of the two kernels: ``kernel[grid]`` the first time per specialisation, then direct.
+
+    Every integer argument is unspecialised (``do_not_specialize``), so a specialisation is the
+    device, the constexprs and each pointer's 16-byte alignment (eplb.kernels.direct_launch).
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.cache = DirectLaunchCache(direct_launch_supported(kernel))
+
+    def launch(
+        self, grid: int, tensors: tuple[torch.Tensor, ...], ints: tuple[int, ...], constexprs: tuple[Any, ...]
+    ) -> None:
+        cache = self.cache
+        key = None
+        if cache.usable():
+            device, stream = cache.device_and_stream()
+            if tensors[0].get_device() == device:
+                pointers = tuple(t.data_ptr() for t in tensors)
+                key = (device, constexprs, tuple(p & 15 for p in pointers))
+                entry = cache.get(key)
+                if entry is not None:
+                    try:
+                        entry(grid, stream, (*pointers, *ints))
+                        return
+                    except TypeError:
+                        cache.disable()
+                        key = None
+        names = self.kernel.arg_names[len(tensors) + len(ints) :]
+        compiled = self.kernel[(grid,)](
+            *tensors, *ints, **dict(zip(names, constexprs, strict=True)), num_warps=NUM_WARPS
+        )
+        if key is not None:
+            cache.keep(key, compiled, constexprs)
+
+
+NUM_WARPS = 4
+COUNT = _Launcher(_lp_count_kernel)
+ASSIGN = _Launcher(_lp_assign_kernel)
+
+
+def _scratch(lp: LpExchange, ebins: int, nbins: int, dbins: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' scratch (per-program histograms [C, E] and quota starts [N, D]), made once."""
+    hist = lp.scratch.get("hist_CE")
+    if hist is None:
+        device = lp.local_E.device
+        hist = lp.scratch["hist_CE"] = torch.zeros((MAX_PROGRAMS, ebins), dtype=torch.int32, device=device)
+        lp.scratch["starts_ND"] = torch.zeros((nbins, dbins), dtype=torch.int32, device=device)
+    return hist, lp.scratch["starts_ND"]
+
+
+__all__ = ["lp_launch_shape", "remap_record_lp_triton"]
