@@ -2,12 +2,10 @@
 
 Shape legend: T tokens, K top-k, E logical experts, P physical slots, G EP ranks, L layers.
 
-For every T: router-like int32 ids [T, K] (K distinct experts per token, Zipf-skewed), E = 256,
-P = 288 on G = 32 ranks (EP32, 32 redundant slots), this rank 3. Every variant's physical ids and
-slot counts are first checked equal to the torch reference, then timed two ways: eagerly (CUDA
-events around one call: host launch cost included, what a prefill pass pays per layer) and inside
-one CUDA graph of ``--graph-calls`` (58: one per layer of a captured DeepSeek-V3 forward) calls,
-time / calls.
+For every T: router-like int32 ids [T, K] (Zipf-skewed), E = 256, P = 288 on G = 32 ranks, this
+rank 3. Every variant's ids and slot counts are checked equal to the torch reference, then timed
+eagerly (CUDA events around one call, host launch cost included) and inside one CUDA graph of
+``--graph-calls`` calls (58: one per layer of a captured DeepSeek-V3 forward), time / calls.
 
 Variants: ``copy`` (the floor: the faster of ``Tensor.copy_`` and a Triton copy kernel of the same
 T*K int32), ``static`` (``remap_and_record``, slot counts, device ``num_valid_tokens`` and record
@@ -17,10 +15,9 @@ exchange is a device copy of this rank's row into counts of 32 ranks held fixed,
 all-gather's network latency is not in these figures), ``sglang-fused`` (SGLang 0.5.23's Triton
 kernel, benchmarks/peers.py) and ``sglang-unfused`` (gather + ``scatter_add_``).
 
-Recorder (host CPU per forward pass of ``--graph-calls`` layers at T = 4096, the calling thread's
-clock, GPU work queued): plain remap by the public function; the same with the stat recorder
-(``layer_kwargs``); the prepared path plain and with the recorder (``ExpertDistributionRecorder.
-prepare``); each pass includes ``begin_pass``/``end_pass`` where a recorder is used.
+Recorder: host CPU per pass of ``--graph-calls`` layers at T = 4096 (thread clock, GPU work queued)
+of the public function and of prepared calls, each plain and with the stat recorder
+(``layer_kwargs``; ``ExpertDistributionRecorder.prepare``), ``begin_pass``/``end_pass`` included.
 
 ``--sweep`` adds static launch configs inside the graph (block x warps x programs per SM, with
 and without ``gather_map``: the lookup from the map row in registers).
@@ -46,32 +43,21 @@ import torch
 
 from benchmarks.harness import capture_graph, event_us, run_info, warm_up_gpu, write_result
 from benchmarks.peers import load_sglang_fused_kernel
-from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids, sglang_unfused, triton_copy
+from benchmarks.remap_inputs import (
+    GPUS,
+    SGLangDispatchInfo,
+    make_tables,
+    router_ids,
+    sglang_unfused,
+    stub_exchange,
+    triton_copy,
+)
 from eplb.placement.model import Placement
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 from eplb.remap.api import remap_and_record
-from eplb.remap.exchange import LpExchange
 from eplb.remap.prepared import prepare_remap
-from eplb.remap.tables import DispatchTables
 
-RANK, GPUS, LAYER = 3, 32, 2
-
-
-def make_tables(E: int, P: int, L: int, device: torch.device) -> DispatchTables:
-    return DispatchTables.from_placement(
-        Placement.trivial(L, E, num_gpus=GPUS, num_redundant=P - E), RANK, device
-    )
-
-
-def stub_exchange(tables: DispatchTables, others_E: torch.Tensor) -> LpExchange:
-    """An exchange for one GPU: the other 31 ranks' counts fixed (``others_E`` each), this rank's copied in."""
-    held_GE = others_E[None, :].repeat(GPUS, 1).contiguous()
-
-    def gather(local_E: torch.Tensor, out_GE: torch.Tensor) -> None:
-        out_GE.copy_(held_GE)  # rows other than RANK: fixed (set once per call, one device copy)
-        out_GE[RANK].copy_(local_E)
-
-    return LpExchange(tables, gather=gather)
+LAYER = 2
 
 
 def build_variants(

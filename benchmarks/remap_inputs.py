@@ -1,6 +1,7 @@
-"""Inputs and baselines shared by the remap benchmarks: router-like ids, a copy kernel, SGLang adapters.
+"""Inputs and baselines shared by the remap benchmarks: router-like ids, EP32 tables, a one-GPU
+stand-in for the ``lp`` exchange, a copy kernel, SGLang adapters.
 
-Shape legend: T tokens, K top-k, E logical experts, P physical slots.
+Shape legend: T tokens, K top-k, E logical experts, P physical slots, G EP ranks, L layers.
 """
 
 from __future__ import annotations
@@ -8,6 +9,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from eplb.placement.model import Placement
+from eplb.remap.exchange import LpExchange
+from eplb.remap.tables import DispatchTables
 
 
 @triton.jit
@@ -52,4 +57,34 @@ def sglang_unfused(
     return phys
 
 
-__all__ = ["SGLangDispatchInfo", "router_ids", "sglang_unfused", "triton_copy"]
+RANK, GPUS = 3, 32
+"""The benchmarks' EP rank and EP size (EP32, as DeepSeek-V3 serving)."""
+
+
+def make_tables(E: int, P: int, L: int, device: torch.device) -> DispatchTables:
+    return DispatchTables.from_placement(
+        Placement.trivial(L, E, num_gpus=GPUS, num_redundant=P - E), RANK, device
+    )
+
+
+def stub_exchange(tables: DispatchTables, others_E: torch.Tensor) -> LpExchange:
+    """An exchange for one GPU: the other 31 ranks' counts fixed (``others_E`` each), this rank's copied in."""
+    held_GE = others_E[None, :].repeat(GPUS, 1).contiguous()
+
+    def gather(local_E: torch.Tensor, out_GE: torch.Tensor) -> None:
+        out_GE.copy_(held_GE)  # rows other than RANK: fixed (set once per call, one device copy)
+        out_GE[RANK].copy_(local_E)
+
+    return LpExchange(tables, gather=gather)
+
+
+__all__ = [
+    "GPUS",
+    "RANK",
+    "SGLangDispatchInfo",
+    "make_tables",
+    "router_ids",
+    "sglang_unfused",
+    "stub_exchange",
+    "triton_copy",
+]

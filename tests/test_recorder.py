@@ -244,7 +244,7 @@ def test_a_known_batch_kind_needs_no_collective(monkeypatch: pytest.MonkeyPatch)
 
     _, tables, rec = _setup(window=4, prefill_only=True)
     rec.start()
-    monkeypatch.setattr(recorder_module, "_any_rank", no_collective)
+    monkeypatch.setattr(recorder_module, "any_rank", no_collective)
     # Another rank's prefill counts the pass here too (a zero row: this rank decoded).
     for local, anywhere in ((True, True), (False, True), (False, False), (True, True)):
         rec.begin_pass(has_prefill=local, num_tokens=5, any_rank_prefill=anywhere)

@@ -257,7 +257,7 @@ class _FakeCompiled:
 
 @pytest.mark.interpreter
 def test_direct_launches_of_the_lp_kernels_equal_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    import eplb.kernels.remap_lp as lp_kernels
+    import eplb.kernels.remap_lp_launch as lp_kernels
     from eplb.kernels.direct_launch import DirectLaunchCache
 
     tensors: dict[int, torch.Tensor] = {}

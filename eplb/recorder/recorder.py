@@ -21,6 +21,7 @@ import torch
 from eplb.config import RECORDER_MODES, EplbConfig
 from eplb.placement.model import Placement
 from eplb.recorder.buffers import PassInfo, PerPassStaging, StatWindow, TokenBuffer
+from eplb.recorder.collectives import all_reduce_sum, any_rank, rank_and_world, reduce_pass_facts
 from eplb.recorder.dump import WindowDump, check_dump_format, save_per_token, save_window
 from eplb.remap.prepared import PreparedRemap, prepare_remap
 
@@ -120,7 +121,7 @@ class ExpertDistributionRecorder:
         self._rows_LP = list(self.pass_counts_LP.unbind(0))  # the per-layer views, made once
         self._kwargs = [{"counts_P": row, "record": self.record_flag_1} for row in self._rows_LP]
         self._flag_value = 0
-        self._any_rank_prefill: bool | None = None
+        self.any_rank_prefill: bool | None = None
         self._placement = placement
         self._maps: dict[int, np.ndarray] = {0: placement.phy2log_LP.copy()}
         self._map_version = 0
@@ -215,7 +216,7 @@ class ExpertDistributionRecorder:
         self._num_tokens = int(num_tokens)
         if any_rank_prefill is not None and has_prefill and not any_rank_prefill:
             raise ValueError("any_rank_prefill=False on a rank whose pass carries prefill")
-        self._any_rank_prefill = any_rank_prefill
+        self.any_rank_prefill = any_rank_prefill
         self._local_flag = self._recording and (self._local_prefill or not self.config.prefill_only)
         flag = 1 if self._local_flag else 0
         if flag != self._flag_value:
@@ -269,8 +270,8 @@ class ExpertDistributionRecorder:
         self._pass_open = False
         counted = True
         if self.config.prefill_only:
-            known = self._any_rank_prefill
-            counted = _any_rank(self._local_prefill, self.flag_group, self.device) if known is None else known
+            known = self.any_rank_prefill
+            counted = any_rank(self._local_prefill, self.flag_group, self.device) if known is None else known
         if counted:
             info = PassInfo(self._num_counted, self._map_version, self._local_prefill, self._num_tokens)
             self._num_counted += 1
@@ -302,7 +303,7 @@ class ExpertDistributionRecorder:
         else:
             raise ValueError("per_token mode keeps token ids, not a window of counts")
         if reduce:
-            phys = _all_reduce_sum(phys, self.group)
+            phys = all_reduce_sum(phys, self.group)
         return infos, phys.cpu().numpy()
 
     def window_logical_counts(self, *, reduce: bool = False) -> np.ndarray:
@@ -325,7 +326,7 @@ class ExpertDistributionRecorder:
             map_LP = torch.from_numpy(self._maps[version].astype(np.int64)).to(self.device)
             total_LE.scatter_add_(1, map_LP, phys_LP)
         if reduce:
-            total_LE = _all_reduce_sum(total_LE, self.group)
+            total_LE = all_reduce_sum(total_LE, self.group)
         return total_LE.cpu().numpy()
 
     def recorded_tokens(self) -> tuple[np.ndarray, np.ndarray, int]:
@@ -360,7 +361,7 @@ class ExpertDistributionRecorder:
         """
         path = Path(path)
         check_dump_format(fmt, self.config.mode)
-        rank, world = _rank_and_world(self.group)
+        rank, world = rank_and_world(self.group)
         if self.config.mode == "per_token":
             ids_NLK, pass_N, dropped = self.recorded_tokens()
             return save_per_token(
@@ -372,7 +373,7 @@ class ExpertDistributionRecorder:
         prefill_F = np.array([info.had_prefill for info in infos], dtype=np.int64)
         tokens_F = np.array([info.num_tokens for info in infos], dtype=np.int64)
         if reduce:
-            prefill_F, tokens_F = _reduce_pass_facts(prefill_F, tokens_F, self.group, self.device)
+            prefill_F, tokens_F = reduce_pass_facts(prefill_F, tokens_F, self.group, self.device)
             if rank != 0:
                 return None
         window = WindowDump(
@@ -390,57 +391,6 @@ class ExpertDistributionRecorder:
             top_k=self.config.top_k,
         )
         return save_window(window, path, fmt=fmt)
-
-
-def _rank_and_world(group: Any) -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(group), dist.get_world_size(group)
-    return 0, 1
-
-
-def _reduce_pass_facts(
-    prefill_F: np.ndarray, tokens_F: np.ndarray, group: Any, device: torch.device
-) -> tuple[np.ndarray, np.ndarray]:
-    """Over the ranks (collective): prefill if on any rank, tokens summed; int64 [F] each."""
-    import torch.distributed as dist
-
-    facts = torch.from_numpy(np.stack([prefill_F, tokens_F], axis=1)).to(device)
-    prefill = facts[:, 0].clone()
-    dist.all_reduce(prefill, op=dist.ReduceOp.MAX, group=group)
-    tokens = facts[:, 1].clone()
-    dist.all_reduce(tokens, op=dist.ReduceOp.SUM, group=group)
-    return prefill.cpu().numpy(), tokens.cpu().numpy()
-
-
-def _dist_active(group: Any) -> bool:
-    import torch.distributed as dist
-
-    return bool(dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1)
-
-
-def _all_reduce_sum(t: torch.Tensor, group: Any) -> torch.Tensor:
-    if not _dist_active(group):
-        return t
-    import torch.distributed as dist
-
-    t = t.clone()
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return t
-
-
-def _any_rank(flag: bool, group: Any, device: torch.device) -> bool:
-    """Whether ``flag`` is set on some rank of ``group`` (every rank must call this)."""
-    if not _dist_active(group):
-        return flag
-    import torch.distributed as dist
-
-    backend = dist.get_backend(group)
-    flag_device = device if backend == "nccl" else torch.device("cpu")
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=flag_device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
-    return bool(t.item())
 
 
 __all__ = ["ExpertDistributionRecorder", "PassInfo", "RecorderConfig"]

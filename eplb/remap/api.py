@@ -68,8 +68,8 @@ _BACKENDS: dict[str, str] = {
 # The same for mode "lp" (aiter: the Triton kernels, which run on ROCm as they are).
 _LP_BACKENDS: dict[str, str] = {
     "torch": "eplb.remap.lp:remap_record_lp_torch",
-    "triton": "eplb.kernels.remap_lp:remap_record_lp_triton",
-    "aiter": "eplb.kernels.remap_lp:remap_record_lp_triton",
+    "triton": "eplb.kernels.remap_lp_launch:remap_record_lp_triton",
+    "aiter": "eplb.kernels.remap_lp_launch:remap_record_lp_triton",
 }
 
 
