@@ -30,6 +30,9 @@ HEADER_KEYS = ("format", "version", "meta")
 NPZ_COMPRESSION_LEVEL = 1
 """zlib level of .npz traces: level 6 takes 12x as long for a file only 14% smaller."""
 
+PREFILL_UNKNOWN = "prefill_unknown"
+"""Metadata key: True when the source recorded no prefill flags (every step counts as prefill)."""
+
 ProgressFn = Callable[[int, int], None]
 """``progress(done, total)``, called as a long read or write advances (units: bytes or steps)."""
 
@@ -81,10 +84,13 @@ class Trace:
         """Build from any array-like of counts [T, L, E] (or one step [L, E]), checking values.
 
         NaN, infinite, negative, fractional and boolean counts are refused, as are L = 0 and E = 0.
-        Unknown ``is_prefill`` counts every step as prefill; unknown ``num_tokens`` is the busiest
-        layer's routed count / top_k.
+        Unknown ``is_prefill`` counts every step as prefill and says so in the metadata
+        (``PREFILL_UNKNOWN``, kept when saved; :meth:`prefill_note`); unknown ``num_tokens`` is the
+        busiest layer's routed count / top_k.
         """
         meta = dict(meta or {})
+        if is_prefill is None:
+            meta[PREFILL_UNKNOWN] = True
         arr = np.asarray(counts)
         if arr.ndim == 2:
             arr = arr[None]
@@ -105,6 +111,22 @@ class Trace:
         else:
             tokens = np.asarray(num_tokens, dtype=np.int64).reshape(T)
         return cls(counts_TLE, prefill, tokens.astype(np.int64), meta)
+
+    @property
+    def prefill_known(self) -> bool:
+        """False for traces whose format carries no prefill flags (SGLang dumps, OpenEvolve JSON):
+        every step then counts as prefill."""
+        return not self.meta.get(PREFILL_UNKNOWN, False)
+
+    def prefill_note(self) -> str | None:
+        """One line for readers of prefill figures when the flags are unknown, else None."""
+        if self.prefill_known:
+            return None
+        source = self.meta.get("source", "unknown source")
+        return (
+            f"the trace ({source}) records no prefill flags: every step counts as prefill, so "
+            "prefill figures (bal prefill, --eplb-record-prefill-only) cover all steps"
+        )
 
     # ---- shape and slicing --------------------------------------------------------------------
     @property
