@@ -72,8 +72,8 @@ def _lp_count_kernel(  # type: ignore[no-untyped-def]  # Triton types kernel arg
     start = pid * chunk
     stop = tl.minimum(start + chunk, numel)
     acc = tl.zeros([EBINS], dtype=tl.int32)
-    for base in range(start, stop, BLOCK):
-        offs = base + tl.arange(0, BLOCK)
+    for step in range(0, chunk, BLOCK):
+        offs = start + step + tl.arange(0, BLOCK)
         ids = tl.load(ids_ptr + offs, mask=offs < stop, other=-1)
         valid = (ids >= 0) & (ids < num_logical) & (offs < limit) & (offs < stop)
         acc += _histogram(tl.where(valid, ids, 0), valid, EBINS, HIST_MASK)
@@ -258,8 +258,8 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
     running_N = offset_N + before_N
     start = pid * chunk
     stop = tl.minimum(start + chunk, numel)
-    for base in range(start, stop, SUB):
-        offs = base + tl.arange(0, SUB)
+    for step in range(0, chunk, SUB):
+        offs = start + step + tl.arange(0, SUB)
         in_chunk = offs < stop
         ids = tl.load(ids_ptr + offs, mask=in_chunk, other=-1)
         valid = (ids >= 0) & (ids < num_logical) & (offs < limit) & in_chunk
