@@ -22,6 +22,12 @@ and global. Ours: ``eplb.solver.solve`` variants (see VARIANTS).
     python -m benchmarks.bench_solver                      # the full table (about 10 min on 2 cores)
     python -m benchmarks.bench_solver --quick              # EP32 only, fewer windows
     python -m benchmarks.bench_solver --timing             # solve time vs EP and layers
+    OMP_NUM_THREADS=1 python -m benchmarks.bench_solver --continuous   # budgeted solves every 50 passes
+
+``--continuous``: after a fresh plan on the first window, ``solve`` with a move budget every
+``--interval`` passes on the last ``--window`` passes (EP32 and EP64); per solve its CPU time and
+its predicted balancedness against what the next interval's passes get (load-weighted mean, and
+the prefill passes' mean), its predicted gain against the realised one, and the copies it moves.
 """
 
 from __future__ import annotations
@@ -201,7 +207,7 @@ def run_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
             peer_s = clock.wall_s
             first = solve(w0, topology, None, SolveOptions())
             second = solve(w1, topology, first.placement, SolveOptions())
-            no_milp = solve(w1, topology, first.placement, SolveOptions(time_budget_s=0))
+            no_milp = solve(w1, topology, first.placement, SolveOptions(milp_max_solves=0))
             row = {
                 "layers": layers,
                 "ep": ep,
@@ -210,6 +216,76 @@ def run_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "incremental_s": second.stats["solve_seconds"],
                 "incremental_no_milp_s": no_milp.stats["solve_seconds"],
                 "milp_s": first.stats.get("milp_seconds", 0.0),
+            }
+            rows.append(row)
+            print(
+                json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}),
+                flush=True,
+            )
+    return rows
+
+
+def run_continuous(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Budgeted incremental solves every ``args.interval`` passes: solve time and prediction error."""
+    preset = PRESETS["deepseek-v3"]
+    rows = []
+    for seed in args.seeds:
+        trace = generate(WorkloadConfig(num_steps=args.continuous_steps, seed=seed))
+        counts = trace.counts_TLE
+        for ep in [e for e in args.ep if e in (32, 64)]:
+            P = num_physical(preset.num_experts, args.redundant, ep)
+            topology = Topology(num_gpus=ep, num_nodes=NODES_FOR_EP[ep], num_physical=P, num_groups=8)
+            current = solve(counts[: args.window_passes], topology, None, SolveOptions()).placement
+            options = SolveOptions(
+                max_moved_experts=args.budget,
+                bytes_per_expert=preset.bytes_per_expert,
+                holdout_passes=args.holdout_passes,
+            )
+            keys = ("cpu_s", "err", "err_prefill", "gain_err", "copies", "ran_prefill")
+            samples: dict[str, list[float]] = {k: [] for k in keys}
+            applied = []
+            for t in range(args.window_passes, counts.shape[0] - args.interval + 1, args.interval):
+                with Stopwatch() as clock:
+                    plan = solve(counts[t - args.window_passes : t], topology, current, options)
+                nxt = slice(t, t + args.interval)
+                load = counts[nxt].astype(np.float64)
+                weights = load.sum(axis=(1, 2))
+                plan_T = model_balancedness(load, plan.placement)
+                current_T = model_balancedness(load, current)
+                realised = float(np.average(plan_T, weights=weights))
+                samples["cpu_s"].append(clock.cpu_s)
+                samples["err"].append(plan.predicted_balancedness - realised)
+                samples["err_prefill"].append(
+                    plan.predicted_balancedness - float(plan_T[trace.is_prefill_T[nxt]].mean())
+                )
+                samples["gain_err"].append(
+                    plan.stats["predicted_gain"] - (realised - float(np.average(current_T, weights=weights)))
+                )
+                samples["copies"].append(plan.stats["copies_moved"] if plan.apply else 0.0)
+                ran_T = plan_T if plan.apply else current_T
+                samples["ran_prefill"].append(float(ran_T[trace.is_prefill_T[nxt]].mean()))
+                applied.append(plan.apply)
+                if plan.apply:
+                    current = plan.placement
+            row = {
+                "seed": seed,
+                "ep": ep,
+                "budget": args.budget,
+                "interval": args.interval,
+                "window": args.window_passes,
+                "holdout_passes": args.holdout_passes,
+                "solves": len(applied),
+                "solve_cpu_s_median": float(np.median(samples["cpu_s"])),
+                "solve_cpu_s_max": float(np.max(samples["cpu_s"])),
+                "prediction_error_mean": float(np.mean(samples["err"])),
+                "prediction_error_abs": float(np.mean(np.abs(samples["err"]))),
+                "prediction_error_prefill_abs": float(np.mean(np.abs(samples["err_prefill"]))),
+                "gain_error_abs": float(np.mean(np.abs(samples["gain_err"]))),
+                "applied": float(np.mean(applied)),
+                "prefill_balancedness": float(np.mean(samples["ran_prefill"])),
+                "copies_per_1000_passes": float(
+                    np.sum(samples["copies"]) / (len(applied) * args.interval) * 1000
+                ),
             }
             rows.append(row)
             print(
@@ -246,6 +322,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timing", action="store_true", help="only the solve-time sweep")
     parser.add_argument("--timing-layers", type=int, nargs="+", default=[15, 29, 58])
     parser.add_argument("--timing-window", type=int, default=200)
+    parser.add_argument("--continuous", action="store_true", help="only the budgeted continuous solves")
+    parser.add_argument("--budget", type=int, default=256, help="--continuous: max_moved_experts per solve")
+    parser.add_argument("--interval", type=int, default=50, help="--continuous: passes between solves")
+    parser.add_argument("--window-passes", type=int, default=200, help="--continuous: window, passes")
+    parser.add_argument("--continuous-steps", type=int, default=2000, help="--continuous: trace length")
+    parser.add_argument(
+        "--holdout-passes", type=int, default=None, help="--continuous: SolveOptions.holdout_passes"
+    )
     parser.add_argument("--json", type=Path, default=None, help="write all rows here")
     args = parser.parse_args(argv)
     if args.quick:
@@ -263,7 +347,9 @@ def main(argv: list[str] | None = None) -> int:
     meta["scipy"] = scipy.__version__
     print(json.dumps(meta), flush=True)
     result: dict[str, Any] = {"meta": meta, "args": vars(args) | {"json": str(args.json)}}
-    if args.timing:
+    if args.continuous:
+        result["continuous"] = run_continuous(args)
+    elif args.timing:
         result["timing"] = run_timing(args)
     else:
         result["quality"] = run_quality(args)

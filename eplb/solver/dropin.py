@@ -5,6 +5,7 @@ Shape legend: L layers, E logical experts, P physical slots (``num_replicas``), 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -61,7 +62,8 @@ def rebalance_experts(
         log2phy = log2phy_from_rank(phy2log, rank, E, int(logcnt.max()))
         phy2log32 = phy2log.astype(np.int32)
     else:
-        plan = solve(load_WLE, topology, None, options)
+        # Only the placement is returned: no held-out plan to score it.
+        plan = solve(load_WLE, topology, None, replace(options, holdout_passes=0))
         pl = plan.placement
         logcnt = pl.logcnt_LE
         log2phy = np.ascontiguousarray(pl.log2phy_LER[:, :, : int(logcnt.max())])

@@ -13,7 +13,6 @@ operations over all layers; a layer leaves the search when no swap pays.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -78,7 +77,6 @@ def swap_search(
     num_gpus: int,
     copy_cost: float = 0.0,
     max_copies: int | None = None,
-    deadline: float | None = None,
     max_rounds: int = 10_000,
     min_gain: float = 1e-5,
     target_KL: np.ndarray | None = None,
@@ -89,8 +87,8 @@ def swap_search(
     expected excess of every GPU over its target load ``target_KL`` [K, L] (relative to the mean),
     which credits fixing any overloaded GPU, not only the busiest (the incremental search's
     objective: after drift several GPUs are overloaded at once, and fixing one alone barely moves
-    the maximum). ``max_copies`` caps the total copies across GPUs (all layers); ``deadline`` is a
-    ``time.perf_counter()`` value after which the search stops; a swap must gain more than
+    the maximum). ``max_copies`` caps the total copies across GPUs (all layers); ``max_rounds``
+    caps the rounds (a count, so every rank finds the same swaps); a swap must gain more than
     ``min_gain`` after its copy cost.
     """
     _, L, P = state.item_KLP.shape
@@ -99,7 +97,7 @@ def swap_search(
     swaps = 0
     for _ in range(max_rounds):
         layers = np.flatnonzero(active)
-        if layers.size == 0 or (deadline is not None and time.perf_counter() > deadline):
+        if layers.size == 0:
             break
         target = None if target_KL is None else target_KL[:, layers]
         found, gain, slot_a, slot_b, dcost = _best_swaps(
@@ -308,16 +306,24 @@ def _within_cap(
     return keep
 
 
-def _apply_swap(state: SearchState, layer: int, a: int, b: int, dcost: int, S: int) -> None:
-    p2l = state.phy2log_LP[layer]
-    ea, eb = int(p2l[a]), int(p2l[b])
+def swap_slots(
+    phy2log_P: np.ndarray, item_KP: np.ndarray, holds_GE: np.ndarray, a: int, b: int, S: int
+) -> tuple[int, int, int, int]:
+    """Slots ``a`` and ``b`` of one layer trade experts, loads and GPU counts (in place).
+
+    Returns (expert that was in a, expert that was in b, a's GPU, b's GPU).
+    """
+    ea, eb = int(phy2log_P[a]), int(phy2log_P[b])
     ga, gb = a // S, b // S
-    p2l[a], p2l[b] = eb, ea
-    items = state.item_KLP[:, layer]
-    items[:, [a, b]] = items[:, [b, a]]
-    holds = state.holds_LGE[layer]
-    holds[ga, ea] -= 1
-    holds[ga, eb] += 1
-    holds[gb, eb] -= 1
-    holds[gb, ea] += 1
+    phy2log_P[a], phy2log_P[b] = eb, ea
+    item_KP[:, [a, b]] = item_KP[:, [b, a]]
+    holds_GE[ga, ea] -= 1
+    holds_GE[ga, eb] += 1
+    holds_GE[gb, eb] -= 1
+    holds_GE[gb, ea] += 1
+    return ea, eb, ga, gb
+
+
+def _apply_swap(state: SearchState, layer: int, a: int, b: int, dcost: int, S: int) -> None:
+    swap_slots(state.phy2log_LP[layer], state.item_KLP[:, layer], state.holds_LGE[layer], a, b, S)
     state.copies_L[layer] += dcost

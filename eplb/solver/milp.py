@@ -1,4 +1,4 @@
-"""Exact repacking of a layer's critical GPUs with ``scipy.optimize.milp`` (HiGHS), under a time budget.
+"""Exact repacking of a layer's critical GPUs with ``scipy.optimize.milp`` (HiGHS), within a solve count.
 
 Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU,
 I items (replicas) on the chosen GPUs, B chosen GPUs.
@@ -9,7 +9,9 @@ the least loaded GPUs finds exchanges of several items at once. Per subproblem: 
 GPU in scenario k (z_k is bounded below by the busiest unchosen GPU). The objective is
 sum_k pi_k z_k / mean_k, the busiest GPU in balancedness units. HiGHS has no warm start here, so a
 solution is kept only when its exact expected balancedness beats the incumbent: never worse.
-Layers are visited worst first until the budget is spent.
+Layers are visited worst first until ``max_solves`` subproblems are solved. The limits are
+counts (solves, and HiGHS branch-and-bound nodes per solve), not seconds, so the same input gives
+the same plan on every machine; an optional wall-clock cap is for offline use only.
 """
 
 from __future__ import annotations
@@ -23,19 +25,27 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from eplb.solver import local_search as ls
 from eplb.solver.predict import Prediction
 
+NODE_LIMIT = 50
+"""HiGHS branch-and-bound nodes per subproblem (its best solution so far is used past that)."""
+
 
 def milp_polish(
     phy2log_LP: np.ndarray,
     cnt_LE: np.ndarray,
     prediction: Prediction,
     num_gpus: int,
-    time_budget_s: float,
+    max_solves: int,
     stats: dict[str, float],
     gpus_per_subproblem: int = 4,
+    time_budget_s: float | None = None,
 ) -> np.ndarray:
-    """int64 [L, P]: ``phy2log_LP`` with critical GPUs repacked exactly where that helps."""
+    """int64 [L, P]: ``phy2log_LP`` with critical GPUs repacked exactly where that helps.
+
+    At most ``max_solves`` subproblems; ``time_budget_s`` (seconds, optional) also stops it, at
+    the price of plans that depend on the machine's speed.
+    """
     start = time.perf_counter()
-    deadline = start + time_budget_s
+    deadline = np.inf if time_budget_s is None else start + time_budget_s
     G = num_gpus
     L, P = phy2log_LP.shape
     S = P // G
@@ -51,7 +61,7 @@ def milp_polish(
             break
         layer_improved = False
         for _ in range(G):
-            if time.perf_counter() > deadline:
+            if solves >= max_solves or time.perf_counter() > deadline:
                 break
             items_KP = item_KLP[:, layer]
             gpu_KG = items_KP.reshape(-1, G, S).sum(axis=-1)
@@ -71,7 +81,7 @@ def milp_polish(
             score_L[layer] = new_score
             layer_improved = True
         improved_layers += int(layer_improved)
-        if time.perf_counter() > deadline:
+        if solves >= max_solves or time.perf_counter() > deadline:
             break
     stats["milp_improved_layers"] = float(improved_layers)
     stats["milp_solves"] = float(solves)
@@ -129,16 +139,13 @@ def _solve_subproblem(
     bounds = Bounds(
         np.concatenate([np.zeros(n_x), floor_K]), np.concatenate([np.ones(n_x), np.full(K, np.inf)])
     )
-    remaining = deadline - time.perf_counter()
-    if remaining <= 0.001:
-        return None
-    res = milp(
-        cost,
-        constraints=constraints,
-        integrality=integrality,
-        bounds=bounds,
-        options={"time_limit": remaining, "disp": False},
-    )
+    options: dict[str, float | bool] = {"node_limit": NODE_LIMIT, "disp": False}
+    if np.isfinite(deadline):
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0.001:
+            return None
+        options["time_limit"] = remaining
+    res = milp(cost, constraints=constraints, integrality=integrality, bounds=bounds, options=options)
     if res.x is None:
         return None
     x_IB = np.asarray(res.x[:n_x]).reshape(num_items, B) > 0.5

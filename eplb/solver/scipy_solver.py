@@ -6,9 +6,10 @@ Fresh plan (no current placement, or ``incremental=False``):
     replica counts by the largest-load-per-replica greedy on the forecast; greedy packing of all
     replicas over all GPUs (no node constraint: groups-onto-nodes packing costs balance, see
     docs/solver.md); swap local search on the expected balancedness over the scenarios; MILP
-    repacking of the worst layers' critical GPUs within the time budget (never worse); with a
+    repacking of the worst layers' critical GPUs, a fixed number of solves (never worse); with a
     current placement, GPUs and slots relabelled to keep replicas in place.
-Incremental plan (current placement given, ``incremental=True``, the default):
+Budgeted plan (current placement, ``incremental=True`` and a move budget): eplb.solver.budget.
+Incremental plan (current placement given, ``incremental=True``, no budget):
     start from the current placement; change replica counts only where the pair (take a replica
     from one expert, give it to another) pays; then swaps that bring overloaded GPUs down towards
     the fresh plan's busiest GPU, each paying more than ``copy_cost`` per expert copy. Per layer,
@@ -18,19 +19,15 @@ Incremental plan (current placement given, ``incremental=True``, the default):
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from eplb.placement.model import Placement
 from eplb.solver import local_search as ls
+from eplb.solver.budget import budget_of, budgeted_phy2log
 from eplb.solver.greedy import deepseek_rebalance
 from eplb.solver.migration import relabel, retarget_replicas
 from eplb.solver.predict import Prediction
 from eplb.solver.types import SolveOptions, Topology
-
-SEARCH_SECONDS = 2.0
-"""Wall-clock cap of each swap search (they converge in 0.05-0.5 s for DeepSeek-V3 on 2 cores)."""
 
 
 def scipy_phy2log(
@@ -41,19 +38,28 @@ def scipy_phy2log(
     stats: dict[str, float],
 ) -> np.ndarray:
     """int64 [L, P]: the placement the scipy algorithm proposes; fills ``stats``."""
-    start = time.perf_counter()
     G, P = topology.num_gpus, topology.num_physical
     point_LE = prediction.point_LE
     weights_K = prediction.scenario_weights_K
+    if current is not None and options.incremental and options.budgeted:
+        return budgeted_phy2log(prediction.scenarios_KLE, weights_K, current, budget_of(options), stats)
 
     fresh_LP, _, fresh_cnt_LE = deepseek_rebalance(point_LE, P, 1, 1, G)
     state = ls.make_state(fresh_LP, prediction.scenarios_KLE, fresh_cnt_LE, G, None)
-    stats["fresh_swaps"] = ls.swap_search(state, weights_K, G, deadline=start + SEARCH_SECONDS)
+    stats["fresh_swaps"] = ls.swap_search(state, weights_K, G)
     fresh_LP = state.phy2log_LP
-    if options.time_budget_s > 0:
+    if options.milp_max_solves > 0 and options.time_budget_s != 0:
         from eplb.solver.milp import milp_polish
 
-        fresh_LP = milp_polish(fresh_LP, fresh_cnt_LE, prediction, G, options.time_budget_s, stats)
+        fresh_LP = milp_polish(
+            fresh_LP,
+            fresh_cnt_LE,
+            prediction,
+            G,
+            options.milp_max_solves,
+            stats,
+            time_budget_s=options.time_budget_s,
+        )
     if current is None:
         return fresh_LP
     fresh_LP = relabel(fresh_LP, current.phy2log_LP, G, topology.num_nodes)
@@ -65,11 +71,11 @@ def scipy_phy2log(
         stats["fresh_layers"] = float(take_fresh_L.sum())
         return np.where(take_fresh_L[:, None], fresh_LP, kept.phy2log_LP)
 
-    # Incremental: from the current placement, replica-count changes and swaps that pay.
+    # Incremental without a budget: from the current placement, replica-count changes and swaps
+    # that pay (with a budget, budgeted_phy2log above).
     origin_LGE = current.gpu_has_expert()
-    count_cap = None if options.max_copies is None else options.max_copies // 2
     cnt_LE = paying_counts(
-        current.logcnt_LE.astype(np.int64), fresh_cnt_LE, point_LE, G, options.copy_cost, count_cap
+        current.logcnt_LE.astype(np.int64), fresh_cnt_LE, point_LE, G, options.copy_cost, None
     )
     inc_LP = retarget_replicas(current.phy2log_LP, cnt_LE, point_LE, G)
     inc = ls.make_state(inc_LP, prediction.scenarios_KLE, cnt_LE, G, origin_LGE)
@@ -78,29 +84,16 @@ def scipy_phy2log(
     # Target per GPU: the busiest GPU of the fresh plan, i.e. what repacking from scratch achieves.
     K, L = weights_K.shape[0], point_LE.shape[0]
     target_KL = fresh.item_KLP.reshape(K, L, G, -1).sum(axis=-1).max(axis=-1)
-    stats["swaps"] = ls.swap_search(
-        inc,
-        weights_K,
-        G,
-        copy_cost=options.copy_cost,
-        max_copies=options.max_copies,
-        deadline=time.perf_counter() + SEARCH_SECONDS,
-        target_KL=target_KL,
-    )
+    stats["swaps"] = ls.swap_search(inc, weights_K, G, copy_cost=options.copy_cost, target_KL=target_KL)
     # Per layer, keep the best of: current, incremental, fresh, each charged copy_cost per copy.
     kept = ls.make_state(current.phy2log_LP, prediction.scenarios_KLE, current.logcnt_LE, G, origin_LGE)
     value_kept_L = _score(kept, weights_K, G)
     value_inc_L = _score(inc, weights_K, G) - options.copy_cost * inc.copies_L
     use_inc_L = value_inc_L > value_kept_L + 1e-12
     base_LP = np.where(use_inc_L[:, None], inc.phy2log_LP, kept.phy2log_LP)
-    base_copies_L = np.where(use_inc_L, inc.copies_L, 0)
     value_base_L = np.where(use_inc_L, value_inc_L, value_kept_L)
     value_fresh_L = _score(fresh, weights_K, G) - options.copy_cost * fresh.copies_L
     take_fresh_L = value_fresh_L > value_base_L + 1e-12
-    if options.max_copies is not None:
-        take_fresh_L = _fresh_within_cap(
-            take_fresh_L, value_fresh_L - value_base_L, base_copies_L, fresh.copies_L, options.max_copies
-        )
     stats["incremental_layers"] = float((use_inc_L & ~take_fresh_L).sum())
     stats["fresh_layers"] = float(take_fresh_L.sum())
     return np.where(take_fresh_L[:, None], fresh.phy2log_LP, base_LP)
@@ -112,24 +105,6 @@ def _score(state: ls.SearchState, weights_K: np.ndarray, num_gpus: int) -> np.nd
     return ls.expected_balancedness(
         state.item_KLP.reshape(K, L, num_gpus, P // num_gpus).sum(axis=-1), weights_K
     )
-
-
-def _fresh_within_cap(
-    take_fresh_L: np.ndarray,
-    advantage_L: np.ndarray,
-    base_copies_L: np.ndarray,
-    fresh_copies_L: np.ndarray,
-    max_copies: int,
-) -> np.ndarray:
-    """bool [L]: the fresh layers that fit under the copy cap, best advantage per extra copy first."""
-    room = max_copies - int(base_copies_L.sum())
-    extra_L = fresh_copies_L - base_copies_L
-    keep = np.zeros_like(take_fresh_L)
-    for layer in np.argsort(-advantage_L / np.maximum(extra_L, 1)):
-        if take_fresh_L[layer] and extra_L[layer] <= room:
-            keep[layer] = True
-            room -= max(int(extra_L[layer]), 0)
-    return keep
 
 
 def paying_counts(

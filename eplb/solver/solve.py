@@ -4,19 +4,27 @@ Shape legend: W window (passes), L layers, E logical experts, P physical slots, 
 R max replicas.
 
 Steps: check the input, forecast the load (eplb.solver.predict), place replicas with the chosen
-policy (eplb.policy registry), optionally split each expert's load over its replicas (eplb.solver.split), then compare
-with the current placement and decide whether the predicted gain pays for the transfer.
+policy (eplb.policy registry) within the move budget, optionally split each expert's load over
+its replicas (eplb.solver.split); then predict what the plan and the current placement will get
+on the next window from held-out passes (eplb.solver.holdout) and decide whether the predicted
+gain pays for the transfer.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from typing import Any
 
-from eplb.placement.balance import model_balancedness
+import numpy as np
+
+from eplb.placement.balance import model_balancedness, slot_share_LP
 from eplb.placement.diff import PlacementDiff, diff_placements
 from eplb.placement.model import Placement
-from eplb.solver.policies import load_policy
+from eplb.solver import holdout as ho
+from eplb.solver.budget import budget_of, fit_layers
+from eplb.solver.local_search import expected_balancedness
+from eplb.solver.policies import Policy, load_policy
 from eplb.solver.predict import Prediction, predict
 from eplb.solver.split import lp_split
 from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check_shapes
@@ -34,7 +42,8 @@ def solve(
         load: float/int [W, L, E] window of per-pass logical counts, or [L, E] already aggregated
             (numpy, torch or nested lists). NaN, inf or negative values raise ValueError.
         topology: GPUs, nodes, physical slots and expert groups.
-        current: the live placement; enables migration-aware planning and the apply/skip decision.
+        current: the live placement; enables migration-aware planning, the move budget and the
+            apply/skip decision.
         options: see :class:`SolveOptions`.
 
     Returns:
@@ -43,20 +52,40 @@ def solve(
     options = options or SolveOptions()
     start = time.perf_counter()
     load_WLE = as_load_array(load)
-    _, L, E = load_WLE.shape
+    W, L, E = load_WLE.shape
     check_shapes(L, E, topology, current)
     policy = load_policy(options.algorithm)
-    method = policy.prediction(options, load_WLE.shape[0])
-    prediction = predict(load_WLE, options, method)
+    method = policy.prediction(options, W)
     stats: dict[str, float] = {}
-    phy2log_LP = policy.place(prediction, topology, current, options, stats)
-    placement = Placement.from_phy2log(
-        phy2log_LP, topology.num_gpus, topology.num_nodes, max_replicas=topology.num_physical - E + 1
-    )
-    weights_LER = lp_split(prediction.point_LE, placement) if options.weighted else None
-    predicted = float(model_balancedness(prediction.point_LE, placement, weights_LER))
+    prediction = predict(load_WLE, options, method)
+    placement, weights_LER = _plan(policy, prediction, topology, current, options, stats)
+    forecast = float(model_balancedness(prediction.point_LE, placement, weights_LER))
+    stats["forecast_balancedness"] = forecast
+    held = ho.holdout_size(W, options.holdout_passes)
+    stats["holdout_passes"] = float(held)
+    if held:
+        # The older plan only calibrates: its MILP polish would change the scores by < 0.001.
+        older_options = replace(options, milp_max_solves=0)
+        older_prediction = predict(load_WLE[: W - held], older_options, method)
+        older, older_weights = _plan(policy, older_prediction, topology, current, older_options, {})
+        tail = load_WLE[max(W - 2 * held, 0) : W - held]
+        scores = ho.held_out_scores(
+            ho.PassScores.of(tail),
+            ho.PassScores.of(load_WLE[W - held :]),
+            _scored(placement, weights_LER),
+            _scored(older, older_weights),
+            None if current is None else _scored(current, None),
+            topology.num_gpus,
+        )
+        # Balancedness lies in (0, 1]; the held-out correction can step past 1 on tiny windows.
+        predicted = min(scores["predicted"], 1.0)
+        now = None if current is None else min(scores["current"], 1.0)
+        stats.update({k: v for k, v in scores.items() if k not in ("predicted", "current", "gain")})
+    else:
+        predicted = forecast
+        now = None if current is None else float(model_balancedness(prediction.point_LE, current))
     diff = None if current is None else diff_placements(current, placement, options.bytes_per_expert)
-    apply, reason = _decide(prediction, predicted, current, diff, options, stats)
+    apply, reason = _decide(policy, predicted, now, current, diff, options, stats)
     stats["solve_seconds"] = time.perf_counter() - start
     stats["algorithm_scipy"] = float(policy.name == "scipy")
     stats["prediction_robust"] = float(method == "robust")
@@ -71,35 +100,85 @@ def solve(
     )
 
 
-def _decide(
+def _plan(
+    policy: Policy,
     prediction: Prediction,
+    topology: Topology,
+    current: Placement | None,
+    options: SolveOptions,
+    stats: dict[str, float],
+) -> tuple[Placement, np.ndarray | None]:
+    """The policy's placement for ``prediction``, cut to the move budget, and its dispatch weights."""
+    phy2log_LP = policy.place(prediction, topology, current, options, stats)
+    searched_within_budget = policy.name == "scipy" and options.incremental
+    if current is not None and options.budgeted and not searched_within_budget:
+        # Plans that did not search within the budget keep the whole layers that pay best per copy.
+        G, S = topology.num_gpus, topology.slots_per_gpu
+        scenarios_KLE, weights_K = prediction.scenarios_KLE, prediction.scenario_weights_K
+        layer = np.arange(current.num_layers)[:, None]
+
+        def score_L(p2l_LP: np.ndarray, cnt_LE: np.ndarray) -> np.ndarray:
+            item_KLP = scenarios_KLE[:, layer, p2l_LP] / cnt_LE[layer, p2l_LP]
+            return expected_balancedness(item_KLP.reshape(*item_KLP.shape[:2], G, S).sum(axis=-1), weights_K)
+
+        target_cnt_LE = np.stack([np.bincount(row, minlength=current.num_logical) for row in phy2log_LP])
+        gain_L = score_L(phy2log_LP, target_cnt_LE) - score_L(current.phy2log_LP, current.logcnt_LE)
+        fitted_LP = fit_layers(phy2log_LP, current, gain_L, budget_of(options))
+        stats["budget_dropped_layers"] = float((fitted_LP != phy2log_LP).any(axis=1).sum())
+        phy2log_LP = fitted_LP
+    max_replicas = topology.num_physical - prediction.point_LE.shape[1] + 1
+    placement = Placement.from_phy2log(
+        phy2log_LP, topology.num_gpus, topology.num_nodes, max_replicas=max_replicas
+    )
+    weights_LER = lp_split(prediction.point_LE, placement) if options.weighted else None
+    return placement, weights_LER
+
+
+def _scored(placement: Placement, weights_LER: np.ndarray | None) -> ho.Scored:
+    if weights_LER is None:
+        share_LP = ho.even_share_LP(placement.phy2log_LP, placement.logcnt_LE)
+    else:
+        share_LP = slot_share_LP(placement, weights_LER)
+    return ho.Scored(placement.phy2log_LP, share_LP)
+
+
+def _decide(
+    policy: Policy,
     predicted: float,
+    now: float | None,
     current: Placement | None,
     diff: PlacementDiff | None,
     options: SolveOptions,
     stats: dict[str, float],
 ) -> tuple[bool, str]:
     """Whether to apply the plan, and why."""
-    if current is None or diff is None:
+    if current is None or diff is None or now is None:
         return True, "no current placement"
-    now = float(model_balancedness(prediction.point_LE, current))
+    copies = diff.experts_moved_across_gpus
+    across_nodes = diff.experts_moved_across_nodes
+    weighted = (copies - across_nodes) + options.cross_node_weight * across_nodes
     stats["current_balancedness"] = now
-    stats["copies_moved"] = float(diff.experts_moved_across_gpus)
+    stats["predicted_gain"] = predicted - now
+    stats["copies_moved"] = float(copies)
+    stats["weighted_copies_moved"] = float(weighted)
     stats["changed_slots"] = float(diff.num_changed_slots)
+    budget = budget_of(options)
+    assert weighted <= budget.weighted + 1e-6 and copies <= budget.plain, "a plan over its move budget"
     if diff.num_changed_slots == 0:
+        if stats.get("budget_dropped_layers", 0) > 0:
+            return False, (
+                f"no changed layer of the {policy.name} plan fits within the budget "
+                f"(max_moved_experts={options.max_moved_experts}, max_bytes_moved={options.max_bytes_moved})"
+            )
         return False, "the plan equals the current placement"
-    cap = options.max_copies
-    if cap is not None and diff.experts_moved_across_gpus > cap:
-        return False, (
-            f"moves {diff.experts_moved_across_gpus} expert copies ({diff.bytes_across_gpus} bytes), "
-            f"over max_bytes_moved={options.max_bytes_moved}"
-        )
+    # copy_cost prices the transfer for the migration-aware policy only: DeepSeek's repacks move
+    # most slots every time and are applied as SGLang applies them, on min_gain alone.
+    price = options.copy_cost * weighted / current.num_layers if policy.name == "scipy" else 0.0
+    stats["transfer_price"] = price
     gain = predicted - now
-    if gain < options.min_gain:
-        return (
-            False,
-            f"predicted balancedness gain {gain:+.4f} ({now:.4f} -> {predicted:.4f}) < min_gain {options.min_gain}",
+    if gain < options.min_gain + price:
+        return False, (
+            f"predicted balancedness gain {gain:+.4f} ({now:.4f} -> {predicted:.4f}) < min_gain "
+            f"{options.min_gain} + transfer price {price:.4f} ({weighted:g} copies x copy_cost / layers)"
         )
-    return True, (
-        f"predicted balancedness {now:.4f} -> {predicted:.4f} for {diff.experts_moved_across_gpus} expert copies"
-    )
+    return True, f"predicted balancedness {now:.4f} -> {predicted:.4f} for {copies} expert copies"

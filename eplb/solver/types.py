@@ -63,7 +63,9 @@ class SolveOptions:
     prediction: str = "auto"
     """How a window [W, L, E] becomes the load to plan for: auto | sum | decay | recent | robust.
     auto, for scipy: robust on windows of at least ``robust_from_passes`` passes, decay on shorter
-    ones (the benchmark's best for each); for the DeepSeek algorithms: sum, as SGLang runs them."""
+    ones (the benchmark's best for each), decay whenever a move budget is set (continuous plans:
+    robust costs four times the search for no measured gain); for the DeepSeek algorithms: sum,
+    as SGLang runs them."""
     robust_from_passes: int = 500
     """auto prediction: the window length (passes) from which scipy plans robustly."""
     decay_half_life: float = 8.0
@@ -74,8 +76,12 @@ class SolveOptions:
     """robust: sub-windows of the window used as scenarios of the next window's load shape."""
     weighted: bool = False
     """Also return LP per-replica dispatch weights [L, E, R] (for weighted dispatch)."""
-    time_budget_s: float = 0.2
-    """Wall-clock budget of the MILP repacking for the whole model, in seconds (0 disables it)."""
+    milp_max_solves: int = 8
+    """MILP repacking (fresh scipy plans): subproblem solves for the whole model (0 disables it).
+    A count, not seconds, so every rank and every run computes the same plan."""
+    time_budget_s: float | None = None
+    """Optional wall-clock cap on the MILP repacking, in seconds (0 disables it). None (default):
+    only ``milp_max_solves`` limits it; a wall-clock cap makes plans depend on the machine's speed."""
     incremental: bool = True
     """scipy with ``current``: change the current placement only where it pays, instead of repacking."""
     copy_cost: float = 0.002
@@ -84,9 +90,22 @@ class SolveOptions:
     bytes_per_expert: int = 0
     """Bytes of one expert's weights in one layer, for byte counts and ``max_bytes_moved``."""
     max_bytes_moved: int | None = None
-    """Cap on bytes moved across GPUs per rebalance (needs bytes_per_expert > 0); None: no cap."""
+    """Budget of bytes moved across GPUs per plan (needs bytes_per_expert > 0): the best plan within
+    it, as for ``max_moved_experts``; None: no byte budget."""
+    max_moved_experts: int | None = None
+    """Budget per plan: expert copies across GPUs (relative to ``current``), a copy to a node that
+    held no replica of the expert counting ``cross_node_weight``. ``solve`` returns the best plan
+    within it, never over it; 0 moves nothing; None: no budget."""
+    cross_node_weight: float = 1.0
+    """What one expert copy across nodes counts against ``max_moved_experts`` (and in the transfer
+    price of the apply/skip gate): the slower link's cost relative to a copy inside a node."""
+    holdout_passes: int | None = None
+    """Passes held out at the end of the window to calibrate the prediction: the plan made without
+    them is scored on them (see eplb.solver.holdout). None: a quarter of the window; 0 (or a
+    window of one pass): score on the forecast itself (optimistic)."""
     min_gain: float = 0.002
-    """Skip (apply=False) when predicted model balancedness improves less than this over ``current``."""
+    """Skip (apply=False) when the predicted model balancedness gain over ``current`` is below this
+    (plus, for scipy, the transfer's price: ``copy_cost`` per weighted copy, per layer)."""
     seed: int = 0
     """Seed for randomised steps. Every algorithm here is deterministic today, so the same input
     gives the same plan whatever the seed; the field keeps callers stable if one is added."""
@@ -103,8 +122,16 @@ class SolveOptions:
             raise ValueError(f"robust_from_passes must be >= 1, got {self.robust_from_passes}")
         if self.num_scenarios < 1:
             raise ValueError(f"num_scenarios must be >= 1, got {self.num_scenarios}")
-        if not self.time_budget_s >= 0:
-            raise ValueError(f"time_budget_s must be >= 0, got {self.time_budget_s}")
+        if self.time_budget_s is not None and not self.time_budget_s >= 0:
+            raise ValueError(f"time_budget_s must be None or >= 0, got {self.time_budget_s}")
+        if self.milp_max_solves < 0:
+            raise ValueError(f"milp_max_solves must be >= 0, got {self.milp_max_solves}")
+        if self.max_moved_experts is not None and self.max_moved_experts < 0:
+            raise ValueError(f"max_moved_experts must be None or >= 0, got {self.max_moved_experts}")
+        if not (np.isfinite(self.cross_node_weight) and self.cross_node_weight > 0):
+            raise ValueError(f"cross_node_weight must be finite and > 0, got {self.cross_node_weight}")
+        if self.holdout_passes is not None and self.holdout_passes < 0:
+            raise ValueError(f"holdout_passes must be None or >= 0, got {self.holdout_passes}")
         if not self.copy_cost >= 0:
             raise ValueError(f"copy_cost must be >= 0, got {self.copy_cost}")
         if self.bytes_per_expert < 0:
@@ -125,6 +152,11 @@ class SolveOptions:
             return None
         return self.max_bytes_moved // self.bytes_per_expert
 
+    @property
+    def budgeted(self) -> bool:
+        """Whether a move budget applies (``max_moved_experts`` or ``max_bytes_moved``)."""
+        return self.max_moved_experts is not None or self.max_bytes_moved is not None
+
 
 @dataclass(frozen=True, kw_only=True)
 class Plan:
@@ -137,16 +169,22 @@ class Plan:
     diff: PlacementDiff | None
     """The transfer from ``current`` (None without one)."""
     predicted_balancedness: float
-    """Mean over layers of mean/max GPU load on the predicted load, under ``placement``."""
+    """What ``placement`` will get on the next window: the mean over its passes (weighted by load)
+    of the model balancedness, predicted from held-out passes (eplb.solver.holdout); on a window of
+    one pass (or ``holdout_passes=0``), the balancedness of the forecast load under ``placement``."""
     apply: bool
     """False when the predicted gain does not pay for the transfer (keep ``current``)."""
     reason: str
     """Why the plan is applied or skipped, in words."""
     stats: dict[str, float] = field(default_factory=dict)
-    """Numbers about the solve. Always: solve_seconds, algorithm_scipy (1.0 or 0.0). With current:
-    current_balancedness (predicted, under current), copies_moved, changed_slots. scipy: fresh_swaps,
-    milp_improved_layers / milp_solves / milp_seconds (when the budget is > 0); incremental also
-    retarget_copies, swaps, fresh_layers (layers where the fresh plan won)."""
+    """Numbers about the solve. Always: solve_seconds, algorithm_scipy (1.0 or 0.0),
+    forecast_balancedness (the plan scored on the load it was fitted to), holdout_passes. With
+    current: current_balancedness (predicted, under current), predicted_gain (predicted_balancedness
+    minus current_balancedness), transfer_price, copies_moved, weighted_copies_moved, changed_slots.
+    Held out: held_plan, held_older, tail_older (raw scores, see eplb.solver.holdout). scipy:
+    fresh_swaps, milp_improved_layers / milp_solves / milp_seconds; incremental also retarget_copies,
+    swaps, fresh_layers (layers where the fresh plan won); budgeted: budget_swaps,
+    budget_replica_changes, budget_rounds."""
 
 
 def as_load_array(load: Any) -> np.ndarray:
@@ -165,14 +203,17 @@ def as_load_array(load: Any) -> np.ndarray:
         raise ValueError(f"load must be [W, L, E] or [L, E], got shape {arr.shape}")
     if 0 in arr.shape:
         raise ValueError(f"load has an empty axis: shape {arr.shape} (need W, L, E >= 1)")
-    arr = arr.astype(np.float64)
-    if np.isnan(arr).any():
-        raise ValueError("load contains NaN")
-    if np.isinf(arr).any():
-        raise ValueError("load contains inf")
-    if (arr < 0).any():
+    # Two reductions instead of three masks: min() is NaN when any value is (a window of
+    # DeepSeek-V3 counts is millions of values, and solve has tens of milliseconds).
+    low, high = arr.min(), arr.max()
+    if np.issubdtype(arr.dtype, np.floating):
+        if np.isnan(low):
+            raise ValueError("load contains NaN")
+        if np.isinf(low) or np.isinf(high):
+            raise ValueError("load contains inf")
+    if low < 0:
         raise ValueError("load contains negative values")
-    return arr
+    return np.asarray(arr, dtype=np.float64)
 
 
 def check_shapes(num_layers: int, num_logical: int, topology: Topology, current: Placement | None) -> None:

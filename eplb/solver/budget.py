@@ -1,0 +1,175 @@
+"""Budgeted plans: the moves that buy the most balance per expert copy, within a move budget.
+
+Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, N nodes.
+
+From the current placement, every layer proposes its best move (eplb.solver.moves): a swap (a
+slot of the layer's hot GPU trades its expert with a slot of one of the lightest GPUs: a replica
+moves, or two trade places) or a replica change (a slot whose expert has another replica is given
+to one of the hot GPU's heaviest experts: one expert gains a replica, another loses one). A move's
+gain is the change of the layer's soft balancedness (a smooth maximum of the GPU loads, so that
+lowering one of several equally busy GPUs counts); its cost is exact: the expert copies across
+GPUs it adds to the transfer from ``current``, a copy to a node that held no replica of the
+expert counting ``cross_node_weight``, a move back being free or a refund. A move must gain more
+than ``copy_cost`` per copy.
+
+Rounds: the layers whose state changed propose again; proposals are taken best gain per copy
+first, at most half of the remaining budget per round (later proposals can still outbid the
+rest), until the budget is spent or nothing pays. No clocks, ties broken by layer index: the same
+input gives the same plan on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from eplb.placement.model import Placement
+from eplb.solver import moves
+from eplb.solver.local_search import holds_per_gpu
+from eplb.solver.types import SolveOptions
+
+MAX_ROUNDS = 1000
+"""Deterministic cap on search rounds (each takes at least one move or retires layers)."""
+MIN_STEP_GAIN = 1e-9
+"""A move must gain more than this after its copy cost: strict progress, so no cycles."""
+_TOL = 1e-9
+
+
+@dataclass(frozen=True, kw_only=True)
+class Budget:
+    """What a plan may move, and the price of a copy."""
+
+    weighted: float
+    """Copies across GPUs, cross-node ones counting ``cross_node_weight`` (inf: no limit)."""
+    plain: float
+    """Copies across GPUs, unweighted (from a byte budget; inf: no limit)."""
+    cross_node_weight: float
+    """What a copy to a node that holds no replica of the expert counts."""
+    copy_cost: float
+    """Soft balancedness of its layer a move must buy per weighted copy."""
+
+
+def budget_of(options: SolveOptions) -> Budget:
+    """The :class:`Budget` of ``options`` (inf where a limit is not set)."""
+    weighted = np.inf if options.max_moved_experts is None else float(options.max_moved_experts)
+    plain = np.inf if options.max_copies is None else float(options.max_copies)
+    return Budget(
+        weighted=weighted,
+        plain=plain,
+        cross_node_weight=options.cross_node_weight,
+        copy_cost=options.copy_cost,
+    )
+
+
+def arrival_costs(current: Placement, cross_node_weight: float) -> tuple[np.ndarray, np.ndarray]:
+    """float64 [L, G, E] twice: (weighted, plain) cost of expert e arriving at GPU g from ``current``."""
+    held_LGE = current.gpu_has_expert()
+    L, G, E = held_LGE.shape
+    plain_LGE = (~held_LGE).astype(np.float64)
+    if cross_node_weight == 1.0:
+        return plain_LGE, plain_LGE
+    node_held_LNE = np.asarray(held_LGE.reshape(L, current.num_nodes, G // current.num_nodes, E).any(axis=2))
+    node_of_gpu = np.arange(G) // current.gpus_per_node
+    weighted_LGE = plain_LGE * np.where(node_held_LNE[:, node_of_gpu, :], 1.0, cross_node_weight)
+    return weighted_LGE, plain_LGE
+
+
+def fit_layers(target_LP: np.ndarray, current: Placement, gain_L: np.ndarray, budget: Budget) -> np.ndarray:
+    """int64 [L, P]: ``current`` with whole layers of ``target_LP`` adopted within ``budget``.
+
+    For plans that do not search within a budget themselves (DeepSeek's, fresh scipy plans):
+    layers with a positive ``gain_L`` are taken best gain per weighted copy first, while they fit.
+    A layer's copies do not depend on the other layers, so the taken layers' copies add up.
+    """
+    out = current.phy2log_LP.astype(np.int64)
+    weighted_LGE, plain_LGE = arrival_costs(current, budget.cross_node_weight)
+    present_LGE = holds_per_gpu(target_LP, current.num_gpus, current.num_logical) > 0
+    weighted_L = (present_LGE * weighted_LGE).sum(axis=(1, 2))
+    plain_L = (present_LGE * plain_LGE).sum(axis=(1, 2))
+    changed_L = (target_LP != current.phy2log_LP).any(axis=1)
+    ratio_L = gain_L / np.maximum(weighted_L, _TOL)
+    left_w, left_p = budget.weighted, budget.plain
+    for layer in np.lexsort((np.arange(ratio_L.size), -ratio_L)):
+        if not changed_L[layer] or gain_L[layer] <= 0:
+            continue
+        if weighted_L[layer] <= left_w + _TOL and plain_L[layer] <= left_p + _TOL:
+            out[layer] = target_LP[layer]
+            left_w -= weighted_L[layer]
+            left_p -= plain_L[layer]
+    return out
+
+
+def budgeted_phy2log(
+    scenarios_KLE: np.ndarray,
+    weights_K: np.ndarray,
+    current: Placement,
+    budget: Budget,
+    stats: dict[str, float],
+) -> np.ndarray:
+    """int64 [L, P]: ``current`` changed by the best-paying moves within ``budget``; fills ``stats``."""
+    if budget.weighted <= 0 or budget.plain <= 0:
+        # A budget of 0 moves nothing, not even slots refilled from a replica on the same GPU.
+        stats["budget_copies"] = 0.0
+        return current.phy2log_LP.astype(np.int64)
+    weighted_LGE, plain_LGE = arrival_costs(current, budget.cross_node_weight)
+    separate_plain = np.isfinite(budget.plain) and budget.cross_node_weight != 1.0
+    state = moves.make_state(
+        scenarios_KLE,
+        current.phy2log_LP,
+        current.logcnt_LE,
+        current.num_gpus,
+        weighted_LGE,
+        plain_LGE if separate_plain else None,
+    )
+    L = current.num_layers
+    active_L = (scenarios_KLE.sum(axis=-1) > 0).all(axis=0) & (current.num_gpus > 1)
+    dirty_L = np.ones(L, dtype=bool)
+    net_L, gain_L = np.full(L, -np.inf), np.zeros(L)
+    weighted_L, plain_L = np.zeros(L), np.zeros(L)
+    replica_L = np.zeros(L, dtype=bool)
+    slot_a_L, slot_b_L, expert_L = (np.zeros(L, dtype=np.int64) for _ in range(3))
+    left_w, left_p = budget.weighted, budget.plain
+    counts = {"swaps": 0, "replica_changes": 0, "rounds": 0}
+    spent_total = 0.0
+    for _ in range(MAX_ROUNDS):
+        stale_L = active_L & (dirty_L | (weighted_L > left_w + _TOL) | (plain_L > left_p + _TOL))
+        if stale_L.any():
+            layers = np.flatnonzero(stale_L)
+            p = moves.propose(state, layers, weights_K, budget.copy_cost, left_w, left_p)
+            net_L[layers], gain_L[layers] = p.net_l, p.gain_l
+            weighted_L[layers], plain_L[layers] = p.weighted_l, p.plain_l
+            replica_L[layers] = p.replica_l
+            slot_a_L[layers], slot_b_L[layers], expert_L[layers] = p.slot_a_l, p.slot_b_l, p.expert_l
+            dirty_L[layers] = False
+            active_L[layers] &= p.net_l > MIN_STEP_GAIN
+        layers = np.flatnonzero(active_L)
+        if layers.size == 0:
+            break
+        counts["rounds"] += 1
+        cost_l = weighted_L[layers]
+        ratio_l = np.where(cost_l > _TOL, gain_L[layers] / np.maximum(cost_l, _TOL), np.inf)
+        round_cap = left_w / 2
+        spent = 0.0
+        for layer in layers[np.lexsort((layers, -ratio_l))].tolist():
+            cw, cp = float(weighted_L[layer]), float(plain_L[layer])
+            if cw > left_w + _TOL or cp > left_p + _TOL:
+                continue
+            if cw > _TOL and spent > 0 and spent + cw > round_cap + _TOL:
+                continue
+            if replica_L[layer]:
+                moves.apply_replica_change(state, layer, int(slot_b_L[layer]), int(expert_L[layer]))
+                counts["replica_changes"] += 1
+            else:
+                moves.apply_swap(state, layer, int(slot_a_L[layer]), int(slot_b_L[layer]))
+                counts["swaps"] += 1
+            left_w -= cw
+            left_p -= cp
+            spent += max(cw, 0.0)
+            spent_total += cw
+            dirty_L[layer] = True
+    stats["budget_swaps"] = float(counts["swaps"])
+    stats["budget_replica_changes"] = float(counts["replica_changes"])
+    stats["budget_rounds"] = float(counts["rounds"])
+    stats["budget_copies"] = float(spent_total)
+    return state.phy2log_LP

@@ -1,0 +1,372 @@
+"""The moves of the budgeted search: its state, each layer's best swap and replica change, applying them.
+
+Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU,
+l layers being searched, Q partner slots, J giver slots, X receiving experts per layer.
+
+Loads are in units of the layer's mean GPU load (per scenario), so a layer's soft maximum
+``smax = (sum_g x_g**32)**(1/32)`` is at least 1 and its soft balancedness is ``1 / smax``.
+Copies are priced exactly with two arrays kept up to date: what expert e arriving at GPU g would
+cost (0 if g holds it now or held it before the plan) and what e leaving g would refund (its
+arrival cost, if it is g's last replica). The power 32 and its root are five squarings and five
+square roots: several times faster than ``np.power`` on these arrays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from eplb.solver.local_search import holds_per_gpu, swap_slots
+
+GIVER_SLOTS = 8
+"""Replica changes: candidate slots to take from, per layer (light GPUs, cheap givers first)."""
+RECEIVERS = 2
+"""Replica changes: the hot GPU's heaviest experts that may gain a replica."""
+_TOL = 1e-9
+
+
+@dataclass
+class CopyPrices:
+    """Arrival costs and departure refunds of one kind of copy count, kept current with ``holds``."""
+
+    base_LGE: np.ndarray
+    """float64 [L, G, E]: cost of e arriving at g if g did not hold it before the plan (else 0)."""
+    arrive_LGE: np.ndarray
+    """float64 [L, G, E]: base where g holds no replica of e now, else 0."""
+    leave_LGE: np.ndarray
+    """float64 [L, G, E]: base where g holds exactly one replica of e now, else 0."""
+
+    @classmethod
+    def of(cls, base_LGE: np.ndarray, holds_LGE: np.ndarray) -> CopyPrices:
+        return cls(base_LGE, np.where(holds_LGE == 0, base_LGE, 0.0), np.where(holds_LGE == 1, base_LGE, 0.0))
+
+    def update(self, holds_LGE: np.ndarray, layer: int, gpus: list[int], experts: list[int]) -> None:
+        for g, e in zip(gpus, experts, strict=True):
+            h, b = holds_LGE[layer, g, e], self.base_LGE[layer, g, e]
+            self.arrive_LGE[layer, g, e] = b if h == 0 else 0.0
+            self.leave_LGE[layer, g, e] = b if h == 1 else 0.0
+
+
+@dataclass
+class MoveState:
+    """Mutable search state (arrays updated in place by the apply functions)."""
+
+    phy2log_LP: np.ndarray
+    """int64 [L, P]."""
+    cnt_LE: np.ndarray
+    """int64 [L, E]: replicas per expert."""
+    norm_KLE: np.ndarray
+    """float64 [K, L, E]: expert load / mean GPU load of the layer."""
+    item_KLP: np.ndarray
+    """float64 [K, L, P]: load each slot carries."""
+    gpu_KLG: np.ndarray
+    """float64 [K, L, G]."""
+    holds_LGE: np.ndarray
+    """int64 [L, G, E]: replicas of e on g."""
+    weighted: CopyPrices
+    """Copies with cross-node ones weighted."""
+    plain: CopyPrices | None
+    """Plain copies; None when only the weighted count is limited (or they coincide)."""
+    num_gpus: int
+
+    @property
+    def slots_per_gpu(self) -> int:
+        return self.phy2log_LP.shape[1] // self.num_gpus
+
+
+def make_state(
+    scenarios_KLE: np.ndarray,
+    phy2log_LP: np.ndarray,
+    cnt_LE: np.ndarray,
+    num_gpus: int,
+    weighted_LGE: np.ndarray,
+    plain_LGE: np.ndarray | None,
+) -> MoveState:
+    """The search state of placement ``phy2log_LP`` with arrival costs from the plan's start."""
+    G = num_gpus
+    p2l = phy2log_LP.astype(np.int64)
+    cnt = cnt_LE.astype(np.int64)
+    mean_KL = scenarios_KLE.sum(axis=-1) / G
+    norm_KLE = scenarios_KLE / np.where(mean_KL > 0, mean_KL, 1.0)[..., None]
+    L, P = p2l.shape
+    layer = np.arange(L)[:, None]
+    item_KLP = norm_KLE[:, layer, p2l] / cnt[layer, p2l]
+    gpu_KLG = item_KLP.reshape(-1, L, G, P // G).sum(axis=-1)
+    holds = holds_per_gpu(p2l, G, cnt.shape[1])
+    plain = None if plain_LGE is None else CopyPrices.of(plain_LGE, holds)
+    return MoveState(
+        p2l, cnt, norm_KLE, item_KLP, gpu_KLG, holds, CopyPrices.of(weighted_LGE, holds), plain, G
+    )
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Each searched layer's best move (arrays over the searched layers)."""
+
+    net_l: np.ndarray
+    """Gain minus copy_cost times the weighted copies (-inf: none fits)."""
+    gain_l: np.ndarray
+    weighted_l: np.ndarray
+    plain_l: np.ndarray
+    replica_l: np.ndarray
+    """bool: a replica change (else a swap)."""
+    slot_a_l: np.ndarray
+    """Swap: the hot GPU's slot."""
+    slot_b_l: np.ndarray
+    """Swap: the partner slot; replica change: the slot given away."""
+    expert_l: np.ndarray
+    """Replica change: the expert that gains the slot."""
+
+
+def _pow32(x: np.ndarray) -> np.ndarray:
+    """x**32, in place."""
+    for _ in range(5):
+        np.multiply(x, x, out=x)
+    return x
+
+
+def _inv_root32(u: np.ndarray) -> np.ndarray:
+    """u**(-1/32), in place."""
+    for _ in range(5):
+        np.sqrt(u, out=u)
+    return np.reciprocal(u, out=u)
+
+
+def _expect(weights_K: np.ndarray, values_K: np.ndarray) -> np.ndarray:
+    if weights_K.shape[0] == 1:
+        return np.asarray(values_K[0])
+    return np.tensordot(weights_K, values_K, axes=1)
+
+
+def propose(
+    state: MoveState,
+    layers: np.ndarray,
+    weights_K: np.ndarray,
+    copy_cost: float,
+    left_w: float,
+    left_p: float,
+) -> Proposal:
+    """The best move of each of ``layers`` (swap or replica change) that fits the budget left."""
+    G = state.num_gpus
+    nl = layers.size
+    rows = np.arange(nl)
+    x_KlG = state.gpu_KLG[:, layers]
+    xp_KlG = _pow32(x_KlG.copy())
+    U_Kl = xp_KlG.sum(axis=-1)
+    base_Kl = _inv_root32(U_Kl.copy())
+    # Hot GPU: the largest expected share of the soft maximum; partners: the lightest GPUs.
+    hot_l = _expect(weights_K, xp_KlG / U_Kl[..., None]).argmax(axis=1)
+    light_lG = _expect(weights_K, x_KlG).copy()
+    light_lG[rows, hot_l] = np.inf
+    num_partners = max(1, min(G - 1, max(4, G // 4)))
+    partners_lB = np.argsort(light_lG, axis=1, kind="stable")[:, :num_partners]
+    ctx = _Context(
+        state, layers, rows, hot_l, x_KlG, xp_KlG, U_Kl, base_Kl, weights_K, copy_cost, left_w, left_p
+    )
+    swap = _best_swap(ctx, partners_lB)
+    repl = _best_replica_change(ctx)
+    use = repl.net_l > swap.net_l
+    return Proposal(*(np.where(use, r, s) for r, s in zip(_fields(repl), _fields(swap), strict=True)))
+
+
+def _fields(p: Proposal) -> tuple[np.ndarray, ...]:
+    return (p.net_l, p.gain_l, p.weighted_l, p.plain_l, p.replica_l, p.slot_a_l, p.slot_b_l, p.expert_l)
+
+
+@dataclass(frozen=True)
+class _Context:
+    state: MoveState
+    layers: np.ndarray
+    rows: np.ndarray
+    hot_l: np.ndarray
+    x_KlG: np.ndarray
+    xp_KlG: np.ndarray
+    U_Kl: np.ndarray
+    base_Kl: np.ndarray
+    weights_K: np.ndarray
+    copy_cost: float
+    left_w: float
+    left_p: float
+
+    def best(
+        self,
+        gain_lC: np.ndarray,
+        weighted_lC: np.ndarray,
+        plain_lC: np.ndarray,
+        ok_lC: np.ndarray,
+        moves_lC: tuple[np.ndarray, np.ndarray, np.ndarray],
+        replica: bool,
+    ) -> Proposal:
+        """Each layer's best candidate among those that fit; ``moves_lC``: slot a, slot b, expert."""
+        ok_lC &= weighted_lC <= self.left_w + _TOL
+        if self.state.plain is not None:
+            ok_lC &= plain_lC <= self.left_p + _TOL
+        net_lC = np.where(ok_lC, gain_lC - self.copy_cost * weighted_lC, -np.inf)
+        rows = self.rows
+        best_l = net_lC.argmax(axis=1)
+        slot_a_lC, slot_b_lC, expert_lC = (np.broadcast_to(m, gain_lC.shape) for m in moves_lC)
+        return Proposal(
+            net_l=net_lC[rows, best_l],
+            gain_l=gain_lC[rows, best_l],
+            weighted_l=weighted_lC[rows, best_l],
+            plain_l=plain_lC[rows, best_l],
+            replica_l=np.full(rows.size, replica),
+            slot_a_l=slot_a_lC[rows, best_l],
+            slot_b_l=slot_b_lC[rows, best_l],
+            expert_l=expert_lC[rows, best_l],
+        )
+
+
+def _copy_terms(
+    prices: CopyPrices,
+    lay_l1: np.ndarray,
+    hot_l1: np.ndarray,
+    ea_lS: np.ndarray,
+    eb_lQ: np.ndarray,
+    gpu_lQ: np.ndarray,
+) -> np.ndarray:
+    """float64 [l, S, Q]: copies a swap of hot slot s and partner q adds (negative: refunds)."""
+    cost_lSQ = prices.arrive_LGE[lay_l1[:, :, None], gpu_lQ[:, None, :], ea_lS[:, :, None]]
+    cost_lSQ += (prices.arrive_LGE[lay_l1, hot_l1, eb_lQ] - prices.leave_LGE[lay_l1, gpu_lQ, eb_lQ])[
+        :, None, :
+    ]
+    cost_lSQ -= prices.leave_LGE[lay_l1, hot_l1, ea_lS][:, :, None]
+    return cost_lSQ
+
+
+def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> Proposal:
+    st, rows, hot_l = ctx.state, ctx.rows, ctx.hot_l
+    S = st.slots_per_gpu
+    nl = rows.size
+    lay_l1, hot_l1 = ctx.layers[:, None], hot_l[:, None]
+    hot_slots_lS = hot_l1 * S + np.arange(S)
+    gpu_lQ = np.repeat(partners_lB, S, axis=1)
+    partner_lQ = gpu_lQ * S + np.tile(np.arange(S), partners_lB.shape[1])
+    Q = partner_lQ.shape[1]
+    a_KlS = st.item_KLP[:, lay_l1, hot_slots_lS]
+    b_KlQ = st.item_KLP[:, lay_l1, partner_lQ]
+    xh_Kl = ctx.x_KlG[:, rows, hot_l]
+    xg_KlQ = ctx.x_KlG[:, rows[:, None], gpu_lQ]
+    # The rest of the sum of powers, without the two GPUs that change.
+    rest_KlQ = (ctx.U_Kl - ctx.xp_KlG[:, rows, hot_l])[..., None] - ctx.xp_KlG[:, rows[:, None], gpu_lQ]
+    d_KlSQ = b_KlQ[:, :, None, :] - a_KlS[..., None]
+    U_new = _pow32(d_KlSQ + xh_Kl[..., None, None])
+    np.subtract(xg_KlQ[:, :, None, :], d_KlSQ, out=d_KlSQ)
+    U_new += _pow32(d_KlSQ)
+    U_new += rest_KlQ[:, :, None, :]
+    np.maximum(U_new, 1.0, out=U_new)  # loads in units of the mean: the sum of powers is >= 1
+    gain_lC = _expect(ctx.weights_K, _inv_root32(U_new) - ctx.base_Kl[..., None, None]).reshape(nl, -1)
+
+    ea_lS = st.phy2log_LP[lay_l1, hot_slots_lS]
+    eb_lQ = st.phy2log_LP[lay_l1, partner_lQ]
+    weighted_lC = _copy_terms(st.weighted, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ).reshape(nl, -1)
+    plain_lC = (
+        weighted_lC
+        if st.plain is None
+        else _copy_terms(st.plain, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ).reshape(nl, -1)
+    )
+    ok_lC = (ea_lS[:, :, None] != eb_lQ[:, None, :]).reshape(nl, -1)
+    slot_a_lC = np.repeat(hot_slots_lS, Q, axis=1)
+    slot_b_lC = np.tile(partner_lQ, (1, S))
+    return ctx.best(
+        gain_lC, weighted_lC, plain_lC, ok_lC, (slot_a_lC, slot_b_lC, np.zeros((nl, 1), np.int64)), False
+    )
+
+
+def _best_replica_change(ctx: _Context) -> Proposal:
+    st, rows, hot_l = ctx.state, ctx.rows, ctx.hot_l
+    G, S = st.num_gpus, st.slots_per_gpu
+    nl = rows.size
+    P = st.phy2log_LP.shape[1]
+    lay_l1 = ctx.layers[:, None]
+    p2l_lP = st.phy2log_LP[ctx.layers]
+    cnt_lE = st.cnt_LE[ctx.layers]
+    item_lP = _expect(ctx.weights_K, st.item_KLP[:, ctx.layers])
+    # Receivers: the experts of the hot GPU's heaviest replicas.
+    hot_slots_lS = hot_l[:, None] * S + np.arange(S)
+    X = min(RECEIVERS, S)
+    heavy_lX = np.argsort(-item_lP[rows[:, None], hot_slots_lS], axis=1, kind="stable")[:, :X]
+    ex_lX = p2l_lP[rows[:, None], hot_slots_lS[rows[:, None], heavy_lX]]
+    # Givers: slots of experts with another replica, off the hot GPU: light GPUs and a small rise
+    # of the giver's other replicas first.
+    cnt_lP = cnt_lE[rows[:, None], p2l_lP]
+    gpu_P = np.arange(P) // S
+    giver_lP = (cnt_lP >= 2) & (gpu_P != hot_l[:, None])
+    score_lP = _expect(ctx.weights_K, ctx.x_KlG)[:, gpu_P] + item_lP / np.maximum(cnt_lP - 1, 1)
+    J = min(GIVER_SLOTS, P)
+    slot_lJ = np.argsort(np.where(giver_lP, score_lP, np.inf), axis=1, kind="stable")[:, :J]
+    valid_lJ = giver_lP[rows[:, None], slot_lJ]
+    ey_lJ = p2l_lP[rows[:, None], slot_lJ]
+    gj_lJ = slot_lJ // S
+
+    norm_KlE = st.norm_KLE[:, ctx.layers]
+    cx_lX = cnt_lE[rows[:, None], ex_lX]
+    cy_lJ = cnt_lE[rows[:, None], ey_lJ]
+    wx_KlX = norm_KlE[:, rows[:, None], ex_lX]
+    wy_KlJ = norm_KlE[:, rows[:, None], ey_lJ]
+    x_new_KlX = wx_KlX / (cx_lX + 1)
+    y_new_KlJ = wy_KlJ / np.maximum(cy_lJ - 1, 1)
+    g_G = np.arange(G)
+    lay_l11 = ctx.layers[:, None, None]
+    hx_lXG = st.holds_LGE[lay_l11, g_G, ex_lX[:, :, None]]
+    hy_lJG = st.holds_LGE[lay_l11, g_G, ey_lJ[:, :, None]]
+    # New GPU loads [K, l, X, J, G]: every replica of x lighter, every replica of y heavier, and
+    # the given slot now holding x's new share instead of y's.
+    K, J = wy_KlJ.shape[0], slot_lJ.shape[1]
+    new = np.empty((K, nl, X, J, G))
+    new[...] = (ctx.x_KlG[:, :, None, :] + hx_lXG[None] * (x_new_KlX - wx_KlX / cx_lX)[..., None])[
+        :, :, :, None, :
+    ]
+    new += hy_lJG[None, :, None, :, :] * (y_new_KlJ - wy_KlJ / cy_lJ)[:, :, None, :, None]
+    new += (gj_lJ[:, :, None] == g_G)[None, :, None] * (
+        x_new_KlX[..., None, None] - y_new_KlJ[:, :, None, :, None]
+    )
+    U_new = np.maximum(_pow32(new).sum(axis=-1), 1.0)
+    gain_lC = _expect(ctx.weights_K, _inv_root32(U_new) - ctx.base_Kl[..., None, None]).reshape(nl, -1)
+
+    def copies(prices: CopyPrices) -> np.ndarray:
+        arrive_lXJ = prices.arrive_LGE[lay_l11, gj_lJ[:, None, :], ex_lX[:, :, None]]
+        return (arrive_lXJ - prices.leave_LGE[lay_l1, gj_lJ, ey_lJ][:, None, :]).reshape(nl, -1)
+
+    weighted_lC = copies(st.weighted)
+    plain_lC = weighted_lC if st.plain is None else copies(st.plain)
+    ok_lC = (valid_lJ[:, None, :] & (ex_lX[:, :, None] != ey_lJ[:, None, :])).reshape(nl, -1)
+    moves_lC = (np.zeros((nl, 1), np.int64), np.tile(slot_lJ, (1, X)), np.repeat(ex_lX, J, axis=1))
+    return ctx.best(gain_lC, weighted_lC, plain_lC, ok_lC, moves_lC, True)
+
+
+def apply_swap(state: MoveState, layer: int, a: int, b: int) -> None:
+    """Slots ``a`` and ``b`` of ``layer`` trade experts."""
+    items = state.item_KLP[:, layer]
+    ea, eb, ga, gb = swap_slots(
+        state.phy2log_LP[layer], items, state.holds_LGE[layer], a, b, state.slots_per_gpu
+    )
+    delta_K = items[:, a] - items[:, b]
+    state.gpu_KLG[:, layer, ga] += delta_K
+    state.gpu_KLG[:, layer, gb] -= delta_K
+    _update_prices(state, layer, [ga, ga, gb, gb], [ea, eb, eb, ea])
+
+
+def apply_replica_change(state: MoveState, layer: int, slot: int, expert: int) -> None:
+    """``slot`` of ``layer`` is given to ``expert`` (its expert keeps its other replicas)."""
+    S, G = state.slots_per_gpu, state.num_gpus
+    p2l = state.phy2log_LP[layer]
+    giver = int(p2l[slot])
+    p2l[slot] = expert
+    cnt = state.cnt_LE[layer]
+    cnt[expert] += 1
+    cnt[giver] -= 1
+    touched = np.flatnonzero((p2l == expert) | (p2l == giver))
+    state.item_KLP[:, layer, touched] = state.norm_KLE[:, layer, p2l[touched]] / cnt[p2l[touched]]
+    state.gpu_KLG[:, layer] = state.item_KLP[:, layer].reshape(-1, G, S).sum(axis=-1)
+    g = slot // S
+    state.holds_LGE[layer, g, giver] -= 1
+    state.holds_LGE[layer, g, expert] += 1
+    _update_prices(state, layer, [g, g], [giver, expert])
+
+
+def _update_prices(state: MoveState, layer: int, gpus: list[int], experts: list[int]) -> None:
+    state.weighted.update(state.holds_LGE, layer, gpus, experts)
+    if state.plain is not None:
+        state.plain.update(state.holds_LGE, layer, gpus, experts)
