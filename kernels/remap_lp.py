@@ -1,7 +1,7 @@
 """``lp`` dispatch fused with remap + record: two Triton kernels around the counts all-gather.
 
 Shape legend: T tokens, K top-k, E logical experts, P physical slots, G EP ranks, S slots per GPU,
-N replicated experts, D GPUs holding one expert (eplb.remap.lp_rule states the rule), C programs.
+N replicated experts (eplb.remap.lp_rule states the rule), C programs.
 
 Program ``c`` of either kernel owns one contiguous chunk of the flat ``[T, K]`` ids, the same in
 both, so "earlier programs" means "earlier ids":
@@ -12,8 +12,9 @@ both, so "earlier programs" means "earlier ids":
    through the static map to the slot counts (their slot is known without the exchange).
 2. The exchange all-gathers ``local_E`` into int32 [G, E] (eplb.remap.lp.LpExchange).
 3. ``_lp_assign_kernel``: every program derives the same per-replica quotas from the gathered
-   counts (even split, then re-fill passes, eplb.remap.lp_rule) and writes their running starts
-   to a shared int32 [N, D] scratch (identical values from every program), then maps each id: one
+   counts (even split, then re-fill passes, eplb.remap.lp_rule), per expert and GPU, and writes
+   their running starts to a shared int32 [N, G] scratch (identical values from every program),
+   then maps each id: one
    replica through the static map; a replicated expert by its global position (earlier ranks'
    tokens of it, earlier programs' from the scratch rows, then a running count within the
    chunk), found among the quota starts by binary search. Program 0 adds the rank's per-replica
@@ -149,13 +150,11 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
     chunk,
     K: tl.constexpr,
     N: tl.constexpr,
-    D: tl.constexpr,
     SUB: tl.constexpr,
     EBINS: tl.constexpr,
     GBINS: tl.constexpr,
+    LOG2_GBINS: tl.constexpr,
     NBINS: tl.constexpr,
-    DBINS: tl.constexpr,
-    LOG2_DBINS: tl.constexpr,
     CBINS: tl.constexpr,
     PASSES: tl.constexpr,
     COUNT_PHYS: tl.constexpr,
@@ -166,7 +165,6 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
     e_ = tl.arange(0, EBINS)
     g_ = tl.arange(0, GBINS)
     n_ = tl.arange(0, NBINS)
-    d_ = tl.arange(0, DBINS)
     c_ = tl.arange(0, CBINS)
     in_e = e_ < num_logical
     in_g = g_ < num_gpus
@@ -204,20 +202,20 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
         ),
         axis=0,
     )
-    slot_ND = tl.load(
-        slot_ptr + (layer * N + n_[:, None]) * D + d_[None, :],
-        mask=has_N[:, None] & (d_[None, :] < D),
+    # Quotas live per (expert, GPU): a GPU that does not hold the expert has none. The GPUs in
+    # ascending order are the rule's order of an expert's GPUs, so [N, G] tiles need no gather.
+    slot_NG = tl.load(
+        slot_ptr + (layer * N + n_[:, None]) * num_gpus + g_[None, :],
+        mask=has_N[:, None] & in_g[None, :],
         other=-1,
     )
-    valid_ND = slot_ND >= 0
-    gpu_ND = tl.where(valid_ND, slot_ND // slots_per_gpu, -1)
+    held_NG = slot_NG >= 0
     # ---- quotas: even split, then re-fill passes, heaviest first ---------------------------------
-    width_N = tl.maximum(tl.sum(valid_ND.to(tl.int32), axis=1), 1)
+    width_N = tl.maximum(tl.sum(held_NG.to(tl.int32), axis=1), 1)
     even_N = amount_N // width_N
-    quota_ND = tl.where(valid_ND, even_N[:, None] + (d_[None, :] < (amount_N - even_N * width_N)[:, None]), 0)
-    loads_G += tl.sum(
-        tl.sum(tl.where(gpu_ND[:, :, None] == g_[None, None, :], quota_ND[:, :, None], 0), axis=0), axis=0
-    )
+    nth_NG = tl.cumsum(held_NG.to(tl.int32), axis=1) - 1  # the GPU's place among the expert's
+    quota_NG = tl.where(held_NG, even_N[:, None] + (nth_NG < (amount_N - even_N * width_N)[:, None]), 0)
+    loads_G += tl.sum(quota_NG, axis=0)
     heavier = (amount_N[None, :] > amount_N[:, None]) | (
         (amount_N[None, :] == amount_N[:, None]) & (n_[None, :] < n_[:, None])
     )
@@ -227,29 +225,27 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
         for i in range(num_rep):
             pick_N = has_N & (order_N == i)
             amount = tl.sum(tl.where(pick_N, amount_N, 0), axis=0)
-            old_D = tl.sum(tl.where(pick_N[:, None], quota_ND, 0), axis=0)
-            gpu_D = tl.sum(tl.where(pick_N[:, None], gpu_ND, 0), axis=0)
-            valid_D = tl.sum(tl.where(pick_N[:, None], valid_ND.to(tl.int32), 0), axis=0) > 0
-            on_DG = valid_D[:, None] & (gpu_D[:, None] == g_[None, :])
-            loads_G -= tl.sum(tl.where(on_DG, old_D[:, None], 0), axis=0)
-            levels_D = tl.sum(tl.where(on_DG, loads_G[None, :], 0), axis=1)
-            new_D = _water_fill(amount, levels_D, valid_D)
-            loads_G += tl.sum(tl.where(on_DG, new_D[:, None], 0), axis=0)
-            quota_ND = tl.where(pick_N[:, None], new_D[None, :], quota_ND)
-    starts_ND = tl.cumsum(quota_ND, axis=1) - quota_ND
-    # Past an expert's GPUs: unreachable starts, so the binary search stays on its GPUs.
-    tl.store(start_ptr + n_[:, None] * DBINS + d_[None, :], tl.where(valid_ND, starts_ND, 2147483647))
+            held_G = tl.sum(tl.where(pick_N[:, None], held_NG.to(tl.int32), 0), axis=0) > 0
+            loads_G -= tl.sum(tl.where(pick_N[:, None], quota_NG, 0), axis=0)
+            new_G = _water_fill(amount, loads_G, held_G)
+            loads_G += new_G
+            quota_NG = tl.where(pick_N[:, None], new_G[None, :], quota_NG)
+    # Running starts over the GPUs: non-decreasing, so "the last GPU starting at or before a
+    # position" is the one whose quota holds it (a GPU with no quota never is: the next starts
+    # where it does). Past the last GPU: unreachable.
+    starts_NG = tl.cumsum(quota_NG, axis=1) - quota_NG
+    tl.store(start_ptr + n_[:, None] * GBINS + g_[None, :], tl.where(in_g[None, :], starts_NG, 2147483647))
     if COUNT_PHYS:
         do_count = pid == 0
         if HAS_RECORD:
             do_count = do_count & (tl.load(record_ptr) != 0)
         if do_count:
             # This rank's positions [offset, offset + mine) against each replica's quota range.
-            lo = tl.maximum(starts_ND, offset_N[:, None])
-            hi = tl.minimum(starts_ND + quota_ND, (offset_N + mine_N)[:, None])
-            mine_ND = tl.maximum(hi - lo, 0)
-            ok = valid_ND & (mine_ND > 0) & (slot_ND < num_physical)
-            tl.atomic_add(counts_ptr + slot_ND, mine_ND, mask=ok, sem="relaxed")
+            lo = tl.maximum(starts_NG, offset_N[:, None])
+            hi = tl.minimum(starts_NG + quota_NG, (offset_N + mine_N)[:, None])
+            mine_NG = tl.maximum(hi - lo, 0)
+            ok = held_NG & (mine_NG > 0) & (slot_NG < num_physical)
+            tl.atomic_add(counts_ptr + slot_NG, mine_NG, mask=ok, sem="relaxed")
     tl.debug_barrier()  # the starts this program stored are read back below
     # ---- map this program's chunk ------------------------------------------------------------------
     limit = numel
@@ -273,11 +269,11 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
         running_N += tl.sum(hot.to(tl.int32), axis=0)
         n_safe = tl.where(replicated, n, 0)
         entry = tl.zeros([SUB], dtype=tl.int32)
-        for s in tl.static_range(LOG2_DBINS):
-            probe = entry + (DBINS >> (s + 1))
-            bound = tl.load(start_ptr + n_safe * DBINS + probe, mask=replicated, other=2147483647)
+        for s in tl.static_range(LOG2_GBINS):
+            probe = entry + (GBINS >> (s + 1))
+            bound = tl.load(start_ptr + n_safe * GBINS + probe, mask=replicated, other=2147483647)
             entry = tl.where(bound <= position, probe, entry)
-        spread = tl.load(slot_ptr + (layer * N + n_safe) * D + entry, mask=replicated, other=0)
+        spread = tl.load(slot_ptr + (layer * N + n_safe) * num_gpus + entry, mask=replicated, other=0)
         single = tl.load(static_ptr + row, mask=valid & ~replicated, other=0)
         phys = tl.where(replicated, spread, single)
         tl.store(out_ptr + offs, tl.where(valid, phys, ids), mask=in_chunk)

@@ -51,6 +51,8 @@ class LpTables(NamedTuple):
     """int32 [L, E]: the expert's row in ``expert_LN``, -1 where it has one replica."""
     single_slot_LE: np.ndarray
     """int32 [L, E]: the one slot of an expert with one replica, -1 for replicated experts."""
+    slot_LNG: np.ndarray
+    """int32 [L, N, G]: ``slot_LND`` by GPU: the expert's first replica on GPU g, -1 where g holds none."""
     slots_per_gpu: int
     """S: slot ``p`` lives on GPU ``p // S``."""
     num_gpus: int
@@ -82,7 +84,11 @@ def lp_tables(placement: Placement) -> LpTables:
             slots = np.sort(pl.log2phy_LER[layer, expert, : pl.logcnt_LE[layer, expert]])
             _, first = np.unique(slots // S, return_index=True)  # lowest slot on each GPU, by GPU
             slot_LND[layer, n, : first.size] = slots[first]
-    return LpTables(expert_LN, slot_LND, index_LE, single_slot_LE, S, G)
+    slot_LNG = np.full((L, N, G), -1, dtype=np.int32)
+    layer_LND, n_LND = np.indices(slot_LND.shape)[:2]
+    held = slot_LND >= 0
+    slot_LNG[layer_LND[held], n_LND[held], slot_LND[held] // S] = slot_LND[held]
+    return LpTables(expert_LN, slot_LND, index_LE, single_slot_LE, slot_LNG, S, G)
 
 
 def water_fill(amount_B: np.ndarray, levels_BD: np.ndarray, valid_BD: np.ndarray) -> np.ndarray:

@@ -97,6 +97,8 @@ class DispatchTables:
     """int32 [L, N, D]: each replicated expert's first replica on each GPU holding it."""
     lp_index_LE: torch.Tensor | None = None
     """int32 [L, E]: an expert's row in ``lp_expert_LN``, -1 with one replica."""
+    lp_slot_LNG: torch.Tensor | None = None
+    """int32 [L, N, G]: ``lp_slot_LND`` by GPU (-1 where the GPU holds no replica), as the kernels read it."""
 
     # Cached: the remap reads these on every call, and the tensors never change shape or device.
     @cached_property
@@ -143,6 +145,7 @@ class DispatchTables:
             lp_expert_LN=_to_torch(host["lp_expert"], device),
             lp_slot_LND=_to_torch(host["lp_slot"], device),
             lp_index_LE=_to_torch(host["lp_index"], device),
+            lp_slot_LNG=_to_torch(host["lp_slot_by_gpu"], device),
         )
 
     @property
@@ -172,6 +175,7 @@ class DispatchTables:
             ("lp_expert", self.lp_expert_LN),
             ("lp_slot", self.lp_slot_LND),
             ("lp_index", self.lp_index_LE),
+            ("lp_slot_by_gpu", self.lp_slot_LNG),
         ):
             if dst is not None:
                 dst.copy_(_to_torch(host[name], "cpu"))
@@ -209,6 +213,7 @@ def _host_tables(placement: Placement, rank: int, weights_LER: Any) -> dict[str,
         "lp_expert": lp.expert_LN,
         "lp_slot": lp.slot_LND,
         "lp_index": lp.index_LE,
+        "lp_slot_by_gpu": lp.slot_LNG,
     }
 
 
