@@ -20,7 +20,8 @@ of the public function and of prepared calls, each plain and with the stat recor
 (``layer_kwargs``; ``ExpertDistributionRecorder.prepare``), ``begin_pass``/``end_pass`` included.
 
 ``--sweep`` adds static launch configs inside the graph (block x warps x programs per SM, with
-and without ``gather_map``: the lookup from the map row in registers).
+and without ``gather_map``: the lookup from the map row in registers), and ``lp`` with 1, 2, 4
+warps per program of its assign kernel.
 Prints compact tables; writes JSON to ``--json`` or, when ``$OUT`` is set, ``$OUT/bench_remap.json``.
 
     python -m benchmarks.bench_remap --sweep                                  # on a CUDA machine
@@ -231,6 +232,26 @@ def sweep(bufs: dict[str, Any], reps: int, graph_calls: int) -> list[dict[str, A
     return rows
 
 
+def lp_warps_sweep(
+    variants: dict[str, Callable[[], Any]], reps: int, graph_calls: int
+) -> list[dict[str, Any]]:
+    """``lp`` inside the graph with 1, 2 and 4 warps per program of the assign kernel (its quota
+    prologue is a chain of small reductions: fewer warps, fewer barriers)."""
+    from eplb.kernels.remap_lp_launch import ASSIGN
+
+    rows = []
+    default = ASSIGN.num_warps
+    try:
+        for warps in (1, 2, 4):
+            ASSIGN.num_warps = warps
+            graph = capture_graph(variants["lp"], graph_calls)  # the capture keeps this launch
+            us = statistics.median(event_us(graph.replay) / graph_calls for _ in range(reps))
+            rows.append({"assign_warps": warps, "graph_us": us})
+    finally:
+        ASSIGN.num_warps = default
+    return rows
+
+
 def recorder_pass_us(T: int, K: int, E: int, P: int, layers: int, device: torch.device, passes: int) -> dict:
     """Host CPU µs per pass of ``layers`` layers: plain remap, and with the stat recorder."""
     tables = make_tables(E, P, layers, device)
@@ -330,6 +351,11 @@ def print_tables(results: list[dict[str, Any]], recorder: dict[str, Any] | None,
             best = sorted(row["sweep"], key=lambda r: r["graph_us"])[:3]
             plain = min((r for r in row["sweep"] if not r["gather_map"]), key=lambda r: r["graph_us"])
             print(f"sweep T={row['T']}: best {best}; best without gather_map {plain}")
+        if "lp_warps" in row:
+            print(
+                f"lp T={row['T']}: "
+                + ", ".join(f"{r['assign_warps']} warps {r['graph_us']:.2f}" for r in row["lp_warps"])
+            )
     if recorder is not None:
         print(
             f"\nhost µs per pass of {recorder['layers']} layers at T = {recorder['T']} (thread CPU, min of 15)"
@@ -386,6 +412,8 @@ def main(argv: list[str] | None = None) -> int:
         row: dict[str, Any] = {"T": T, "timings": time_variants(variants, args.reps, args.graph_calls)}
         if args.sweep:
             row["sweep"] = sweep(bufs, max(30, args.reps // 4), args.graph_calls)
+            if "lp" in variants:
+                row["lp_warps"] = lp_warps_sweep(variants, max(30, args.reps // 4), args.graph_calls)
         results.append(row)
     recorder = None
     if timed:

@@ -111,11 +111,14 @@ class _Launcher:
     """One of the two kernels: ``kernel[grid]`` the first time per specialisation, then direct.
 
     Every integer argument is unspecialised (``do_not_specialize``), so a specialisation is the
-    device, the constexprs and each pointer's 16-byte alignment (eplb.kernels.direct_launch).
+    device, the warps, the constexprs and each pointer's 16-byte alignment
+    (eplb.kernels.direct_launch).
     """
 
-    def __init__(self, kernel: Any) -> None:
+    def __init__(self, kernel: Any, num_warps: int = 4) -> None:
         self.kernel = kernel
+        self.num_warps = num_warps
+        """Warps per program (part of the specialisation; the benchmark's sweep varies it)."""
         self.cache = DirectLaunchCache(direct_launch_supported(kernel))
 
     def launch(
@@ -127,7 +130,7 @@ class _Launcher:
             device, stream = cache.device_and_stream()
             if tensors[0].get_device() == device:
                 pointers = tuple(t.data_ptr() for t in tensors)
-                key = (device, constexprs, tuple(p & 15 for p in pointers))
+                key = (device, self.num_warps, constexprs, tuple(p & 15 for p in pointers))
                 entry = cache.get(key)
                 if entry is not None:
                     try:
@@ -138,13 +141,12 @@ class _Launcher:
                         key = None
         names = self.kernel.arg_names[len(tensors) + len(ints) :]
         compiled = self.kernel[(grid,)](
-            *tensors, *ints, **dict(zip(names, constexprs, strict=True)), num_warps=NUM_WARPS
+            *tensors, *ints, **dict(zip(names, constexprs, strict=True)), num_warps=self.num_warps
         )
         if key is not None:
             cache.keep(key, compiled, constexprs)
 
 
-NUM_WARPS = 4
 COUNT = _Launcher(_lp_count_kernel)
 ASSIGN = _Launcher(_lp_assign_kernel)
 
