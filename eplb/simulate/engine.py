@@ -24,7 +24,7 @@ from threadpoolctl import threadpool_limits
 from eplb.placement.model import Placement
 from eplb.policy import Planner
 from eplb.simulate.config import SimulationConfig
-from eplb.simulate.planners import RunSpec, budget_options, make_planner
+from eplb.simulate.planners import RunSpec, make_planner
 from eplb.simulate.results import SimulationResult
 from eplb.simulate.run_state import RunState
 from eplb.traces import Trace
@@ -171,7 +171,7 @@ def _planner_for(
         return None
     options = dict(config.solver_options)
     if config.move_budget is not None:
-        options.update(budget_options(config.move_budget, config.bytes_per_expert))
+        options["max_moved_experts"] = config.move_budget
     return make_planner(
         spec,
         num_groups=config.num_groups,

@@ -105,18 +105,6 @@ def parse_solver_options(items: Sequence[str]) -> dict[str, Any]:
     return options
 
 
-def budget_options(max_moved_experts: int, bytes_per_expert: int) -> dict[str, Any]:
-    """The ``SolveOptions`` fields of a budget of ``max_moved_experts`` expert copies per rebalance."""
-    from dataclasses import fields
-
-    from eplb.solver.types import SolveOptions
-
-    if "max_moved_experts" in {f.name for f in fields(SolveOptions)}:
-        return {"max_moved_experts": max_moved_experts}
-    # A solver without the copy budget: the same cap in bytes.
-    return {"max_bytes_moved": max_moved_experts * bytes_per_expert}
-
-
 def make_planner(
     run: RunSpec,
     *,
