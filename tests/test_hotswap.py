@@ -248,3 +248,63 @@ def test_block_moves_on_one_rank() -> None:
     for name in ("w13", "w2"):
         expected = w[name][0][torch.from_numpy(new.phy2log_LP[0].astype(np.int64))]
         assert torch.equal(slots_L[0][name], expected)
+
+
+# ---- the commit point on one rank ------------------------------------------------------------
+def test_maps_follow_the_weights_at_the_commit_or_go_back() -> None:
+    from eplb.hotswap.swap import HotSwapError
+
+    w = logical(5)
+    old, new = placements(5)
+    options = HotSwapOptions(staging_budget_bytes=2 * (64 * 32 + 32 * 32) * 4)
+    maps: list[str] = []
+
+    def failing_update() -> None:
+        maps.append("new")
+        raise RuntimeError("no maps")
+
+    # With restore_maps, update_maps runs before the vote: its exception fails the swap, the old
+    # maps go back and the weights never changed.
+    slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
+    res = hot_swap(
+        slots_L,
+        old,
+        new,
+        options=options,
+        update_maps=failing_update,
+        restore_maps=lambda: maps.append("old"),
+    )
+    assert not res.ok and res.cause == "error" and res.rank == 0 and "no maps" in (res.error or "")
+    assert maps == ["new", "old"]
+    assert_holds(slots_L, w, old)
+    # Without, it runs after the commit: the weights are new, the maps undefined, and it says so.
+    with pytest.raises(HotSwapError, match="after the commit") as raised:
+        hot_swap(slots_L, old, new, options=options, update_maps=failing_update)
+    assert raised.value.committed and not raised.value.consistent and raised.value.cause == "error"
+    assert_holds(slots_L, w, new)
+
+
+@pytest.mark.parametrize("stage", ["prepare", "received", "committed"])
+def test_keyboard_interrupt_leaves_one_placement_then_propagates(stage: str) -> None:
+    w = logical(6)
+    old, new = placements(6)
+    slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
+    maps: list[str] = []
+
+    def interrupt(where: str, chunk: int, bufs: list[torch.Tensor]) -> None:
+        if where == stage and chunk in (1, -1):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        hot_swap(
+            slots_L,
+            old,
+            new,
+            options=HotSwapOptions(staging_budget_bytes=2 * (64 * 32 + 32 * 32) * 4),
+            update_maps=lambda: maps.append("new"),
+            restore_maps=lambda: maps.append("old"),
+            fault=interrupt,
+        )
+    # Before the commit point: old weights, maps never changed; after it: the commit finishes first.
+    assert_holds(slots_L, w, new if stage == "committed" else old)
+    assert maps == (["new"] if stage == "committed" else [])

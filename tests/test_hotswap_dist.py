@@ -1,10 +1,10 @@
 """Gloo, 2 and 4 ranks: the EP model equals the dense reference before and after a hot-swap;
-injected failures (checksum mismatch, exception, timeout) leave weights and outputs exactly as before
-on every rank; slot buffers never move. One process group per world size runs every scenario."""
+injected failures the agreements settle (checksum mismatch, exception) leave weights and outputs
+exactly as before on every rank, with the same cause and rank everywhere; slot buffers never move.
+One process group per world size runs every scenario (lost and late peers: test_hotswap_faults)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -65,14 +65,8 @@ def scenario(ctx: RankContext, seed: int) -> dict[str, Any]:
         if stage == "prepare" and k == 1 and rank == 0:
             raise RuntimeError("injected")
 
-    def slow(stage: str, k: int, bufs: list[torch.Tensor]) -> None:
-        if stage == "prepare" and k == 1 and rank == 1:
-            time.sleep(1.2)
-
     # Several pieces per chunk (checksums while the next piece travels) or one.
     faults = [("mismatch", corrupt, (0.25, 0.5, 0.25)), ("exception", boom, (0.5, 0.5))]
-    if G == 2:
-        faults.append(("timeout", slow, (1.0,)))
     for name, fault, piece in faults:
         res = hot_swap(
             exact.slots_L,
@@ -84,6 +78,7 @@ def scenario(ctx: RankContext, seed: int) -> dict[str, Any]:
         )
         out[f"{name}_ok"] = res.ok
         out[f"{name}_error"] = res.error
+        out[f"{name}_cause"] = (res.cause, res.rank)
         out[f"{name}_chunks"] = res.chunks
         out[f"{name}_weights_same"] = all(
             torch.equal(a[k], b[k]) for a, b in zip(exact.slots_L, snapshot, strict=True) for k in a
@@ -158,16 +153,18 @@ def test_outputs_equal_dense_reference_before_and_after(results: list[dict[str, 
 
 
 def test_failures_roll_back_exactly_on_every_rank(results: list[dict[str, Any]]) -> None:
-    for name in ("mismatch", "exception", "timeout"):
-        if f"{name}_ok" not in results[0]:
-            continue
+    for name in ("mismatch", "exception"):
         errors = [r[f"{name}_error"] for r in results]
         for r in results:
             assert r[f"{name}_ok"] is False
             assert r[f"{name}_chunks"] > 1
             assert r[f"{name}_weights_same"] and r[f"{name}_output_same"]
-        expected = {"mismatch": "checksum mismatch", "exception": "injected", "timeout": "TimeoutError"}[name]
-        assert any(expected in (e or "") for e in errors), errors
+        expected = {"mismatch": "checksum mismatch", "exception": "injected"}[name]
+        assert all(expected in (e or "") for e in errors), errors  # every rank names the first failure
+        # The same cause and rank everywhere: the corrupted arrival landed on rank 1, rank 0 raised.
+        assert {r[f"{name}_cause"] for r in results} == {
+            {"mismatch": ("checksum", 1), "exception": ("error", 0)}[name]
+        }
 
 
 def test_failed_trade_restores_backups(results: list[dict[str, Any]]) -> None:

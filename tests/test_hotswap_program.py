@@ -1,4 +1,4 @@
-"""Hot-swap programs (pieces, backups, checksum positions) against the plan; the Triton checksum against torch."""
+"""Hot-swap programs (pieces, staging, commit, checksum positions) against the plan; the Triton checksum against torch."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from eplb.hotswap.checksum import SlotChecksum, block_checksums
 from eplb.hotswap.plan import SwapPlan, plan_swap
-from eplb.hotswap.program import GroupProgram, Span, compile_group
+from eplb.hotswap.program import GroupProgram, SwapProgram, compile_swap
 from eplb.hotswap.swap import HotSwapOptions, hot_swap, prepare_swap
 from eplb.moe.model import slot_buffers
 from eplb.placement.model import Placement
@@ -23,29 +23,24 @@ VIEWS = [((4, 8), torch.float32), ((8, 4), torch.float32)]  # w13-like and w2-li
 PER_EXPERT = 2 * 4 * 8 * 4
 
 
-def programs(plan: SwapPlan, fractions: tuple[float, ...], verify: bool = True) -> list[list[GroupProgram]]:
-    """[rank][chunk] programs."""
+def compiled(plan: SwapPlan, fractions: tuple[float, ...], verify: bool = True) -> list[SwapProgram]:
+    """[rank] swap programs."""
     return [
-        [
-            compile_group(
-                plan,
-                k,
-                rank=r,
-                piece_fractions=fractions,
-                view_shapes=VIEWS,
-                device=torch.device("cpu"),
-                verify=verify,
-            )
-            for k in range(len(plan.chunks))
-        ]
+        compile_swap(
+            plan,
+            rank=r,
+            piece_fractions=fractions,
+            view_shapes=VIEWS,
+            device=torch.device("cpu"),
+            verify=verify,
+        )
         for r in range(plan.num_gpus)
     ]
 
 
-def stage_slots(stage, rank: int, S: int) -> set[tuple[int, int]]:  # type: ignore[no-untyped-def]
-    """(layer, global slot) that a stage reads or writes as slots (not through backups)."""
-    spans = [s for _, s in stage.sends] + [s for _, s in stage.recvs] + [x for c in stage.copies for x in c]
-    return {(s.layer, rank * S + s.start + m) for s in spans if not s.backup for m in range(s.count)}
+def programs(plan: SwapPlan, fractions: tuple[float, ...], verify: bool = True) -> list[list[GroupProgram]]:
+    """[rank][chunk] programs."""
+    return [p.groups for p in compiled(plan, fractions, verify)]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -56,7 +51,9 @@ def test_programs_match_across_ranks_and_cover_the_plan(seed: int, fractions: tu
     cur, tgt = random_phy2log(rng, 3, 12, 16), random_phy2log(rng, 3, 12, 16)
     plan = plan_swap(cur, tgt, num_gpus=G, bytes_per_expert=PER_EXPERT, chunk_bytes=3 * PER_EXPERT)
     S = plan.slots_per_gpu
-    progs = programs(plan, fractions)
+    swaps = compiled(plan, fractions)
+    progs = [p.groups for p in swaps]
+    staging: list[dict[int, int]] = [{} for _ in range(G)]  # rank -> staging row -> expert it holds
     for k, chunk in enumerate(plan.chunks):
         group = [progs[r][k] for r in range(G)]
         assert len({len(p.pieces) for p in group}) == 1  # every rank walks the same pieces
@@ -68,14 +65,23 @@ def test_programs_match_across_ranks_and_cover_the_plan(seed: int, fractions: tu
             arriving: Counter[int] = Counter()
             for src in range(G):
                 for dst in range(G):
-                    sent = [s.count for peer, s in group[src].pieces[j].sends if peer == dst]
-                    got = [s.count for peer, s in group[dst].pieces[j].recvs if peer == src]
-                    assert sent == got, (k, j, src, dst)  # same messages, same order
-                    arriving[dst] += sum(got)
+                    sent = [s for peer, s in group[src].pieces[j].sends if peer == dst]
+                    got = [s for peer, s in group[dst].pieces[j].recvs if peer == src]
+                    assert [s.count for s in sent] == [s.count for s in got], (k, j, src, dst)  # same order
+                    arriving[dst] += sum(s.count for s in got)
+                    for a, b in zip(sent, got, strict=True):  # what each staging row receives
+                        assert not a.staging and b.staging  # read from slots, written to staging
+                        for m in range(a.count):
+                            staging[dst][b.start + m] = int(cur[a.layer, src * S + a.start + m])
             # Piece j carries its fraction of each GPU's arrivals (rounded up to whole slots).
             share = fractions[j] / sum(fractions) if len(group[0].pieces) == len(fractions) else 1.0
             for g, got in arriving.items():
                 assert got <= np.ceil(share * totals[g]) + 1, (j, g, got, totals[g])
+        for r, prog in enumerate(group):
+            for a, b in prog.local.copies:  # local moves: slots into staging too
+                assert not a.staging and b.staging
+                for m in range(a.count):
+                    staging[r][b.start + m] = int(cur[a.layer, r * S + a.start + m])
         # Each transfer has, per view, one source and one destination checksum position, all distinct.
         n, W = len(chunk.transfers), 2 * len(VIEWS)
         positions = [
@@ -86,24 +92,22 @@ def test_programs_match_across_ranks_and_cover_the_plan(seed: int, fractions: tu
             for p in check.task.pos2.tolist()
         ]
         assert sorted(positions) == list(range(2, 2 + 2 * n * W))
-        for r, prog in enumerate(group):
-            staged = {(layer, s) for layer, s in chunk.staged if s // S == r}
-            backed = [(b.layer, r * S + b.start + m) for _, b in prog.restore for m in range(b.count)]
-            assert sorted(backed) == sorted(staged)  # every read-and-overwritten slot, once
-            # A staged slot is backed up no later than the first stage that touches it.
-            first: dict[tuple[int, int], int] = {}
-            for i, stage in enumerate([*prog.pieces, prog.local]):
-                for x in stage_slots(stage, r, S):
-                    first.setdefault(x, i)
-                for slot_span, _ in stage.backups:
-                    for m in range(slot_span.count):
-                        x = (slot_span.layer, r * S + slot_span.start + m)
-                        assert first.get(x, i) >= i
-            # Sources that are overwritten in the group are read from their backups (a piece's
-            # copies fan out what just arrived, so they read the new content on purpose).
-            sources = [s for p in prog.pieces for _, s in p.sends] + [c[0] for c in prog.local.copies]
-            for span in (s for s in sources if not s.backup):
-                assert not {(span.layer, r * S + span.start + m) for m in range(span.count)} & staged
+    for r, swap in enumerate(swaps):
+        # One staging row per transfer arriving at this rank, all filled; nothing else is staged.
+        arrivals = sum(t.dst_gpu == r for t in plan.transfers)
+        assert swap.staging_rows == arrivals and sorted(staging[r]) == list(range(arrivals))
+        # The commit writes every changed slot of this rank once and leaves it holding the target.
+        state = cur[:, r * S : (r + 1) * S].copy()
+        written = [(slot.layer, slot.start + m) for _, slot in swap.commit for m in range(slot.count)]
+        assert len(written) == len(set(written))
+        assert sorted(written) == sorted(
+            zip(*np.nonzero(cur[:, r * S : (r + 1) * S] != tgt[:, r * S : (r + 1) * S]), strict=True)
+        )
+        for rows, slot in swap.commit:
+            assert rows.staging and not slot.staging and rows.count == slot.count
+            for m in range(slot.count):
+                state[slot.layer, slot.start + m] = staging[r][rows.start + m]
+        assert np.array_equal(state, tgt[:, r * S : (r + 1) * S])
 
 
 def test_a_trade_is_cut_into_pieces_that_carry_both_directions() -> None:
@@ -112,13 +116,15 @@ def test_a_trade_is_cut_into_pieces_that_carry_both_directions() -> None:
     tgt = cur.copy()
     tgt[0, :6], tgt[0, S : S + 6] = cur[0, S : S + 6], cur[0, :6]
     plan = plan_swap(cur, tgt, num_gpus=2, bytes_per_expert=PER_EXPERT, chunk_bytes=1 << 20)
-    prog0 = programs(plan, (1.0, 2.0, 3.0))[0][0]
+    swap0 = compiled(plan, (1.0, 2.0, 3.0))[0]
+    prog0 = swap0.groups[0]
     assert len(prog0.pieces) == 3
     for piece, m in zip(prog0.pieces, (1, 2, 3), strict=True):
-        assert [(p, s.count, s.backup) for p, s in piece.sends] == [(1, m, True)]  # from the backup
-        assert [(p, s.count, s.backup) for p, s in piece.recvs] == [(1, m, False)]  # into the slots
-    assert sum(b.count for _, b in prog0.restore) == 6
-    assert prog0.pieces[0].backups == [(Span(0, 0, 1), Span(0, 0, 1, backup=True))]
+        assert [(p, s.count, s.staging) for p, s in piece.sends] == [(1, m, False)]  # from the slots
+        assert [(p, s.count, s.staging) for p, s in piece.recvs] == [(1, m, True)]  # into staging
+    # Nothing is backed up: the six traded slots are written once, at the commit, from staging.
+    assert swap0.staging_rows == 6 and sum(slot.count for _, slot in swap0.commit) == 6
+    assert [(rows.start, rows.count, slot.start) for rows, slot in swap0.commit] == [(0, 6, 0)]  # one block
 
 
 @on_kernel_device

@@ -1,11 +1,13 @@
 """Hot-swap of expert weights in place: plan, compile per rank, transfer with checksums, agree, commit.
 
 ``hot_swap`` = ``prepare_swap`` + ``PreparedSwap.execute``; every tensor keeps its storage, so
-captured CUDA graphs stay valid; any failure rolls every rank back to the old placement.
+captured CUDA graphs stay valid; every rank ends on the old or the new placement, whatever a peer
+does, and ``committed_placement`` tells a restarted rank which one its group serves.
 """
 
 from __future__ import annotations
 
+from eplb.hotswap.control import committed_placement
 from eplb.hotswap.layout import PlainLayout, SlotLayout, available_layouts, get_layout
 from eplb.hotswap.swap import (
     FaultHook,
@@ -26,6 +28,7 @@ __all__ = [
     "PreparedSwap",
     "SlotLayout",
     "available_layouts",
+    "committed_placement",
     "get_layout",
     "hot_swap",
     "prepare_swap",

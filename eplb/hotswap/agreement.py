@@ -2,20 +2,21 @@
 
 Shape legend: n transfers of the group, W checksum words per transfer.
 
-The agreement vector is int64 [2 + 2 n W]: a failure flag, a fatal flag, then every transfer's
-source checksum (added by the sending rank) and destination checksum (by the receiving rank).
-After a sum over the ranks each position has one writer, so a positive flag means some rank
-failed and equal halves mean intact arrivals. On CPU, or with a fault hook, the host sums it
-right away (:func:`agree_now`); on CUDA it is queued behind the group's transfers and checksums
-(:func:`queue_agreement`) and the host waits once, with a deadline (:func:`read_agreement`).
+The agreement vector is int64 [2 + 2 n W]: the number of ranks that failed, the number of ranks
+that took part, then every transfer's source checksum (added by the sending rank) and destination
+checksum (by the receiving rank). After a sum over the ranks each checksum position has one
+writer, so a positive first word means some rank failed and equal halves mean intact arrivals.
+On CPU, or with a fault hook, the host sums it right away (:func:`agree_now`); on CUDA it is
+queued behind the group's transfers and checksums (:func:`queue_agreement`) and the host waits
+once (:func:`read_agreement`). Both waits have a deadline and watch the swap's control
+(eplb.hotswap.control): a peer that dies or stalls fails the wait instead of blocking it.
 """
 
 from __future__ import annotations
 
-import time
-
 import torch
 
+from eplb.hotswap.control import SwapControl, SwapFailure
 from eplb.hotswap.program import GroupProgram
 from eplb.hotswap.runtime import SwapRuntime
 
@@ -23,28 +24,42 @@ _PINNED: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
 def agree_now(
-    rt: SwapRuntime, vec: torch.Tensor, failed: bool, fatal: bool, prog: GroupProgram
-) -> tuple[bool, bool, list[int]]:
-    """(failed anywhere or changed in transit, fatal anywhere, mismatched transfer rows)."""
-    if failed or fatal:
-        vec[:2].copy_(torch.tensor([int(failed), int(fatal)], dtype=torch.int64))
-    rt.all_reduce_sum(vec)
+    rt: SwapRuntime,
+    vec: torch.Tensor,
+    failed: bool,
+    prog: GroupProgram,
+    control: SwapControl | None,
+    deadline: float,
+    spin: float,
+) -> tuple[bool, list[int]]:
+    """(failed anywhere or changed in transit, mismatched transfer rows)."""
+    vec[:2].copy_(torch.tensor([int(failed), 1], dtype=torch.int64))
+    summed, work = rt.all_reduce_async(vec)
+    if work is not None:
+        what = f"chunk {prog.chunk}'s agreement"
+        if control is not None:
+            control.wait(work.is_completed, deadline=deadline, what=what, spin=spin)
+        try:
+            work.wait()
+        except Exception as exc:  # the collective itself failed: a connection to a peer broke
+            raise (control.lost_peer(what, exc) if control is not None else exc) from exc
+        if summed is not vec:
+            vec.copy_(summed)
     got = [*_summary(vec, prog).tolist(), 0]
-    return got[0] > 0 or got[2] > 0, got[1] > 0, _mismatched(vec, prog) if got[2] else []
+    _check_took_part(got[1], rt.world_size, prog)
+    return got[0] > 0 or got[2] > 0, _mismatched(vec, prog) if got[2] else []
 
 
 def queue_agreement(
-    rt: SwapRuntime, vec: torch.Tensor, prog: GroupProgram, *, slot: int, failed: bool, fatal: bool
+    rt: SwapRuntime, vec: torch.Tensor, prog: GroupProgram, *, slot: int, failed: bool
 ) -> torch.cuda.Event:
     """Queue the agreement on the GPU behind the group's transfers and checksums (no host wait).
 
-    The failure flag is read from pinned host memory (``slot``: 0 or 1, as two groups may be
-    unsettled at once) when the stream reaches it, i.e. once every transfer of this rank has
-    landed: a host whose deadline passes before then sets it (:func:`read_agreement`), so a late
-    transfer fails the group on every rank, as agreed. Returns the event that marks it done.
+    ``failed`` (errors while posting) travels through pinned host memory (``slot``: 0 or 1, as two
+    groups may be unsettled at once). Returns the event that marks it done.
     """
     flag, result = _pinned(rt.device, slot)
-    flag[0], flag[1] = int(failed), int(fatal)
+    flag[0], flag[1] = int(failed), 1
     vec[:2].copy_(flag, non_blocking=True)
     rt.all_reduce_sum(vec)
     summary = _summary(vec, prog)
@@ -56,23 +71,38 @@ def queue_agreement(
 
 
 def read_agreement(
-    rt: SwapRuntime, vec: torch.Tensor, prog: GroupProgram, *, slot: int, done: torch.cuda.Event
-) -> tuple[bool, bool, list[int], bool]:
-    """Wait (deadline: ``timeout_s`` from now) for a queued agreement. (failed, fatal, rows, timed out)"""
-    flag, result = _pinned(rt.device, slot)
-    deadline = time.monotonic() + rt.timeout_s
-    timed_out = False
-    while not done.query():
-        if not timed_out and time.monotonic() > deadline:
-            flag[0] = 1  # too late for the copy if it already ran: the transfers had landed then
-            timed_out = True
+    rt: SwapRuntime,
+    vec: torch.Tensor,
+    prog: GroupProgram,
+    *,
+    slot: int,
+    done: torch.cuda.Event,
+    control: SwapControl | None,
+    deadline: float,
+    spin: float,
+) -> tuple[bool, list[int]]:
+    """Wait (until ``deadline``) for a queued agreement: (failed or changed in transit, rows)."""
+    _, result = _pinned(rt.device, slot)
+    if control is not None:
+        what = f"chunk {prog.chunk}'s transfers and agreement"
+        control.wait(done.query, deadline=deadline, what=what, spin=spin)
+    else:
+        done.synchronize()
     got = result.tolist()
+    _check_took_part(got[1], rt.world_size, prog)
     rows = _mismatched(vec, prog) if got[2] else []
-    return got[0] > 0 or got[2] > 0, got[1] > 0, rows, timed_out
+    return got[0] > 0 or got[2] > 0, rows
+
+
+def _check_took_part(count: int, world: int, prog: GroupProgram) -> None:
+    if count != world:  # a collective matched one of another swap: the group is out of step
+        raise SwapFailure(
+            "peer lost", None, f"peer lost: {count} of {world} ranks agreed on chunk {prog.chunk}"
+        )
 
 
 def _summary(vec: torch.Tensor, prog: GroupProgram) -> torch.Tensor:
-    """int64 [2] or [3] on the vector's device: failures, fatal failures, (checksum halves differ)."""
+    """int64 [2] or [3] on the vector's device: failures, ranks, (checksum halves differ)."""
     if not prog.checksum_width:
         return vec[:2]
     half = prog.num_transfers * prog.checksum_width

@@ -84,7 +84,7 @@ class SlotChecksum:
     the words are int32 on CUDA, else :func:`block_checksums` per run of consecutive slots.
 
     Built once (index tensors on ``device``); called with the buffer, which may be bound later
-    (hot-swap's backup buffers exist only while a group runs). ``out`` is int64 [M] and must hold
+    (hot-swap's staging buffer exists only while a swap runs). ``out`` is int64 [M] and must hold
     zeros at those positions before the call.
     """
 

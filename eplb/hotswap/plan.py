@@ -119,8 +119,9 @@ def plan_swap(
     a staging buffer at the chunk's commit. Chunks follow a topological order and carry at most
     ``chunk_bytes`` arriving at each GPU (a cycle larger than that gets a chunk of its own).
 
-    Invariant the executor's rollback relies on: after any chunk is committed, every expert of the
-    old placement still sits in a slot whose content is known.
+    Invariant (for an executor that writes chunk by chunk in place): after any chunk is committed,
+    every expert of the old placement still sits in a slot whose content is known. eplb.hotswap's
+    executor needs less: it stages every write and copies all of them in at one commit.
     """
     cur = np.asarray(cur_LP)
     tgt = np.asarray(tgt_LP)

@@ -3,10 +3,11 @@
 Shape legend: L layers, S slots per GPU, G GPUs, V views (tensors) per slot, W = 2 * V checksum
 words per expert, n transfers of a group.
 
-Each chunk of the plan becomes one :class:`GroupProgram` of this rank: backups, messages cut into
-pieces, local copies and checksum tasks, all as slot spans. Compiling is a pure function of the
-plan and the slot shapes, so it runs off the serving path, and every rank cuts the same blocks
-and pieces, so sends and receives match in order.
+Each chunk of the plan becomes one :class:`GroupProgram` of this rank: messages cut into pieces,
+local copies and checksum tasks, all as spans of slot or staging rows, and the copies the commit
+makes from staging into the slots (:class:`SwapProgram`). Compiling is a pure function of the plan
+and the slot shapes, so it runs off the serving path, and every rank cuts the same blocks and
+pieces, so sends and receives match in order.
 """
 
 from __future__ import annotations
@@ -33,9 +34,9 @@ class Block:
     dst_slot: int
     """First primary destination (global slot); block m writes dst_slot + m."""
     staged: bool
-    """Its destinations are also read in this group: they are backed up before being written."""
+    """Its destinations are also read in this chunk (a trade or a cycle: ``Chunk.staged``)."""
     src_staged: bool
-    """Its sources are overwritten in this group: they are read from their backups."""
+    """Its sources are overwritten in this chunk."""
 
     @property
     def count(self) -> int:
@@ -46,7 +47,7 @@ def chunk_blocks(plan: SwapPlan, k: int) -> list[Block]:
     """Group chunk k's transfers into maximal runs of consecutive source and destination slots.
 
     Only transfers with one destination join a run (fan-out transfers stay alone), and a run does
-    not mix backed-up and plain sources or destinations.
+    not mix staged and plain sources or destinations (``Chunk.staged``).
     """
     chunk = plan.chunks[k]
 
@@ -88,21 +89,22 @@ def _key(plan: SwapPlan, i: int) -> tuple[int, int, int, int]:
 
 @dataclass(frozen=True)
 class Span:
-    """``count`` consecutive rows of layer ``layer``'s slot buffer (local slot index) or backup buffer."""
+    """``count`` consecutive rows of layer ``layer``'s slot buffer (local slot index) or of staging."""
 
     layer: int
     start: int
     count: int
-    backup: bool = False
+    staging: bool = False
+    """Rows of this rank's staging buffer (shared by every layer) instead of the layer's slots."""
 
 
 @dataclass(frozen=True)
 class Check:
-    """Checksum rows of one view of a slot or backup buffer into the agreement vector."""
+    """Checksum rows of one view of a slot buffer or of the staging buffer into the agreement vector."""
 
     layer: int
     view: int
-    backup: bool
+    staging: bool
     task: SlotChecksum
 
 
@@ -110,13 +112,12 @@ class Check:
 class Stage:
     """One piece (cross-GPU) or the local stage of a group, on this rank."""
 
-    backups: list[tuple[Span, Span]] = field(default_factory=list)
-    """(slot span, backup span): copied before anything of this stage is posted."""
     sends: list[tuple[int, Span]] = field(default_factory=list)
-    """(peer, source span), in the order the peer posts the matching receives."""
+    """(peer, source slot span), in the order the peer posts the matching receives."""
     recvs: list[tuple[int, Span]] = field(default_factory=list)
+    """(peer, staging span)."""
     copies: list[tuple[Span, Span]] = field(default_factory=list)
-    """(source, destination): after arrival (fan-out of a received expert) or local moves."""
+    """(source slot span, staging span): local moves."""
     src_checks: list[Check] = field(default_factory=list)
     dst_checks: list[Check] = field(default_factory=list)
 
@@ -125,36 +126,75 @@ class Stage:
 class GroupProgram:
     """What this rank does for one group (one chunk of the plan); every rank agrees on it once.
 
-    - Slots that the group both reads and overwrites (``Chunk.staged``: the two sides of a trade,
-      a cycle) are copied to a *backup* buffer first. Reads of such a slot come from its backup, so
-      receives and local copies write every destination in place, in any order, and a failed group
-      is undone by copying the backups back; every other overwritten slot's old expert still sits
-      in a slot the group does not touch (eplb.hotswap.plan's invariant).
-    - Cross-GPU moves go as *blocks* (consecutive source and destination slots, one message per
-      view) cut into a few *pieces*, one ``batch_isend_irecv`` each, by ``piece_fractions`` of what
-      arrives at each GPU: the receiver checksums piece k while piece k+1 is on the wire, so only
-      the last (small) piece's checksum follows the transfer; a small first piece starts the link
-      early when its sources must be backed up first. Local copies come last.
-    - Checksums land in an agreement vector int64 [2 + 2 n W] (eplb.hotswap.agreement): two flags,
-      then for each transfer the source's checksum (written by the sending rank) and the
+    - Nothing of a group writes a slot: every expert this rank receives or copies locally lands in
+      its own rows of the *staging* buffer, and sends read the slots, which keep the old placement
+      until the swap commits (:attr:`SwapProgram.commit` copies staging into the slots then). So a
+      failed swap is undone by not committing it, any group may be posted before the previous one
+      is agreed, and a transfer that lands late can only touch staging.
+    - Cross-GPU moves go as *blocks* (consecutive source slots into consecutive staging rows, one
+      message per view) cut into a few *pieces*, one ``batch_isend_irecv`` each, by
+      ``piece_fractions`` of what arrives at each GPU: the receiver checksums piece k while piece
+      k+1 is on the wire, so only the last (small) piece's checksum follows the transfer. Local
+      copies come last.
+    - Checksums land in an agreement vector int64 [2 + 2 n W] (eplb.hotswap.agreement): two
+      counters, then for each transfer the source's checksum (written by the sending rank) and the
       destination's (by the receiving rank).
     """
 
     chunk: int
     num_transfers: int
     checksum_width: int
-    backup_rows: dict[int, int]
-    """layer -> rows of its backup buffer (this rank's backed-up slots of that layer)."""
-    restore: list[tuple[Span, Span]]
-    """(backup span, slot span): what a failed group copies back."""
     pieces: list[Stage]
     local: Stage
     overlaps_previous: bool = False
-    """It may be posted before the previous group is agreed (see :func:`may_overlap`)."""
+    """It is posted before the previous group is agreed (every group but the first)."""
+    staging_rows: int = 0
+    """Rows of the staging buffer this group writes (after those of the groups before it)."""
+    commit: list[tuple[Span, Span]] = field(default_factory=list)
+    """(staging span, slot span): what the commit copies for this group's arrivals (fan-out included)."""
 
     @property
     def vector_length(self) -> int:
         return 2 + 2 * self.num_transfers * self.checksum_width
+
+
+@dataclass
+class SwapProgram:
+    """This rank's whole swap: its groups, the staging rows they fill, and the commit's copies."""
+
+    groups: list[GroupProgram]
+    staging_rows: int
+    commit: list[tuple[Span, Span]]
+
+
+def compile_swap(
+    plan: SwapPlan,
+    *,
+    rank: int,
+    piece_fractions: Sequence[float],
+    view_shapes: Sequence[tuple[tuple[int, ...], torch.dtype]],
+    device: torch.device,
+    verify: bool,
+    checksum_backend: str = "auto",
+) -> SwapProgram:
+    """This rank's program for every chunk of ``plan``; staging rows follow the chunks' order."""
+    groups: list[GroupProgram] = []
+    rows = 0
+    for k in range(len(plan.chunks)):
+        prog = compile_group(
+            plan,
+            k,
+            rank=rank,
+            piece_fractions=piece_fractions,
+            view_shapes=view_shapes,
+            device=device,
+            verify=verify,
+            checksum_backend=checksum_backend,
+            first_row=rows,
+        )
+        rows += prog.staging_rows
+        groups.append(prog)
+    return SwapProgram(groups, rows, [pair for g in groups for pair in g.commit])
 
 
 def compile_group(
@@ -167,78 +207,64 @@ def compile_group(
     device: torch.device,
     verify: bool,
     checksum_backend: str = "auto",
+    first_row: int = 0,
 ) -> GroupProgram:
-    """This rank's program for chunk k. ``view_shapes``: (shape, dtype) of each view of one slot."""
+    """This rank's program for chunk k, staging from row ``first_row`` on.
+
+    ``view_shapes``: (shape, dtype) of each view of one slot.
+    """
     S, G = plan.slots_per_gpu, plan.num_gpus
     chunk = plan.chunks[k]
     lo = rank * S
     row_of = {i: j for j, i in enumerate(chunk.transfers)}
-    mine = sorted((layer, s) for layer, s in chunk.staged if lo <= s < lo + S)
-    backup_row: dict[tuple[int, int], int] = {}
-    backup_rows: dict[int, int] = {}
-    for layer, s in mine:
-        backup_row[(layer, s)] = backup_rows.get(layer, 0)
-        backup_rows[layer] = backup_rows.get(layer, 0) + 1
-
-    def src_span(layer: int, slot: int, count: int) -> Span:
-        if (layer, slot) in chunk.staged:
-            return Span(layer, backup_row[(layer, slot)], count, backup=True)
-        return Span(layer, slot - lo, count)
-
     blocks = chunk_blocks(plan, k)
+    # One staging row per transfer arriving at this rank, consecutive within a block (one message).
+    staging_row: dict[int, int] = {}
+    commit: list[tuple[Span, Span]] = []
+    next_row = first_row
+    for b in blocks:
+        if b.dst_gpu != rank:
+            continue
+        for m, i in enumerate(b.transfers):
+            staging_row[i] = next_row + m
+        commit.append(
+            (Span(b.layer, next_row, b.count, staging=True), Span(b.layer, b.dst_slot - lo, b.count))
+        )
+        if b.count == 1:  # a fan-out transfer: its other destinations copy the same staging row
+            t = plan.transfers[b.transfers[0]]
+            commit += [
+                (Span(b.layer, next_row, 1, staging=True), Span(b.layer, d - lo, 1)) for d in t.dst_slots[1:]
+            ]
+        next_row += b.count
     cross = [b for b in blocks if b.src_gpu != b.dst_gpu]
     pieces_global = _cut_pieces(cross, piece_fractions, G)
     stages: list[Stage] = []
-    touched: set[tuple[int, int]] = set()
     W = 2 * len(view_shapes)
     n = len(chunk.transfers)
     checks = _CheckBuilder(view_shapes, device, checksum_backend if verify else None, W, n)
     for blocks_of_piece in [*pieces_global, [b for b in blocks if b.src_gpu == b.dst_gpu == rank]]:
         stage = Stage()
-        slots: list[tuple[int, int]] = []
         for b in blocks_of_piece:
-            ts = [plan.transfers[i] for i in b.transfers]
+            rows = [row_of[i] for i in b.transfers]
+            src = Span(b.layer, b.src_slot - lo, b.count)
             if b.src_gpu == rank:
-                slots += [(b.layer, b.src_slot + m) for m in range(b.count)]
-                src = src_span(b.layer, b.src_slot, b.count)
                 if b.dst_gpu != rank:
                     stage.sends.append((b.dst_gpu, src))
-                checks.add(src, [row_of[i] for i in b.transfers], side=0)
+                checks.add(src, rows, side=0)
             if b.dst_gpu != rank:
                 continue
-            dst = Span(b.layer, b.dst_slot - lo, b.count)
-            slots += [(b.layer, d) for t in ts for d in t.dst_slots]
+            dst = Span(b.layer, staging_row[b.transfers[0]], b.count, staging=True)
             if b.src_gpu == rank:
                 stage.copies.append((src, dst))
             else:
                 stage.recvs.append((b.src_gpu, dst))
-            checks.add(dst, [row_of[i] for i in b.transfers], side=1)
-            for d in ts[0].dst_slots[1:] if b.count == 1 else ():
-                stage.copies.append((src if b.src_gpu == rank else dst, Span(b.layer, d - lo, 1)))
-        fresh = sorted({x for x in slots if x in backup_row and x not in touched})
-        touched.update(fresh)
-        stage.backups = [
-            (Span(layer, s - lo, m), Span(layer, backup_row[(layer, s)], m, backup=True))
-            for layer, s, m in _slot_runs(fresh)
-        ]
+            checks.add(dst, rows, side=1)
         checks.emit(stage)
         stages.append(stage)
     checks.bind()
-    restore = [(b, s) for s, b in (x for st in stages for x in st.backups)]
     return GroupProgram(
-        k, n, W if verify else 0, backup_rows, restore, stages[:-1], stages[-1], may_overlap(plan, k)
+        k, n, W if verify else 0, stages[:-1], stages[-1], k > 0, next_row - first_row, commit
     )
-
-
-def may_overlap(plan: SwapPlan, k: int) -> bool:
-    """Chunk k may be posted while chunk k - 1 is still unagreed.
-
-    It writes no slot that chunk k - 1 reads (``may_overlap_previous``; nor does chunk k - 1 write
-    one that chunk k reads, by the plan's order), and it backs nothing up, so a failure of either
-    is undone by chunk k - 1's backups alone and the old experts still sit in known slots.
-    The same on every rank: a function of the plan.
-    """
-    return k > 0 and plan.chunks[k].may_overlap_previous and not plan.chunks[k].staged
 
 
 def _cut_pieces(cross: list[Block], fractions: Sequence[float], G: int) -> list[list[Block]]:
@@ -281,17 +307,6 @@ def _sub_block(b: Block, start: int, count: int) -> Block:
     )
 
 
-def _slot_runs(slots: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """(layer, first slot, count) for runs of consecutive slots of one layer (input sorted)."""
-    runs: list[tuple[int, int, int]] = []
-    for layer, s in slots:
-        if runs and runs[-1][0] == layer and runs[-1][1] + runs[-1][2] == s:
-            runs[-1] = (layer, runs[-1][1], runs[-1][2] + 1)
-        else:
-            runs.append((layer, s, 1))
-    return runs
-
-
 class _CheckBuilder:
     """Collects a stage's checksum rows; one task per (side, layer, view, buffer) when emitted."""
 
@@ -318,15 +333,15 @@ class _CheckBuilder:
         if self.backend is None:
             return
         for v in range(len(self.view_shapes)):
-            buf_rows, pos = self.pending.setdefault((side, span.layer, v, span.backup), ([], []))
+            buf_rows, pos = self.pending.setdefault((side, span.layer, v, span.staging), ([], []))
             buf_rows.extend(range(span.start, span.start + span.count))
             pos.extend(2 + side * self.n * self.width + r * self.width + 2 * v for r in rows)
 
     def emit(self, stage: Stage) -> None:
-        for (side, layer, v, backup), (rows, pos) in sorted(self.pending.items()):
+        for (side, layer, v, staging), (rows, pos) in sorted(self.pending.items()):
             shape, dtype = self.view_shapes[v]
             task = SlotChecksum(shape, dtype, rows, pos, self.device, self.backend or "auto", bind=False)
-            (stage.dst_checks if side else stage.src_checks).append(Check(layer, v, backup, task))
+            (stage.dst_checks if side else stage.src_checks).append(Check(layer, v, staging, task))
             self.tasks.append(task)
         self.pending = {}
 

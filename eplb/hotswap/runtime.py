@@ -1,13 +1,14 @@
-"""This rank's side of a hot-swap: its slot and backup buffers, their views, its collectives.
+"""This rank's side of a hot-swap: its slot and staging buffers, their views, its collectives.
 
-Shape legend: S slots per GPU, V views per slot; spans and checks come from eplb.hotswap.program.
+Shape legend: S slots per GPU, V views per slot, R staging rows; spans and checks come from
+eplb.hotswap.program.
 
-Compiled programs name slots by :class:`~eplb.hotswap.program.Span` (rows of a layer's slot
-buffer or of the backup buffer); :class:`SwapRuntime` turns them into tensor views, point-to-point
-ops and copies, and holds the one backup buffer every group of a swap shares. Data and each
-group's agreement go over ``group`` (NCCL on GPUs, Gloo on CPU) as raw bytes; the fingerprint
-check runs on a CPU (Gloo) group over the same ranks (:func:`control_group`), so it never waits
-for the device. Running a group on top of this is eplb.hotswap.group's concern.
+Compiled programs name rows by :class:`~eplb.hotswap.program.Span` (rows of a layer's slot buffer
+or of the staging buffer); :class:`SwapRuntime` turns them into tensor views, point-to-point ops
+and copies, and holds the one staging buffer that every expert this rank receives or copies
+waits in until the swap commits. Data and each group's agreement go over ``group`` (NCCL on
+GPUs, Gloo on CPU) as raw bytes; the check and the decision go through the store
+(eplb.hotswap.control). Running a group on top of this is eplb.hotswap.group's concern.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from eplb.hotswap.layout import SlotLayout
-from eplb.hotswap.program import Check, GroupProgram, Span, Stage
+from eplb.hotswap.program import Check, Span, Stage
 from eplb.placement.model import Placement
 
 _CONTROL_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
@@ -31,7 +32,7 @@ _ALIGN = 512
 
 @dataclass
 class SwapRuntime:
-    """This rank's slot buffers, backup buffer and process group, for one hot-swap."""
+    """This rank's slot buffers, staging buffer and process group, for one hot-swap."""
 
     slots_L: Sequence[Mapping[str, torch.Tensor]]
     group: dist.ProcessGroup | None
@@ -48,7 +49,9 @@ class SwapRuntime:
     agree_device: torch.device
     sms: int
     phase_seconds: dict[str, float] = field(default_factory=dict)
-    backup_flat: torch.Tensor | None = None
+    staging_flat: torch.Tensor | None = None
+    staging: list[torch.Tensor] = field(default_factory=list)
+    """One view [R, ...] of ``staging_flat`` per slot view."""
     _base: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @classmethod
@@ -107,98 +110,65 @@ class SwapRuntime:
             self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + time.perf_counter() - start
 
     # ---- collectives -----------------------------------------------------------------------
+    def all_reduce_async(self, t: torch.Tensor) -> tuple[torch.Tensor, dist.Work | None]:
+        """Start summing ``t`` over ranks (on the group's device): (the tensor summed into, work)."""
+        if self.world_size == 1:
+            return t, None
+        on = t if t.device == self.agree_device else t.to(self.agree_device)
+        return on, dist.all_reduce(on, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+
     def all_reduce_sum(self, t: torch.Tensor) -> torch.Tensor:
-        """Sum ``t`` over ranks in place (through the group's device when ``t`` lives elsewhere)."""
+        """Sum ``t`` over ranks in place, stream-ordered (the CUDA path queues it behind a group)."""
         if self.world_size > 1:
-            on = t if t.device == self.agree_device else t.to(self.agree_device)
-            dist.all_reduce(on, op=dist.ReduceOp.SUM, group=self.group)
-            if on is not t:
-                t.copy_(on)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
         return t
 
-    def check_same_swap(self, fingerprint: int, backup_bytes: int) -> None:
-        """Allocate the backup buffer; raise on every rank unless all ranks run the same swap and have it.
-
-        Sums of the fingerprint's two 16-bit halves and of their squares: all ranks agree exactly
-        when each half has zero variance over ranks. On the CPU control group: no device sync.
-        """
-        failed = 0
-        try:
-            self.reserve_backups(backup_bytes)
-        except Exception:  # out of memory here is reported on every rank below
-            failed = 1
-        hi, lo = (fingerprint >> 16) & 0xFFFF, fingerprint & 0xFFFF
-        vec = torch.tensor([hi, lo, hi * hi, lo * lo, failed], dtype=torch.int64)
-        if self.world_size > 1:
-            dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=control_group(self.group))
-        got = vec.tolist()
-        n = self.world_size
-        if got[4]:
-            raise RuntimeError(f"{got[4]} rank(s) could not allocate {backup_bytes} bytes of swap backups")
-        if got[:4] != [n * hi, n * lo, n * hi * hi, n * lo * lo]:
-            raise ValueError("ranks disagree on the placements or layers of this hot-swap")
-
-    def agree_flags(self, failed: bool, fatal: bool) -> tuple[bool, bool]:
-        """One agreement without checksums (a rollback with nothing to move)."""
-        vec = torch.tensor([int(failed), int(fatal)], dtype=torch.int64, device=self.agree_device)
-        got = self.all_reduce_sum(vec).tolist()
-        return got[0] > 0, got[1] > 0
-
     # ---- buffers ---------------------------------------------------------------------------
-    def reserve_backups(self, nbytes: int) -> None:
-        """Make the backup buffer at least ``nbytes`` (groups run one at a time and share it)."""
-        if nbytes and (self.backup_flat is None or self.backup_flat.numel() < nbytes):
-            self.backup_flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+    def staging_bytes(self, rows: int) -> int:
+        return sum(_aligned(rows * _nbytes(shape, dtype)) for shape, dtype in self.view_shapes)
 
-    def backup_bytes(self, prog: GroupProgram) -> int:
-        return sum(
-            _aligned(rows * _nbytes(shape, dtype))
-            for rows in prog.backup_rows.values()
-            for shape, dtype in self.view_shapes
-        )
+    def reserve_staging(self, rows: int) -> None:
+        """Allocate the staging buffer: ``rows`` experts (every one this swap writes on this rank)."""
+        nbytes = self.staging_bytes(rows)
+        if self.staging_flat is None or self.staging_flat.numel() < nbytes:
+            self.staging_flat = torch.empty(max(nbytes, 1), dtype=torch.uint8, device=self.device)
+        self.staging, offset = [], 0
+        for shape, dtype in self.view_shapes:
+            n = rows * _nbytes(shape, dtype)
+            self.staging.append(self.staging_flat[offset : offset + n].view(dtype).view(rows, *shape))
+            offset += _aligned(n)
 
-    def backup_views(self, prog: GroupProgram) -> dict[int, list[torch.Tensor]]:
-        self.reserve_backups(self.backup_bytes(prog))
-        out: dict[int, list[torch.Tensor]] = {}
-        offset = 0
-        for layer, rows in sorted(prog.backup_rows.items()):
-            views = []
-            for shape, dtype in self.view_shapes:
-                nbytes = rows * _nbytes(shape, dtype)
-                assert self.backup_flat is not None
-                views.append(self.backup_flat[offset : offset + nbytes].view(dtype).view(rows, *shape))
-                offset += _aligned(nbytes)
-            out[layer] = views
-        return out
+    def release_staging(self) -> None:
+        self.staging_flat, self.staging = None, []
 
     def base_views(self, layer: int) -> list[torch.Tensor]:
         if layer not in self._base:
             self._base[layer] = self.layout.block_views(self.slots_L[layer], 0, self.slots_per_gpu)
         return self._base[layer]
 
-    def views(self, span: Span, backups: dict[int, list[torch.Tensor]]) -> list[torch.Tensor]:
-        bases = backups[span.layer] if span.backup else self.base_views(span.layer)
+    def views(self, span: Span) -> list[torch.Tensor]:
+        bases = self.staging if span.staging else self.base_views(span.layer)
         return [b[span.start : span.start + span.count] for b in bases]
 
-    def buffer(self, check: Check, backups: dict[int, list[torch.Tensor]]) -> torch.Tensor:
-        return (backups[check.layer] if check.backup else self.base_views(check.layer))[check.view]
+    def buffer(self, check: Check) -> torch.Tensor:
+        return (self.staging if check.staging else self.base_views(check.layer))[check.view]
 
     # ---- transfers -------------------------------------------------------------------------
-    def p2p_ops(self, piece: Stage, backups: dict[int, list[torch.Tensor]], tag: int) -> list[dist.P2POp]:
+    def p2p_ops(self, piece: Stage, tag: int) -> list[dist.P2POp]:
         ops = []
         for kind, items in ((dist.isend, piece.sends), (dist.irecv, piece.recvs)):
             count: dict[int, int] = {}
             for peer, span in items:
-                for v in self.views(span, backups):
+                for v in self.views(span):
                     j = count.get(peer, 0)
                     count[peer] = j + 1
                     ops.append(dist.P2POp(kind, as_bytes(v), self.peers[peer], self.group, tag | (j & 0x3FF)))
         return ops
 
-    def copy_all(self, pairs: list[tuple[Span, Span]], backups: dict[int, list[torch.Tensor]]) -> None:
-        """Copy each (source, destination) pair of spans (backups, restores)."""
+    def copy_all(self, pairs: list[tuple[Span, Span]]) -> None:
+        """Copy each (source, destination) pair of spans (the commit: staging into the slots)."""
         for src, dst in pairs:
-            for d, s in zip(self.views(dst, backups), self.views(src, backups), strict=True):
+            for d, s in zip(self.views(dst), self.views(src), strict=True):
                 d.copy_(s)
 
 

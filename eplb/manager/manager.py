@@ -27,7 +27,9 @@ All ranks run the same control logic on agreed inputs, so they take the same ste
    helper thread of every rank (``prepare_swap(check=False)``, host work only) while the passes
    before it run, so the pass that applies a chunk pays its ``execute()`` (a CPU fingerprint
    check, then the transfers). A failed chunk rolls back, and so do the chunks already applied
-   in this rebalance: the model returns to the old placement.
+   in this rebalance: the model returns to the old placement. A swap that loses the process
+   group (a peer lost or late, eplb.manager.health) leaves the model on the placement it holds;
+   the manager reports it, runs no collective again and stops rebalancing (phase ``stopped``).
 
 ``--eplb-rebalance-mode continuous`` keeps these steps and changes three things: the interval is
 short, the window may be longer than it, and the solver gets a move budget
@@ -54,6 +56,7 @@ import torch.distributed as dist
 from eplb.config import EplbConfig
 from eplb.hotswap.swap import FaultHook, HotSwapOptions, HotSwapResult, hot_swap, prepare_swap
 from eplb.manager.collectives import RankAgreement
+from eplb.manager.health import SwapHealth
 from eplb.manager.pacing import Pacer, chunk_costs, per_chunk_layers
 from eplb.manager.types import (
     ExpertEngine,
@@ -124,6 +127,7 @@ class EplbManager:
                 "window: the rebalancer needs stat or per_pass"
             )
         self._agree = RankAgreement.create(group, self.world_size, device)
+        self._health = SwapHealth(self.rank)
         self.recorder = ExpertDistributionRecorder(
             RecorderConfig.from_eplb_config(config),
             placement,
@@ -164,7 +168,8 @@ class EplbManager:
         """Call on every rank before every forward pass (``is_prefill``: this rank's batch has prefill)."""
         self._kind = "prefill" if is_prefill else "decode"
         self._began = time.perf_counter()
-        self.recorder.begin_pass(has_prefill=is_prefill, num_tokens=num_tokens)
+        if self._health.usable:
+            self.recorder.begin_pass(has_prefill=is_prefill, num_tokens=num_tokens)
 
     def on_forward_pass_end(self, *, pass_seconds: float | None = None) -> None:
         """Call on every rank after every forward pass: count, and maybe solve, adopt or swap.
@@ -176,6 +181,9 @@ class EplbManager:
         if not seconds >= 0.0:
             raise ValueError(f"pass_seconds must be >= 0, got {pass_seconds}")
         self._passes += 1
+        if not self._health.usable:  # no collective on a lost group: serve, count, report
+            self.sink.on_forward_pass(kind="prefill" if self._kind == "prefill" else "decode", recorded=False)
+            return
         counted = self.recorder.end_pass()
         plan_ready = False
         if self._phase == "solving":
@@ -318,8 +326,14 @@ class EplbManager:
                 tuple(chunk), error or "preparing the swap failed on another rank"
             )
         else:
-            result = prepared.execute(
-                update_maps=lambda: self.engine.set_placement(mixed, mixed_w), fault=self._swap_fault
+            live, live_w = self._placement, self._weights_LER
+            result = self._health.execute(
+                tuple(chunk),
+                lambda: prepared.execute(
+                    update_maps=lambda: self.engine.set_placement(mixed, mixed_w),
+                    restore_maps=lambda: self.engine.set_placement(live, live_w),
+                    fault=self._swap_fault,
+                ),
             )
             self._prepare(i + 2)
         job.transfer_seconds += result.seconds
@@ -339,21 +353,31 @@ class EplbManager:
         for future in job.prepared.values():
             future.cancel()
         job.prepared.clear()
-        if job.done:  # undo this rebalance's earlier chunks too: back to one consistent old placement
-            back = hot_swap(
-                self._slots(),
-                self._placement,
-                job.original,
-                layers=job.done,
-                group=self.group,
-                options=self.swap_options,
-                update_maps=lambda: self.engine.set_placement(job.original, job.original_weights_LER),
+        if job.done and self._health.usable:  # undo this rebalance's earlier chunks: one old placement
+            live, live_w = self._placement, self._weights_LER
+            back = self._health.execute(
+                tuple(job.done),
+                lambda: hot_swap(
+                    self._slots(),
+                    live,
+                    job.original,
+                    layers=job.done,
+                    group=self.group,
+                    options=self.swap_options,
+                    update_maps=lambda: self.engine.set_placement(job.original, job.original_weights_LER),
+                    restore_maps=lambda: self.engine.set_placement(live, live_w),
+                ),
             )
             if back.ok:
                 self._placement, self._weights_LER = job.original, job.original_weights_LER
                 self.recorder.set_placement(job.original)
             reason += f"; layers {job.done} {'restored' if back.ok else 'NOT restored: ' + str(back.error)}"
+        if not self._health.usable:
+            reason += self._health.note(job.done)
+            self.recorder.stop()
         self._finish("failed", reason, self._before, self._before, job.predicted, job.solve_seconds, job)
+        if not self._health.usable:
+            self._phase = "stopped"
 
     def _finish(
         self,

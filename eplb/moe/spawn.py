@@ -7,18 +7,25 @@ Gloo on CPU (several processes on one machine) or NCCL with one GPU per rank. Ev
 (``init_process_group(timeout=...)``), so a rank stuck in one also fails instead of waiting forever.
 With ``rank0_in_process`` rank 0 runs on a thread of the caller's process while the caller's
 thread watches the spawned ranks, so a rank that dies early ends the run at once.
+
+The rendezvous store is hosted by the caller (as torchrun's agent hosts it), so it outlives any
+rank: fault tests let ranks in ``may_die`` end abruptly (``os._exit``) and read the store after.
+A rank leaves its process group on a deadline, so one whose group was given up (operations
+still posted) does not hang its exit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing as mp
+import os
 import queue
 import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,8 +54,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def host_store(timeout_s: float = 120.0) -> dist.TCPStore:
+    """A rendezvous store served by this process on 127.0.0.1 (its ``port`` for :func:`run_ranks`)."""
+    return dist.TCPStore(
+        "127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+
+
 def init_rank(rank: int, world_size: int, port: int, backend: str, timeout_s: float) -> RankContext:
-    """Join the process group (one thread per rank on CPU: the ranks share the machine's cores)."""
+    """Join the process group through the store at ``port`` (one thread per rank on CPU: the ranks
+    share the machine's cores)."""
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend must be gloo or nccl, got {backend!r}")
     if backend == "nccl":
@@ -57,15 +72,30 @@ def init_rank(rank: int, world_size: int, port: int, backend: str, timeout_s: fl
     else:
         device = torch.device("cpu")
         torch.set_num_threads(1)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://127.0.0.1:{port}",
+        store=store,
         rank=rank,
         world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        timeout=timeout,
         device_id=device if backend == "nccl" else None,
     )
     return RankContext(rank=rank, world_size=world_size, device=device, backend=backend)
+
+
+def leave_group(seconds: float = 2.0) -> bool:
+    """Destroy the default process group, giving up after ``seconds`` (operations may still be posted)."""
+    done = threading.Event()
+
+    def destroy() -> None:
+        with contextlib.suppress(Exception):  # a group with a lost peer may refuse: the process ends anyway
+            dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, daemon=True, name="leave-group").start()
+    return done.wait(seconds)
 
 
 def _child(
@@ -83,9 +113,14 @@ def _child(
         try:
             results.put(("ok", rank, fn(ctx, *args)))
         finally:
-            dist.destroy_process_group()
+            left = leave_group()
     except BaseException:  # report everything, including KeyboardInterrupt, then exit
         results.put(("error", rank, traceback.format_exc()))
+        left = False
+    if not left:  # a thread may still wait inside the group: flush the result and end now
+        results.close()
+        results.join_thread()
+        os._exit(0)
 
 
 def _rank0_thread(
@@ -103,7 +138,7 @@ def _rank0_thread(
         try:
             results.put(("ok", 0, fn(ctx, *args, **kwargs)))
         finally:
-            dist.destroy_process_group()
+            leave_group()
     except BaseException:
         results.put(("error", 0, traceback.format_exc()))
 
@@ -117,18 +152,23 @@ def run_ranks(
     timeout_s: float = 120.0,
     rank0_in_process: bool = False,
     rank0_kwargs: Mapping[str, Any] | None = None,
+    may_die: Collection[int] = (),
+    store: dist.TCPStore | None = None,
 ) -> list[Any]:
     """Call ``fn(ctx, *args)`` on ``world_size`` ranks; return the results ordered by rank.
 
     ``fn`` must be importable by name (spawned processes re-import it). With ``rank0_in_process``
     rank 0 runs in this process (so it can use objects that do not pickle, such as a metrics
-    sink, passed in ``rank0_kwargs``); the other ranks are spawned.
+    sink, passed in ``rank0_kwargs``); the other ranks are spawned. A spawned rank in ``may_die``
+    that ends without a result gets None. ``store``: a store this process serves
+    (:func:`host_store`), to read after the run; by default one is made for the run.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx_mp = mp.get_context("spawn")
     results: Any = ctx_mp.Queue()
-    port = free_port()
+    server = store if store is not None else host_store(timeout_s)
+    port = int(server.port)
     first_child = 1 if rank0_in_process else 0
     procs = [
         ctx_mp.Process(
@@ -162,9 +202,12 @@ def run_ranks(
             try:
                 status, rank, value = results.get(timeout=min(remaining, 0.5))
             except queue.Empty:
-                dead = [p for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a rank process died with exit code {dead[0].exitcode}") from None
+                for rank, p in enumerate(procs, start=first_child):
+                    if p.exitcode in (None, 0) or rank in out:  # exit 0: its result is on the way
+                        continue
+                    if rank not in may_die:
+                        raise RuntimeError(f"a rank process died with exit code {p.exitcode}") from None
+                    out[rank] = None
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
