@@ -37,6 +37,10 @@ CONTINUOUS_MAX_MOVED_EXPERTS = 256
 """Continuous mode's default --eplb-max-moved-experts (cross-GPU expert copies per rebalance)."""
 CONTINUOUS_BUFFER_SIZE = 200
 """Continuous mode's default --expert-distribution-recorder-buffer-size (at least the interval)."""
+MAX_WINDOW_PASSES = 1_000_000
+"""Upper bound of --eplb-rebalance-num-iterations and --expert-distribution-recorder-buffer-size:
+both size the recorder's window, which is allocated up front ([W, L, P] int32; DeepSeek-V3 at
+EP32 takes 67 kB per pass, so the bound is already 67 GB there)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -113,9 +117,9 @@ class EplbConfig:
         )
         interval = self.eplb_rebalance_num_iterations
         _check(
-            interval is None or interval >= 1,
+            interval is None or 1 <= interval <= MAX_WINDOW_PASSES,
             "--eplb-rebalance-num-iterations",
-            f"must be >= 1, got {interval}",
+            f"must lie in [1, {MAX_WINDOW_PASSES}], got {interval} (it sizes the recorder's window)",
         )
         budget = self.eplb_max_moved_experts
         _check(budget is None or budget >= 0, "--eplb-max-moved-experts", f"must be >= 0, got {budget}")
@@ -138,9 +142,9 @@ class EplbConfig:
         )
         size = self.expert_distribution_recorder_buffer_size
         _check(
-            size is None or size >= 1,
+            size is None or 1 <= size <= MAX_WINDOW_PASSES,
             "--expert-distribution-recorder-buffer-size",
-            f"must be >= 1, got {size}",
+            f"must lie in [1, {MAX_WINDOW_PASSES}], got {size} (the window is allocated up front)",
         )
         _check(
             not self.enable_eplb or self.continuous or size is None or size <= self.rebalance_interval,
@@ -156,6 +160,12 @@ class EplbConfig:
             0.0 <= threshold <= 1.0,
             "--eplb-min-rebalancing-utilization-threshold",
             f"must lie in [0, 1], got {threshold}",
+        )
+        _check(
+            not self.enable_eplb or self.recorder_mode in ("stat", "per_pass"),
+            "--expert-distribution-recorder-mode",
+            f"{self.recorder_mode} keeps token ids, not the window of counts the rebalancer "
+            "plans from: with --enable-eplb use stat (the default) or per_pass",
         )
         _check(
             not self.enable_eplb or self.ep_size > 1,
@@ -237,8 +247,14 @@ def _check(ok: bool, flag: str, message: str) -> None:
         raise ConfigError(f"{flag}: {message}")
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the EPLB flags (SGLang names) to ``parser``; defaults come from :class:`EplbConfig`."""
+def add_cli_args(parser: argparse.ArgumentParser, *, check: bool = True) -> argparse.ArgumentParser:
+    """Add the EPLB flags (SGLang names) to ``parser``; defaults come from :class:`EplbConfig`.
+
+    With ``check`` (the default) parsing also validates the combination, so an engine that calls
+    only ``parser.parse_args()`` gets an invalid combination refused there, naming the flag (exit
+    2). ``check=False`` is for callers that adjust the parsed namespace first and then build the
+    config with :func:`config_from_args`, which validates.
+    """
     d = EplbConfig()
     g = parser.add_argument_group("expert-parallel load balancing")
     g.add_argument("--enable-eplb", action="store_true", help="record expert load and rebalance periodically")
@@ -246,13 +262,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--expert-distribution-recorder-mode",
         choices=RECORDER_MODES,
         default=None,
-        help="what the recorder keeps (default: stat when EPLB is on)",
+        help="what the recorder keeps (default: stat when EPLB is on; "
+        "per_token keeps ids and cannot drive --enable-eplb)",
     )
     g.add_argument(
         "--expert-distribution-recorder-buffer-size",
         type=int,
         default=None,
-        help="recorder window in passes (default: the rebalance interval; continuous: "
+        help="recorder window in passes, at most "
+        f"{MAX_WINDOW_PASSES:,} (default: the rebalance interval; continuous: "
         f"{CONTINUOUS_BUFFER_SIZE} or the interval if longer; only continuous may exceed the interval)",
     )
     g.add_argument(
@@ -266,7 +284,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--eplb-rebalance-num-iterations",
         type=int,
         default=None,
-        help=f"rebalance every N forward passes (default: {PERIODIC_INTERVAL}; continuous: {CONTINUOUS_INTERVAL})",
+        help=f"rebalance every N forward passes, at most {MAX_WINDOW_PASSES:,} "
+        f"(default: {PERIODIC_INTERVAL}; continuous: {CONTINUOUS_INTERVAL})",
     )
     g.add_argument(
         "--eplb-rebalance-layers-per-chunk",
@@ -338,7 +357,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="logical experts per layer, to check the slot layout at parse time",
     )
+    if check:
+        _check_when_parsed(parser)
     return parser
+
+
+def _check_when_parsed(parser: argparse.ArgumentParser) -> None:
+    """Validate the EPLB flags each time ``parser`` parses (``parse_args`` goes through
+    ``parse_known_args``, on the instance, for top-level parsers and subparsers alike)."""
+    parse_known_args = parser.parse_known_args
+
+    def checked(
+        args: Sequence[str] | None = None, namespace: Any = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        parsed, extras = parse_known_args(args, namespace)
+        config_from_args(parser, parsed)
+        return parsed, extras
+
+    parser.parse_known_args = checked  # type: ignore[method-assign,assignment]
 
 
 def config_from_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> EplbConfig:

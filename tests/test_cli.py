@@ -52,7 +52,7 @@ def test_workload_then_trace_info_and_convert(tmp_path: Path, capsys: pytest.Cap
         == 0
     )
     result = json.loads((tmp_path / "w.json").read_text())
-    assert result["steps"] == 40 and result["unbalanced_max_over_mean"] > 1.0
+    assert result["steps"] == 40 and result["imbalance_without_balancing"] > 1.0
     capsys.readouterr()
     assert main(["trace", "info", str(out), "--json", "-"]) == 0
     info = json.loads(capsys.readouterr().out)

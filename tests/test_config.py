@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import pytest
@@ -10,8 +11,10 @@ from eplb.config import (
     CONTINUOUS_BUFFER_SIZE,
     CONTINUOUS_INTERVAL,
     CONTINUOUS_MAX_MOVED_EXPERTS,
+    MAX_WINDOW_PASSES,
     ConfigError,
     EplbConfig,
+    add_cli_args,
     parse_config,
 )
 
@@ -170,6 +173,26 @@ def test_all_flags_parse() -> None:
             ],
             "--expert-distribution-recorder-buffer-size",
         ),
+        # per_token keeps ids, not counts: refused with EPLB on when parsed, not when the manager starts.
+        (
+            ["--enable-eplb", "--ep-size", "8", "--expert-distribution-recorder-mode", "per_token"],
+            "--expert-distribution-recorder-mode",
+        ),
+        # Both size the window allocated up front: bounded.
+        (["--eplb-rebalance-num-iterations", str(10**8)], "--eplb-rebalance-num-iterations"),
+        (
+            ["--eplb-rebalance-mode", "continuous", "--eplb-rebalance-num-iterations", str(10**8)],
+            "--eplb-rebalance-num-iterations",
+        ),
+        (
+            [
+                "--eplb-rebalance-mode",
+                "continuous",
+                "--expert-distribution-recorder-buffer-size",
+                str(MAX_WINDOW_PASSES + 1),
+            ],
+            "--expert-distribution-recorder-buffer-size",
+        ),
     ],
 )
 def test_invalid_combinations_fail_at_parse_time_naming_the_flag(
@@ -189,3 +212,59 @@ def test_direct_construction_raises_config_error() -> None:
     with pytest.raises(ConfigError, match="--eplb-transfer-gbps: paces"):
         EplbConfig(eplb_transfer_gbps=1.0)
     assert isinstance(ConfigError("x"), ValueError)
+
+
+def test_window_bound_is_inclusive_and_in_help(capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = parse_config(
+        [
+            "--eplb-rebalance-mode",
+            "continuous",
+            "--eplb-rebalance-num-iterations",
+            str(MAX_WINDOW_PASSES),
+            "--expert-distribution-recorder-buffer-size",
+            str(MAX_WINDOW_PASSES),
+        ]
+    )
+    assert cfg.rebalance_interval == cfg.recorder_buffer_size == MAX_WINDOW_PASSES == 10**6
+    assert parse_config(["--expert-distribution-recorder-mode", "per_token"]).recorder_mode == "per_token"
+    with pytest.raises(SystemExit):
+        parse_config(["--help"], prog="server")
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert help_text.count(f"at most {MAX_WINDOW_PASSES:,}") == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--ep-size", "8", "--nnodes", "3"], "--nnodes"),
+        (["--enable-eplb", "--ep-size", "8", "--expert-distribution-recorder-mode", "per_token"], "--expert"),
+        (["--eplb-rebalance-num-iterations", str(10**8)], "--eplb-rebalance-num-iterations"),
+    ],
+)
+def test_add_cli_args_alone_checks_when_parsed(
+    argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # An engine that adds the flags to its own parser and only calls parse_args().
+    parser = argparse.ArgumentParser(prog="server")
+    parser.add_argument("--model", default="m")
+    add_cli_args(parser)
+    with pytest.raises(SystemExit) as exc:
+        parser.parse_args(argv)
+    assert exc.value.code == 2
+    assert f"server: error: {flag}" in capsys.readouterr().err
+    # Subparsers too (as the eplb command nests them), and a valid combination still parses.
+    top = argparse.ArgumentParser(prog="tool")
+    add_cli_args(top.add_subparsers(dest="command").add_parser("serve"))
+    with pytest.raises(SystemExit) as exc:
+        top.parse_args(["serve", *argv])
+    assert exc.value.code == 2 and flag in capsys.readouterr().err
+    args = top.parse_args(["serve", "--ep-size", "8", "--nnodes", "2"])
+    assert (args.ep_size, args.nnodes) == (8, 2)
+    assert EplbConfig.from_namespace(parser.parse_args(["--ep-size", "8", "--nnodes", "4"])).nnodes == 4
+
+
+def test_add_cli_args_unchecked_leaves_validation_to_the_caller() -> None:
+    parser = add_cli_args(argparse.ArgumentParser(prog="demo"), check=False)
+    args = parser.parse_args(["--ep-size", "8", "--nnodes", "3"])  # the caller adjusts, then checks
+    with pytest.raises(ConfigError, match="--nnodes"):
+        EplbConfig.from_namespace(args)

@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-divisor", type=int, default=d.token_divisor, help="scale workload tokens down"
     )
-    add_cli_args(parser)
+    add_cli_args(parser, check=False)  # the namespace is adjusted, then checked
     # Demo-sized defaults: eplb's own mode, one redundant slot per rank (the interval: see below).
     parser.set_defaults(eplb_rebalance_mode=DEMO_MODE, ep_num_redundant_experts=None, enable_eplb=True)
     add_seed(parser)

@@ -15,7 +15,27 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from eplb.commands.common import add_json_out, add_progress, add_seed, emit
+from eplb.commands.common import (
+    add_json_out,
+    add_progress,
+    add_seed,
+    check_outputs,
+    json_to_stdout,
+    write_json,
+)
+
+PLACEMENT_FILE = "placement.safetensors"
+SGLANG_FILE = "init_expert_location.json"
+PRINTED_KEYS = (
+    "placement",
+    "sglang_init_expert_location",
+    "trtllm_load_balancer",
+    "sglang_flags",
+    "sglang_flags_static",
+    "vllm_flags",
+    "trtllm_flags",
+)
+"""Result keys printed as they are (paths and command lines)."""
 
 HELP = "solve a placement from a trace; write it for eplb, SGLang and TensorRT-LLM, and print each engine's flags"
 
@@ -49,10 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
+    from eplb.fileio import OutputSet
     from eplb.integrations import sglang as sglang_plugin
     from eplb.integrations import trtllm
     from eplb.integrations import vllm as vllm_plugin
     from eplb.placement.balance import model_balancedness
+    from eplb.placement.diff import diff_placements
     from eplb.placement.io import save_placement
     from eplb.placement.model import Placement
     from eplb.policy import dispatch_mode
@@ -60,6 +82,12 @@ def run(args: argparse.Namespace) -> int:
     from eplb.simulate.planners import PastView
     from eplb.solver.planner import SolverPlanner
 
+    out_dir: Path = args.out
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is not a folder")
+    # Every file goes into one OutputSet: checked before any work, written together or not at all.
+    files = (PLACEMENT_FILE, SGLANG_FILE, trtllm.LOAD_BALANCER_FILE, trtllm.OPTIONS_FILE)
+    check_outputs(*(out_dir / name for name in files), args.json_out)
     trace = load_input(args, quiet=args.disable_tqdm)
     # The window is the whole trace unless --expert-distribution-recorder-buffer-size says less.
     recorded_T = trace.is_prefill_T if args.eplb_record_prefill_only else np.ones(trace.num_steps, dtype=bool)
@@ -85,37 +113,78 @@ def run(args: argparse.Namespace) -> int:
     )
     proposal = planner(window_WLE, start, past)
     placement = proposal.placement
-    out_dir: Path = args.out
-    out_dir.mkdir(parents=True, exist_ok=True)
     trace_meta = {k: v for k, v in trace.meta.items() if k != "generator"}
     meta = {"algorithm": args.eplb_algorithm, "window_steps": int(window_WLE.shape[0]), "trace": trace_meta}
-    own = save_placement(out_dir / "placement.safetensors", placement, proposal.dispatch_weights_LER, meta)
-    sglang = placement.write_sglang_json(out_dir / "init_expert_location.json")
-    trtllm_balancer, trtllm_options = trtllm.write_load_balancer(placement, out_dir, args.trtllm_layer_offset)
-    sglang_flags = sglang_plugin.launch_flags(placement, str(sglang), args.eplb_algorithm)
     load_LE = window_WLE.sum(axis=0, dtype=np.int64)
-    result: dict[str, Any] = {
-        "algorithm": args.eplb_algorithm,
-        "window_steps": int(window_WLE.shape[0]),
-        "layers": placement.num_layers,
-        "experts": placement.num_logical,
-        "physical_slots": placement.num_physical,
-        "ep_size": placement.num_gpus,
-        "nnodes": placement.num_nodes,
-        "balancedness_on_window": float(
-            model_balancedness(load_LE, placement, proposal.dispatch_weights_LER)
-        ),
-        "balancedness_on_window_before": float(model_balancedness(load_LE, start)),
-        "solver_predicted_balancedness": proposal.predicted_balancedness,
-        "solver_says_apply": proposal.apply,
-        "solver_reason": proposal.reason,
-        "placement": str(own),
-        "sglang_init_expert_location": str(sglang),
-        "trtllm_load_balancer": str(trtllm_balancer),
-        "sglang_flags": sglang_flags["plugin"],
-        "sglang_flags_static": sglang_flags["static"],
-        "vllm_flags": vllm_plugin.launch_flags(placement.num_redundant),
-        "trtllm_flags": trtllm.launch_flags(placement, trtllm_options),
-    }
-    emit(result, list(result), args.json_out)
+    # Bytes only where the trace or --bytes-per-expert says them; a dump does not.
+    bytes_known = args.bytes_per_expert is not None or "bytes_per_expert" in trace.meta
+    moves = diff_placements(start, placement, config.bytes_per_expert if bytes_known else 0)
+    notes = [n for n in (trace.prefill_note(),) if n and args.eplb_record_prefill_only]
+    with OutputSet(parents=True) as staged:
+        own = save_placement(
+            out_dir / PLACEMENT_FILE, placement, proposal.dispatch_weights_LER, meta, outputs=staged
+        )
+        sglang = placement.write_sglang_json(out_dir / SGLANG_FILE, outputs=staged)
+        trtllm_balancer, trtllm_options = trtllm.write_load_balancer(
+            placement, out_dir, args.trtllm_layer_offset, outputs=staged
+        )
+        sglang_flags = sglang_plugin.launch_flags(placement, str(sglang), args.eplb_algorithm)
+        result: dict[str, Any] = {
+            "algorithm": args.eplb_algorithm,
+            "window_steps": int(window_WLE.shape[0]),
+            "layers": placement.num_layers,
+            "experts": placement.num_logical,
+            "physical_slots": placement.num_physical,
+            "ep_size": placement.num_gpus,
+            "nnodes": placement.num_nodes,
+            "balancedness_on_window": float(
+                model_balancedness(load_LE, placement, proposal.dispatch_weights_LER)
+            ),
+            "balancedness_on_window_before": float(model_balancedness(load_LE, start)),
+            "solver_predicted_balancedness": proposal.predicted_balancedness,
+            "solver_says_apply": proposal.apply,
+            "solver_reason": proposal.reason,
+            "moves": moves.summary(),
+            "notes": notes,
+            "placement": str(own),
+            "sglang_init_expert_location": str(sglang),
+            "trtllm_load_balancer": str(trtllm_balancer),
+            "sglang_flags": sglang_flags["plugin"],
+            "sglang_flags_static": sglang_flags["static"],
+            "vllm_flags": vllm_plugin.launch_flags(placement.num_redundant),
+            "trtllm_flags": trtllm.launch_flags(placement, trtllm_options),
+        }
+        if not json_to_stdout(args.json_out):
+            print_summary(result, initial="initial" if current is not None else "trivial")
+        write_json(result, args.json_out, outputs=staged)
     return 0
+
+
+def print_summary(result: dict[str, Any], *, initial: str) -> None:
+    """What a reader needs, labelled and rounded (the JSON keeps every digit)."""
+    from eplb.simulate.results import format_bytes
+
+    moves = result["moves"]
+    copies = moves["experts_moved_across_gpus"]
+    moved = moves["bytes_across_gpus"]
+    predicted = result["solver_predicted_balancedness"]
+    rows = {
+        "window": f"{result['window_steps']} recorded steps of {result['layers']} layers x "
+        f"{result['experts']} experts",
+        "placement": f"EP{result['ep_size']} on {result['nnodes']} node(s), {result['physical_slots']} "
+        f"slots ({result['physical_slots'] - result['experts']} redundant), algorithm {result['algorithm']}",
+        "balancedness on the window": f"{result['balancedness_on_window_before']:.3f} ({initial}) -> "
+        f"{result['balancedness_on_window']:.3f} (solved); mean / max GPU load, 1 is perfect",
+        "predicted next window": "-" if predicted is None else f"{predicted:.3f} (the solver's estimate)",
+        "solver decision": ("apply" if result["solver_says_apply"] else "keep the initial placement")
+        + (f" ({result['solver_reason']})" if result["solver_reason"] else ""),
+        "moves from the start": f"{copies} expert copies across GPUs, "
+        + (format_bytes(moved) if isinstance(moved, int) else f"{moved} (give --bytes-per-expert)"),
+    }
+    for note in result["notes"]:
+        rows.setdefault("note", note)
+    width = max(len(k) for k in (*rows, *PRINTED_KEYS))
+    for key, value in rows.items():
+        print(f"{key:>{width}}: {value}")
+    for key in PRINTED_KEYS:
+        print(f"{key:>{width}}: {result[key]}")

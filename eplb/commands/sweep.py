@@ -11,6 +11,7 @@ import argparse
 import sys
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from eplb.commands.common import add_json_out, add_progress, add_seed, write_json
 
@@ -136,13 +137,9 @@ def run(args: argparse.Namespace) -> int:
         on_point=report,
     )
     if not to_stdout:
-        r, i = result["redundant"], result["interval"]
         print(
             f"{spec.name}, target {args.metric} balancedness {args.target}: "
-            + (f"fewest redundant experts {r}" if r is not None else "no redundant count tried reaches it")
-            + f" (at interval {config.interval}); "
-            + (f"longest interval {i}" if i is not None else "no interval tried reaches it")
-            + f" (with {result['redundant_used_for_intervals']} redundant)"
+            + verdict(result, config.interval)
         )
     write_json(
         {
@@ -157,6 +154,21 @@ def run(args: argparse.Namespace) -> int:
         args.json_out,
     )
     return 0
+
+
+def verdict(result: dict[str, Any], interval: int) -> str:
+    """The sweep's answer in words: the interval sweep runs with the redundant count found, or,
+    when none reached the target, with the largest one tried; say which."""
+    r, i, used = result["redundant"], result["interval"], result["redundant_used_for_intervals"]
+    if r is not None:
+        first = f"fewest redundant experts {r} (at interval {interval})"
+        if i is None:
+            return first + f"; no interval tried reaches it with {r} redundant"
+        return first + f"; longest interval {i} (with {r} redundant)"
+    first = f"no redundant count tried reaches it at interval {interval}"
+    if i is None:
+        return first + f", and no interval tried does with the most tried ({used} redundant)"
+    return first + f"; with the most tried ({used} redundant) a shorter interval does: longest {i}"
 
 
 def _tradeoff(args: argparse.Namespace) -> int:

@@ -36,6 +36,7 @@ def describe(trace: Any) -> dict[str, Any]:
         "prefill_steps": int(trace.is_prefill_T.sum()),
         "routed_total": int(total.sum()),
         "meta": dict(trace.meta),
+        **({"note": trace.prefill_note()} if not trace.prefill_known else {}),
     }
 
 
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     with progress_callback(disable=args.disable_tqdm, desc="read") as report:
         trace = load_trace(args.inputs, args.format, progress=report)
     result = describe(trace)
-    keys = ("steps", "layers", "experts", "prefill_steps", "routed_total", "out")
+    keys = ("steps", "layers", "experts", "prefill_steps", "routed_total", "note", "out")
     with OutputSet(parents=True) as outputs:
         if args.action == "convert":
             openevolve = args.to == "openevolve"

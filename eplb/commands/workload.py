@@ -15,10 +15,16 @@ from eplb.commands.common import (
     add_seed,
     check_outputs,
     emit,
+    json_to_stdout,
     progress_callback,
+    write_json,
 )
 
 HELP = "generate a synthetic expert-load trace (model presets, seeded)"
+
+IMBALANCE_KEY = "imbalance_without_balancing"
+"""The calibration figure's key: max / mean GPU load with experts in identity order (the inverse
+of balancedness, per layer and prefill step, averaged; ``eplb.workloads.unbalanced_imbalance``)."""
 
 DEFAULT_EP_SIZE = 32
 """EP size of the reported imbalance: DeepSeek-V3's EP32, or less for presets with fewer experts."""
@@ -69,11 +75,19 @@ def run(args: argparse.Namespace) -> int:
         "layers": trace.num_layers,
         "experts": trace.num_experts,
         "ep_size": ep_size,
-        "unbalanced_max_over_mean": unbalanced_imbalance(trace, ep_size) if trace.num_steps else None,
+        IMBALANCE_KEY: unbalanced_imbalance(trace, ep_size) if trace.num_steps else None,
     }
     with OutputSet(parents=True) as outputs:
         if args.out is not None:
             with progress_callback(disable=args.disable_tqdm, desc="write", unit="B") as report:
                 result["out"] = str(trace.save(args.out, outputs=outputs, progress=report))
-        emit(result, list(result), args.json_out, outputs=outputs)
+        if not json_to_stdout(args.json_out):  # stdout stays one JSON document otherwise
+            emit(result, [k for k in result if k != IMBALANCE_KEY], None)
+            if result[IMBALANCE_KEY] is not None:
+                print(
+                    f"imbalance without balancing: {result[IMBALANCE_KEY]:.3f} (max / mean GPU load of "
+                    f"the prefill steps at EP{ep_size}, experts in identity order; 1 is perfect: the "
+                    "inverse of balancedness, which is mean / max)"
+                )
+        write_json(result, args.json_out, outputs=outputs)
     return 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from eplb.fileio import OutputSet, write_text
 from eplb.placement.model import Placement
 
 LOAD_BALANCER_FILE = "trtllm_load_balancer.yaml"
@@ -50,15 +51,20 @@ def load_balancer_yaml(placement: Placement, layer_offset: int = 0) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_load_balancer(placement: Placement, out_dir: Path, layer_offset: int = 0) -> tuple[Path, Path]:
-    """Write the load balancer file and an ``--extra_llm_api_options`` file naming it; return both paths."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+def write_load_balancer(
+    placement: Placement, out_dir: Path, layer_offset: int = 0, *, outputs: OutputSet | None = None
+) -> tuple[Path, Path]:
+    """Write the load balancer file and an ``--extra_llm_api_options`` file naming it; return both
+    paths (atomic writes; with ``outputs`` staged there until it commits)."""
     balancer = out_dir / LOAD_BALANCER_FILE
-    balancer.write_text(load_balancer_yaml(placement, layer_offset))
+    write_text(balancer, load_balancer_yaml(placement, layer_offset), outputs=outputs, parents=True)
     options = out_dir / OPTIONS_FILE
-    options.write_text(
+    write_text(
+        options,
         "# TensorRT-LLM --extra_llm_api_options: the MoE backend's load balancer from eplb solve.\n"
-        f"moe_config:\n  load_balancer: {_yaml_string(str(balancer.resolve()))}\n"
+        f"moe_config:\n  load_balancer: {_yaml_string(str(balancer.resolve()))}\n",
+        outputs=outputs,
+        parents=True,
     )
     return balancer, options
 

@@ -34,6 +34,7 @@ from eplb.integrations.engine_plan import (
 )
 from eplb.policy import check_policy_name
 from eplb.solver.planner import SolverPlanner
+from eplb.traces.window_log import WindowLogs
 
 if TYPE_CHECKING:
     import torch
@@ -55,6 +56,9 @@ _ON = ("1", "true", "on", "yes", "eplb")
 # vLLM's logger tree is configured by vLLM with a handler at INFO, eplb's is not: under "vllm."
 # these lines land in vLLM's log beside its own EPLB lines.
 _LOG = logging.getLogger("vllm.eplb_plugin")
+DUMP_ENV = "EPLB_VLLM_DUMP_DIR"
+"""Environment variable: a folder; rank 0 keeps every rebalance window there as an eplb trace."""
+_WINDOWS = WindowLogs("vllm", DUMP_ENV, _LOG)
 
 
 def requested_algorithm(environ: Mapping[str, str] | None = None) -> str | None:
@@ -143,6 +147,7 @@ class EplbVllmPolicy:
             if load_LE.any():  # an empty window (a profile run) says nothing about the future
                 kept.append(load_LE)
                 del kept[: -cls.history_windows]
+                _WINDOWS.record(load_LE)  # with EPLB_VLLM_DUMP_DIR set (eplb.traces.window_log)
             window_HLE = np.stack(kept) if kept else load_LE[None]
         planner = cls.planner or make_planner(cls.algorithm, POLICY_ENV, SOLVER_DEFAULTS)
         nodes = num_nodes if num_nodes >= 1 and num_ranks % num_nodes == 0 else 1

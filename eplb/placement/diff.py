@@ -15,6 +15,9 @@ import numpy as np
 
 from eplb.placement.model import Placement
 
+BYTES_UNKNOWN = "bytes unknown"
+"""What :meth:`PlacementDiff.summary` says for bytes moved when bytes per expert is not known."""
+
 
 @dataclass(frozen=True)
 class PlacementDiff:
@@ -29,7 +32,7 @@ class PlacementDiff:
     local_copies: int
     """Changed slots filled from a replica the same GPU already held."""
     bytes_per_expert: int
-    """Bytes of one expert's weights in one layer (0 when unknown)."""
+    """Bytes of one expert's weights in one layer (0 when unknown: :meth:`summary` then says so)."""
 
     @property
     def num_changed_slots(self) -> int:
@@ -55,15 +58,25 @@ class PlacementDiff:
         """int64 [k]: layers with at least one changed slot."""
         return np.flatnonzero(self.changed_slots_LP.any(axis=1))
 
-    def summary(self) -> dict[str, int]:
+    @property
+    def bytes_known(self) -> bool:
+        """Whether byte counts mean anything: ``bytes_per_expert`` was given (> 0)."""
+        return self.bytes_per_expert > 0
+
+    def summary(self) -> dict[str, int | str]:
+        """Slot and copy counts, and bytes moved; a byte figure reads ``BYTES_UNKNOWN`` where
+        copies cross GPUs (or nodes) but ``bytes_per_expert`` was not given, never a false 0."""
         return {
             "changed_slots": self.num_changed_slots,
             "local_copies": self.local_copies,
             "experts_moved_across_gpus": self.experts_moved_across_gpus,
             "experts_moved_across_nodes": self.experts_moved_across_nodes,
-            "bytes_across_gpus": self.bytes_across_gpus,
-            "bytes_across_nodes": self.bytes_across_nodes,
+            "bytes_across_gpus": self._bytes(self.experts_moved_across_gpus),
+            "bytes_across_nodes": self._bytes(self.experts_moved_across_nodes),
         }
+
+    def _bytes(self, copies: int) -> int | str:
+        return copies * self.bytes_per_expert if self.bytes_known or not copies else BYTES_UNKNOWN
 
 
 def diff_placements(old: Placement, new: Placement, bytes_per_expert: int = 0) -> PlacementDiff:

@@ -231,5 +231,6 @@ def check_shapes(num_layers: int, num_logical: int, topology: Topology, current:
     if (current.num_gpus, current.num_nodes) != (topology.num_gpus, topology.num_nodes):
         raise ValueError(
             f"current placement spans {current.num_gpus} GPUs / {current.num_nodes} nodes, "
-            f"topology {topology.num_gpus} / {topology.num_nodes}"
+            f"topology {topology.num_gpus} / {topology.num_nodes} (Placement.trivial takes num_nodes, "
+            "default 1)"
         )
