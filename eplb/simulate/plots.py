@@ -126,23 +126,27 @@ def _balance_vs_migration(plt: Any, result: SimulationResult, path: Path) -> Pat
 def write_tradeoff_plot(rows: Sequence[dict[str, Any]], path: str | Path, title: str = "") -> Path:
     """Two panels against bytes moved per 1000 passes (log scale): prefill balancedness, speed-up.
 
-    One line per (mode, algorithm): periodic points are labelled with their interval, continuous
-    ones with their budget.
+    One line per periodic algorithm (points labelled with their interval) and per continuous
+    algorithm and interval (points labelled with their budget).
     """
     plt = _pyplot()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4))
+    series: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
-        series.setdefault((row["mode"], row["algorithm"]), []).append(row)
-    for (mode, algorithm), group in series.items():
+        name = f"{row['algorithm']}, {row['mode']}"
+        if row["mode"] == "continuous":
+            name += f" every {row['interval']}"
+        series.setdefault(name, []).append(row)
+    for name, group in series.items():
+        mode = group[0]["mode"]
         group = sorted(group, key=lambda r: r["bytes_moved_per_1000_passes"])
         x = [max(r["bytes_moved_per_1000_passes"], 1.0) / 1e9 for r in group]
         marker = "o" if mode == "periodic" else "s"
         for ax, key in zip(axes, ("balancedness_prefill_mean", "speedup_vs_none"), strict=True):
             y = [r[key] for r in group]
-            ax.plot(x, y, marker=marker, label=f"{algorithm}, {mode}")
+            ax.plot(x, y, marker=marker, label=name)
             for xi, yi, r in zip(x, y, group, strict=True):
                 tag = f"every {r['interval']}" if mode == "periodic" else f"{r['budget']} copies"
                 ax.annotate(tag, (xi, yi), textcoords="offset points", xytext=(4, 4), fontsize=7)
@@ -153,9 +157,10 @@ def write_tradeoff_plot(rows: Sequence[dict[str, Any]], path: str | Path, title:
         ax.set_xlabel("GB moved across GPUs per 1000 passes")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8, loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8)
     fig.suptitle(title or "Balance and speed-up against weight traffic")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.04 * (1 + (len(labels) - 1) // 3), 1, 1))
     fig.savefig(out, dpi=110)
     plt.close(fig)
     return out
