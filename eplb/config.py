@@ -33,8 +33,9 @@ PERIODIC_INTERVAL = 1000
 """SGLang's --eplb-rebalance-num-iterations default (periodic mode)."""
 CONTINUOUS_INTERVAL = 50
 """Continuous mode's default --eplb-rebalance-num-iterations."""
-CONTINUOUS_MAX_MOVED_EXPERTS = 256
-"""Continuous mode's default --eplb-max-moved-experts (cross-GPU expert copies per rebalance)."""
+CONTINUOUS_MAX_MOVED_EXPERTS = 160
+"""Continuous mode's default --eplb-max-moved-experts (cross-GPU expert copies per rebalance; chosen by
+benchmarks/bench_continuous.py: at most a quarter of the bytes periodic DeepSeek moves every 1000 passes)."""
 CONTINUOUS_BUFFER_SIZE = 200
 """Continuous mode's default --expert-distribution-recorder-buffer-size (at least the interval)."""
 MAX_WINDOW_PASSES = 1_000_000
