@@ -29,11 +29,12 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Counter, Histogram, Info, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from typing_extensions import Unpack
 
 from eplb._version import __version__
 from eplb.metrics import names
 from eplb.metrics.causes import causes_of, check_cause, rebalance_cause
-from eplb.metrics.sink import MetricsSink, PassKind, RebalanceCause, RebalanceOutcome
+from eplb.metrics.sink import MetricsSink, PassKind, RebalanceEvent
 from eplb.metrics.window import WindowCollector
 
 # Solve: milliseconds (greedy) to the solver's time budget; transfer: one expert (~44 MB at
@@ -138,21 +139,13 @@ class PrometheusSink(MetricsSink):
                 )
         self.window.update(logical_load_LE=logical_load_LE, gpu_load_LG=gpu_load_LG)
 
-    def on_rebalance(
-        self,
-        *,
-        outcome: RebalanceOutcome,
-        reason: str,
-        solve_seconds: float,
-        transfer_seconds: float,
-        experts_moved: int,
-        bytes_moved: int,
-        balancedness_before: float,
-        balancedness_after: float,
-        cause: RebalanceCause | None = None,
-    ) -> None:
+    def on_rebalance(self, **event: Unpack[RebalanceEvent]) -> None:
+        outcome, reason = event["outcome"], event["reason"]
+        solve_seconds, transfer_seconds = event["solve_seconds"], event["transfer_seconds"]
+        experts_moved, bytes_moved = event["experts_moved"], event["bytes_moved"]
+        given = event.get("cause")
         # The one place free text becomes a label value: a cause from the fixed list.
-        cause = rebalance_cause(outcome, reason) if cause is None else check_cause(outcome, cause)
+        cause = rebalance_cause(outcome, reason) if given is None else check_cause(outcome, given)
         for what, seconds in (("solve_seconds", solve_seconds), ("transfer_seconds", transfer_seconds)):
             if not (math.isfinite(seconds) and seconds >= 0):
                 raise ValueError(f"{what} must be a finite number >= 0, got {seconds}")
@@ -167,7 +160,7 @@ class PrometheusSink(MetricsSink):
             self._transfer.observe(transfer_seconds)
             self._experts_moved.inc(experts_moved)
             self._bytes_moved.inc(bytes_moved)
-        self._last_rebalance.record(outcome, cause, balancedness_before, balancedness_after)
+        self._last_rebalance.record(outcome, cause, event["balancedness_before"], event["balancedness_after"])
 
     def on_topology(
         self, *, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, num_nodes: int

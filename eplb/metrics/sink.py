@@ -12,15 +12,32 @@ called on the serving process's control path.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypedDict
 
 import numpy as np
+from typing_extensions import NotRequired, Unpack
 
 from eplb.metrics.causes import RebalanceCause, RebalanceOutcome
 
-__all__ = ["MetricsSink", "NullSink", "PassKind", "RebalanceCause", "RebalanceOutcome"]
+__all__ = ["MetricsSink", "NullSink", "PassKind", "RebalanceCause", "RebalanceEvent", "RebalanceOutcome"]
 
 PassKind = Literal["prefill", "decode"]
+
+
+class RebalanceEvent(TypedDict):
+    """The keyword arguments of :meth:`MetricsSink.on_rebalance`, listed once for every sink."""
+
+    outcome: RebalanceOutcome
+    reason: str
+    """Free text for logs (never a label)."""
+    solve_seconds: float
+    transfer_seconds: float
+    experts_moved: int
+    bytes_moved: int
+    balancedness_before: float
+    balancedness_after: float
+    cause: NotRequired[RebalanceCause | None]
+    """One of :data:`eplb.metrics.causes.REBALANCE_CAUSES`; absent or None: derived from ``reason``."""
 
 
 class MetricsSink(Protocol):
@@ -35,23 +52,11 @@ class MetricsSink(Protocol):
         """Load of the recorder's current window: per logical expert, and per GPU under the live placement."""
         return None
 
-    def on_rebalance(
-        self,
-        *,
-        outcome: RebalanceOutcome,
-        reason: str,
-        solve_seconds: float,
-        transfer_seconds: float,
-        experts_moved: int,
-        bytes_moved: int,
-        balancedness_before: float,
-        balancedness_after: float,
-        cause: RebalanceCause | None = None,
-    ) -> None:
+    def on_rebalance(self, **event: Unpack[RebalanceEvent]) -> None:
         """A rebalance was decided: applied, skipped (gain too small, threshold) or failed (rolled back).
 
-        ``reason`` is free text for logs; ``cause`` is one of
-        :data:`eplb.metrics.causes.REBALANCE_CAUSES`, or None to derive it from ``reason``
+        The fields are :class:`RebalanceEvent`'s: ``reason`` is free text for logs; ``cause`` is one
+        of :data:`eplb.metrics.causes.REBALANCE_CAUSES`, or None to derive it from ``reason``
         (:func:`eplb.metrics.causes.rebalance_cause`)."""
         return None
 
