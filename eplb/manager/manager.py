@@ -9,34 +9,10 @@ The engine calls, on every rank and for every forward pass::
     model(...)   # each MoE layer: remap_and_record(..., **manager.recorder.layer_kwargs(layer))
     manager.on_forward_pass_end()
 
-All ranks run the same control logic on agreed inputs, so they take the same steps on the same pass:
-
-1. The recorder (eplb.recorder.recorder, stat or per_pass mode) keeps the window; with
-   ``--eplb-record-prefill-only`` it records prefill passes and counts only passes where some
-   rank had prefill (an all_reduce of a flag, on a CPU group when the data group is NCCL).
-2. Every ``--eplb-rebalance-num-iterations`` counted passes the window is summed over ranks
-   (all_reduce), its balancedness logged and reported; above
-   ``--eplb-min-rebalancing-utilization-threshold`` the rebalance is skipped. Otherwise rank 0
-   hands the window to a background thread that runs the planner (eplb.solver.solve by default):
-   serving never waits for the solve.
-3. While it runs, each pass carries one all_reduce of "rank 0's plan is ready"; on the pass where
-   it is, rank 0 broadcasts the decision and the new phy2log (and dispatch weights), so every rank
-   adopts the same plan. A plan with ``apply=False`` (gain below the transfer's worth) is skipped.
-4. The swap runs ``--eplb-rebalance-layers-per-chunk`` changed layers per pass (eplb.hotswap.swap);
-   maps follow weights layer by layer. Each chunk's swap is planned and compiled ahead, on a
-   helper thread of every rank (``prepare_swap(check=False)``, host work only) while the passes
-   before it run, so the pass that applies a chunk pays its ``execute()`` (a CPU fingerprint
-   check, then the transfers). A failed chunk rolls back, and so do the chunks already applied
-   in this rebalance: the model returns to the old placement. A swap that loses the process
-   group (a peer lost or late, eplb.manager.health) leaves the model on the placement it holds;
-   the manager reports it, runs no collective again and stops rebalancing (phase ``stopped``).
-
-``--eplb-rebalance-mode continuous`` keeps these steps and changes three things: the interval is
-short, the window may be longer than it, and the solver gets a move budget
-(``--eplb-max-moved-experts``, ``max_moved_experts``). With ``--eplb-transfer-gbps`` the swap is
-paced (eplb.manager.pacing): each pass earns its agreed duration times the cap, and every chunk
-the credit covers runs between that pass and the next, so a swap spans as many passes as the cap
-needs. Each chunk's weights and maps switch at one pass boundary, the same on every rank.
+All ranks run the same control logic on agreed inputs, so they take the same steps on the same
+pass: record, plan on rank 0 in the background, adopt the broadcast plan, swap a chunk of layers
+per pass (paced in continuous mode). The steps, their collectives and the failure rules are in
+docs/architecture.md ("The control loop").
 
 Every event goes to the :class:`eplb.metrics.sink.MetricsSink`; :meth:`EplbManager.state` exposes
 the rest.
