@@ -20,6 +20,19 @@ from eplb.solver.predict import Prediction
 from eplb.solver.types import SolveOptions, Topology
 
 
+@dataclass(frozen=True)
+class PlacementRequest:
+    """What a policy places from: the forecast, where the slots live, the live placement, options."""
+
+    prediction: Prediction
+    topology: Topology
+    current: Placement | None
+    """The live placement (migration-aware policies keep what pays to keep), or None."""
+    options: SolveOptions
+    stats: dict[str, float]
+    """Numbers about the solve that the policy may add to (Plan.stats)."""
+
+
 class Policy(Protocol):
     """A placement algorithm that the registry (eplb.policy) can name."""
 
@@ -30,15 +43,8 @@ class Policy(Protocol):
         """The forecast method (``sum`` | ``decay`` | ``recent`` | ``robust``) this policy plans on."""
         ...
 
-    def place(
-        self,
-        prediction: Prediction,
-        topology: Topology,
-        current: Placement | None,
-        options: SolveOptions,
-        stats: dict[str, float],
-    ) -> np.ndarray:
-        """phy2log int [L, P] for the forecast; may add numbers to ``stats``."""
+    def place(self, request: PlacementRequest) -> np.ndarray:
+        """phy2log int [L, P] for the request's forecast; may add numbers to ``request.stats``."""
         ...
 
 
@@ -73,15 +79,8 @@ class DeepSeekPolicy:
         )
         return phy2log, rank
 
-    def place(
-        self,
-        prediction: Prediction,
-        topology: Topology,
-        current: Placement | None,
-        options: SolveOptions,
-        stats: dict[str, float],
-    ) -> np.ndarray:
-        return self.place_with_rank(prediction.point_LE, topology)[0]
+    def place(self, request: PlacementRequest) -> np.ndarray:
+        return self.place_with_rank(request.prediction.point_LE, request.topology)[0]
 
 
 @dataclass(frozen=True)
@@ -97,17 +96,11 @@ class ScipyPolicy:
         robust = num_passes >= options.robust_from_passes and not options.budgeted
         return "robust" if robust else "decay"
 
-    def place(
-        self,
-        prediction: Prediction,
-        topology: Topology,
-        current: Placement | None,
-        options: SolveOptions,
-        stats: dict[str, float],
-    ) -> np.ndarray:
+    def place(self, request: PlacementRequest) -> np.ndarray:
         from eplb.solver.scipy_solver import scipy_phy2log
 
-        return scipy_phy2log(prediction, topology, current, options, stats)
+        r = request
+        return scipy_phy2log(r.prediction, r.topology, r.current, r.options, r.stats)
 
 
 DEEPSEEK = DeepSeekPolicy("deepseek", hierarchical=False)

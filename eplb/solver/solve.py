@@ -24,7 +24,7 @@ from eplb.placement.model import Placement
 from eplb.solver import holdout as ho
 from eplb.solver.budget import budget_of, fit_layers
 from eplb.solver.local_search import expected_balancedness
-from eplb.solver.policies import Policy, load_policy
+from eplb.solver.policies import PlacementRequest, Policy, load_policy
 from eplb.solver.predict import Prediction, predict
 from eplb.solver.split import lp_split
 from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check_shapes
@@ -109,7 +109,7 @@ def _plan(
     stats: dict[str, float],
 ) -> tuple[Placement, np.ndarray | None]:
     """The policy's placement for ``prediction``, cut to the move budget, and its dispatch weights."""
-    phy2log_LP = policy.place(prediction, topology, current, options, stats)
+    phy2log_LP = policy.place(PlacementRequest(prediction, topology, current, options, stats))
     searched_within_budget = policy.name == "scipy" and options.incremental
     if current is not None and options.budgeted and not searched_within_budget:
         # Plans that did not search within the budget keep the whole layers that pay best per copy.
