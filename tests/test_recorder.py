@@ -271,3 +271,11 @@ def test_record_flag_follows_the_pass_without_refilling_it() -> None:
     rec.begin_pass(has_prefill=True)
     assert int(rec.record_flag_1.item()) == 0
     rec.end_pass()
+
+
+@pytest.mark.parametrize("num_tokens", [-1, 2**31, 2**40])
+def test_a_pass_that_would_wrap_int32_counts_is_refused(num_tokens: int) -> None:
+    _, _, rec = _setup(window=3)
+    rec.start()
+    with pytest.raises(ValueError, match="num_tokens"):
+        rec.begin_pass(has_prefill=True, num_tokens=num_tokens)

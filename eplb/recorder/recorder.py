@@ -211,6 +211,9 @@ class ExpertDistributionRecorder:
         """
         if self._pass_open:
             raise RuntimeError("begin_pass called twice without end_pass")
+        if not 0 <= int(num_tokens) < 2**31:
+            # a slot's count of one pass is at most the pass's tokens, held in int32 on the device
+            raise ValueError(f"num_tokens must lie in [0, 2**31), got {num_tokens}: int32 counts would wrap")
         self._pass_open = True
         self._local_prefill = bool(has_prefill)
         self._num_tokens = int(num_tokens)

@@ -213,7 +213,16 @@ def as_load_array(load: Any) -> np.ndarray:
             raise ValueError("load contains inf")
     if low < 0:
         raise ValueError("load contains negative values")
-    return np.asarray(arr, dtype=np.float64)
+    out = np.asarray(arr, dtype=np.float64)
+    if high > _LARGEST_EXACT:
+        # Plans depend on load ratios only; huge counts (up to float64's max) would overflow the
+        # sums and the float32 the DeepSeek path uses, so they are scaled down first.
+        out = out * (_LARGEST_EXACT / float(high))
+    return out
+
+
+_LARGEST_EXACT = float(2**40)
+"""Loads above this are scaled to it before planning (ratios kept, sums stay finite)."""
 
 
 def check_shapes(num_layers: int, num_logical: int, topology: Topology, current: Placement | None) -> None:
