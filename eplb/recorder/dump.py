@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from eplb.fileio import atomic_path
 from eplb.placement.balance import balancedness
 from eplb.traces import Trace
 
@@ -114,15 +115,15 @@ def save_window(window: WindowDump, path: Path, *, fmt: str) -> Path:
             "records": records,
             "last_physical_to_logical_map": torch.from_numpy(window.phy2log_LP.copy()),
         }
-    torch.save(obj, str(path))
+    with atomic_path(path, parents=True) as tmp:
+        torch.save(obj, str(tmp))
     return path
 
 
 def save_per_token(path: Path, ids_NLK: np.ndarray, pass_N: np.ndarray, dropped: int) -> Path:
     """Write per_token ids: an npz with ``topk_ids`` int32 [N, L, K], ``forward_pass_id`` int64 [N]
     and ``dropped_tokens`` (tokens past the budget)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("wb") as f:
+    with atomic_path(path, parents=True) as tmp, tmp.open("wb") as f:
         np.savez_compressed(
             f,
             format=np.array(PER_TOKEN_FORMAT),

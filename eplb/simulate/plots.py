@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from eplb.fileio import atomic_path
 from eplb.simulate.results import SimulationResult
 
 MAX_HEATMAPS = 4
@@ -79,7 +80,8 @@ def _balancedness_over_time(plt: Any, result: SimulationResult, path: Path) -> P
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path, parents=True) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     return path
 
 
@@ -101,7 +103,8 @@ def _load_heatmaps(plt: Any, result: SimulationResult, path: Path) -> Path:
     axes[0][0].set_ylabel("MoE layer")
     fig.colorbar(image, ax=axes[0].tolist(), label="GPU load / layer mean (per step, averaged)")
     fig.suptitle(f"Load per layer and GPU, steps {result.scored_from}..{result.is_prefill_T.size - 1}")
-    fig.savefig(path, dpi=110)
+    with atomic_path(path, parents=True) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     return path
 
 
@@ -119,7 +122,8 @@ def _balance_vs_migration(plt: Any, result: SimulationResult, path: Path) -> Pat
     ax.grid(alpha=0.3)
     ax.legend(title="modeled speed-up vs no balancing", fontsize=8, title_fontsize=8, loc="lower right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path, parents=True) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     return path
 
 
@@ -161,6 +165,7 @@ def write_tradeoff_plot(rows: Sequence[dict[str, Any]], path: str | Path, title:
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 3), fontsize=8)
     fig.suptitle(title or "Balance and speed-up against weight traffic")
     fig.tight_layout(rect=(0, 0.04 * (1 + (len(labels) - 1) // 3), 1, 1))
-    fig.savefig(out, dpi=110)
+    with atomic_path(out, parents=True) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     plt.close(fig)
     return out
