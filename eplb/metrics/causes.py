@@ -43,7 +43,7 @@ CAUSE_HELP: dict[RebalanceCause, str] = {
     "skipped_other": "skipped for a reason not listed (a custom planner's)",
     "failed_planner": "the planner raised",
     "failed_shape": "the plan or the slot buffers did not fit the model's shapes",
-    "failed_memory": "a rank could not allocate the swap's backups",
+    "failed_memory": "a rank could not allocate the swap's staging buffer",
     "failed_timeout": "transfers did not finish within the hot-swap timeout",
     "failed_checksum": "a received expert's checksum did not match the sender's",
     "failed_peer": "another rank failed or disagreed on the swap",
