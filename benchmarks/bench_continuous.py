@@ -153,6 +153,8 @@ def verdict(rows: list[dict[str, Any]], default: dict[str, int], target: bool) -
         "bytes_fraction_of_periodic_1000": fraction,
         "prediction_error": error,
         "prediction_bias": chosen["prediction_bias_mean"],
+        # The realized balancedness of the summed load (the definition before 2026-12-01): for reference.
+        "prediction_error_summed": chosen.get("prediction_error_summed_mean"),
         "solve_seconds_mean": chosen["solve_seconds_mean"],
         "solve_seconds_max": chosen["solve_seconds_max"],
     }

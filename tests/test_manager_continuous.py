@@ -58,6 +58,8 @@ def test_the_move_budget_reaches_the_planner(
             "num_groups": 2,
             "bytes_per_expert": bytes_per_expert,
             "weighted": False,
+            # The server's dispatch (static unless a flag says otherwise): plans scored with its shares.
+            "static_dispatch": config.dispatch_algorithm == "static",
             "extra_options": extra,
         }
     ]

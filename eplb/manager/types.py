@@ -120,6 +120,7 @@ def default_planner(config: EplbConfig, *, num_groups: int, bytes_per_expert: in
         num_groups=num_groups,
         bytes_per_expert=bytes_per_expert,
         weighted=dispatch_mode(config.dispatch_algorithm).needs_weights,
+        static_dispatch=dispatch_mode(config.dispatch_algorithm).static_maps,
         extra_options={} if budget is None else {"max_moved_experts": budget},
     )
 

@@ -20,6 +20,9 @@ class DispatchMode:
     """One line for ``--help`` and docs."""
     needs_weights: bool = False
     """Reads per-replica dispatch weights [L, E, R] that the rebalancer fits."""
+    static_maps: bool = False
+    """Each rank sends an expert's tokens to the one replica its static map picks, so a replica
+    receives the fraction of ranks mapped to it: the solver scores plans with those shares."""
     collective: bool = False
     """Exchanges this batch's counts over the EP group on every call (every rank must call, an
     idle one with T = 0 too)."""
@@ -30,7 +33,11 @@ class DispatchMode:
 DISPATCH_MODES: dict[str, DispatchMode] = {
     mode.name: mode
     for mode in (
-        DispatchMode(name="static", summary="a fixed replica per (rank, expert): same GPU, else same node"),
+        DispatchMode(
+            name="static",
+            summary="a fixed replica per (rank, expert): same GPU, else same node",
+            static_maps=True,
+        ),
         DispatchMode(name="dynamic", summary="a uniformly random replica per token"),
         DispatchMode(
             name="dynamic_row",

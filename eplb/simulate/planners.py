@@ -123,6 +123,7 @@ def make_planner(
         num_groups=num_groups,
         bytes_per_expert=bytes_per_expert,
         weighted=dispatch_mode(run.dispatch).needs_weights,
+        static_dispatch=dispatch_mode(run.dispatch).static_maps,
         seed=seed,
         extra_options=dict(solver_options or {}),
     )

@@ -44,8 +44,11 @@ class RebalanceEvent:
     """Balancedness of the window under the placement in use when the plan was made."""
     predicted_balancedness: float | None = None
     realized_balancedness: float | None = None
-    """Balancedness of the load its plan served until the next rebalance, summed over those
-    recorded steps as a window is (None: not applied, or the trace ended first)."""
+    """What its prediction estimates: the mean over the recorded steps its plan served until the
+    next rebalance of their model balancedness, each weighted by its load (None: not applied, or
+    the trace ended first)."""
+    realized_summed_balancedness: float | None = None
+    """Balancedness of the load of those steps summed, as a window is (higher: summing smooths)."""
 
 
 @dataclass(kw_only=True)
@@ -87,6 +90,8 @@ class RunResult:
         bytes_moved = int(sum(e.bytes_moved for e in applied))
         pairs = [(e.predicted_balancedness, e.realized_balancedness) for e in applied]
         error = np.array([p - r for p, r in pairs if p is not None and r is not None])
+        summed = [(e.predicted_balancedness, e.realized_summed_balancedness) for e in applied]
+        error_summed = np.array([p - r for p, r in summed if p is not None and r is not None])
         delays = [e.switch_step - e.step for e in applied if e.switch_step is not None]
         return {
             "name": self.spec.name,
@@ -114,6 +119,7 @@ class RunResult:
             # None when no applied plan served a whole window (NaN would not compare equal to itself).
             "prediction_error_mean": float(np.abs(error).mean()) if error.size else None,
             "prediction_bias_mean": float(error.mean()) if error.size else None,
+            "prediction_error_summed_mean": float(np.abs(error_summed).mean()) if error_summed.size else None,
             "predictions_checked": int(error.size),
             "solve_seconds_total": float(solve.sum()),
             "solve_seconds_mean": _mean(solve) if solve.size else 0.0,

@@ -6,8 +6,10 @@ At a rebalance the run plans from the window. Periodic mode switches to the plan
 stalls for its transfer. Continuous mode keeps serving on the old placement while the swap goes
 beside the passes (``eplb.simulate.cost_model.swap_beside_passes``); the maps switch at the pass
 boundary after it arrives, and a swap still in flight at the next rebalance stalls serving for
-the rest of its link time. Each applied plan's *realized* balancedness is that of the load it
-served until the next rebalance, summed as its window was, to set against its prediction.
+the rest of its link time. Each applied plan's *realized* balancedness is what its prediction
+estimates (``Plan.predicted_balancedness``): the mean over the recorded steps it served until the
+next rebalance of their model balancedness, each step weighted by its load; the balancedness of
+that load summed, as a window is, is kept beside it (it reads higher: summing smooths the noise).
 """
 
 from __future__ import annotations
@@ -74,6 +76,9 @@ class RunState:
         self.serving: int | None = None
         """Event whose plan serves now and whose realized window is still open."""
         self.served_LE = np.zeros((L, E))
+        self.served_weighted = 0.0
+        """Sum over the served recorded steps of load times balancedness (the realized mean's numerator)."""
+        self.served_load = 0.0
         self.eval_seconds = 0.0
         self.apply_seconds = 0.0
 
@@ -166,13 +171,17 @@ class RunState:
         self.matrices = dispatch_matrices(self.placement, self.spec.dispatch, self.weights_LER)
         self.swap, self.serving = None, swap.event
         self.served_LE[:] = 0.0
+        self.served_weighted = self.served_load = 0.0
         self.apply_seconds += time.perf_counter() - started
 
     def _close_realized(self) -> None:
         """Record the balancedness the serving plan realized on the load it served since its switch."""
-        if self.serving is not None and self.served_LE.any():
-            realized = model_balancedness(self.served_LE, self.matrices)
-            self.events[self.serving] = replace(self.events[self.serving], realized_balancedness=realized)
+        if self.serving is not None and self.served_load > 0:
+            self.events[self.serving] = replace(
+                self.events[self.serving],
+                realized_balancedness=self.served_weighted / self.served_load,
+                realized_summed_balancedness=model_balancedness(self.served_LE, self.matrices),
+            )
         self.serving = None
 
     # ---- evaluation -----------------------------------------------------------------------------
@@ -217,6 +226,9 @@ class RunState:
             served_n = self.recorded_T[start:stop].copy()
             served_n[:switched] = False
             self.served_LE += load_LnE[:, served_n].sum(axis=1, dtype=np.float64)
+            weight_n = counts_nLE[served_n].sum(axis=(1, 2), dtype=np.float64)
+            self.served_weighted += float(weight_n @ self.balancedness_T[start:stop][served_n])
+            self.served_load += float(weight_n.sum())
         self.eval_seconds += time.perf_counter() - started
 
     def _gpu_load(

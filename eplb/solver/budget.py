@@ -106,8 +106,13 @@ def budgeted_phy2log(
     current: Placement,
     budget: Budget,
     stats: dict[str, float],
+    static_nodes: int | None = None,
 ) -> np.ndarray:
-    """int64 [L, P]: ``current`` changed by the best-paying moves within ``budget``; fills ``stats``."""
+    """int64 [L, P]: ``current`` changed by the best-paying moves within ``budget``; fills ``stats``.
+
+    ``static_nodes``: the topology's nodes when the server dispatches statically (loads follow
+    the static maps' shares, eplb.solver.static_share); None: an even split over replicas.
+    """
     if budget.weighted <= 0 or budget.plain <= 0:
         # A budget of 0 moves nothing, not even slots refilled from a replica on the same GPU.
         stats["budget_copies"] = 0.0
@@ -121,6 +126,7 @@ def budgeted_phy2log(
         current.num_gpus,
         weighted_LGE,
         plain_LGE if separate_plain else None,
+        static_nodes,
     )
     L = current.num_layers
     active_L = (scenarios_KLE.sum(axis=-1) > 0).all(axis=0) & (current.num_gpus > 1)
@@ -130,7 +136,8 @@ def budgeted_phy2log(
     replica_L = np.zeros(L, dtype=bool)
     slot_a_L, slot_b_L, expert_L = (np.zeros(L, dtype=np.int64) for _ in range(3))
     left_w, left_p = budget.weighted, budget.plain
-    counts = {"swaps": 0, "replica_changes": 0, "rounds": 0}
+    counts = {"swaps": 0, "replica_changes": 0, "rounds": 0, "undone": 0}
+    checked = state.static_nodes is not None
     spent_total = 0.0
     for _ in range(MAX_ROUNDS):
         stale_L = active_L & (dirty_L | (weighted_L > left_w + _TOL) | (plain_L > left_p + _TOL))
@@ -157,12 +164,24 @@ def budgeted_phy2log(
                 continue
             if cw > _TOL and spent > 0 and spent + cw > round_cap + _TOL:
                 continue
+            slot_a, slot_b, giver = int(slot_a_L[layer]), int(slot_b_L[layer]), -1
+            before = moves.soft_balancedness(state, layer, weights_K) if checked else 0.0
             if replica_L[layer]:
-                moves.apply_replica_change(state, layer, int(slot_b_L[layer]), int(expert_L[layer]))
-                counts["replica_changes"] += 1
+                giver = int(state.phy2log_LP[layer, slot_b])
+                moves.apply_replica_change(state, layer, slot_b, int(expert_L[layer]))
             else:
-                moves.apply_swap(state, layer, int(slot_a_L[layer]), int(slot_b_L[layer]))
-                counts["swaps"] += 1
+                moves.apply_swap(state, layer, slot_a, slot_b)
+            if checked and (moves.soft_balancedness(state, layer, weights_K) - before <= MIN_STEP_GAIN):
+                # The proposal's even-split estimate did not hold under the static maps' shares:
+                # undo it, and search this layer no further (strict progress: no cycles).
+                if replica_L[layer]:
+                    moves.apply_replica_change(state, layer, slot_b, giver)
+                else:
+                    moves.apply_swap(state, layer, slot_a, slot_b)
+                active_L[layer] = False
+                counts["undone"] += 1
+                continue
+            counts["replica_changes" if replica_L[layer] else "swaps"] += 1
             left_w -= cw
             left_p -= cp
             spent += max(cw, 0.0)
@@ -171,5 +190,6 @@ def budgeted_phy2log(
     stats["budget_swaps"] = float(counts["swaps"])
     stats["budget_replica_changes"] = float(counts["replica_changes"])
     stats["budget_rounds"] = float(counts["rounds"])
+    stats["budget_undone"] = float(counts["undone"])
     stats["budget_copies"] = float(spent_total)
     return state.phy2log_LP

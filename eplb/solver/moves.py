@@ -9,6 +9,11 @@ Copies are priced exactly with two arrays kept up to date: what expert e arrivin
 cost (0 if g holds it now or held it before the plan) and what e leaving g would refund (its
 arrival cost, if it is g's last replica). The power 32 and its root are five squarings and five
 square roots: several times faster than ``np.power`` on these arrays.
+
+A slot carries its expert's load times its share: ``1 / count`` (an even split), or under static
+dispatch the share the static maps give (eplb.solver.static_share), recomputed for a layer after
+each move there. A proposal's gain assumes the shares of an even split (a swap carries the slots'
+loads as they are); the state after the move is exact, so the next proposals start from the truth.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.solver.local_search import holds_per_gpu, swap_slots
+from eplb.solver.static_share import expert_static_shares, static_share_LP
 
 GIVER_SLOTS = 8
 """Replica changes: candidate slots to take from, per layer (light GPUs, cheap givers first)."""
@@ -69,6 +75,8 @@ class MoveState:
     plain: CopyPrices | None
     """Plain copies; None when only the weighted count is limited (or they coincide)."""
     num_gpus: int
+    static_nodes: int | None = None
+    """Static dispatch: the topology's nodes (slot shares follow the static maps); None: even split."""
 
     @property
     def slots_per_gpu(self) -> int:
@@ -82,8 +90,12 @@ def make_state(
     num_gpus: int,
     weighted_LGE: np.ndarray,
     plain_LGE: np.ndarray | None,
+    static_nodes: int | None = None,
 ) -> MoveState:
-    """The search state of placement ``phy2log_LP`` with arrival costs from the plan's start."""
+    """The search state of placement ``phy2log_LP`` with arrival costs from the plan's start.
+
+    ``static_nodes``: the topology's nodes when the server dispatches statically (None: even split).
+    """
     G = num_gpus
     p2l = phy2log_LP.astype(np.int64)
     cnt = cnt_LE.astype(np.int64)
@@ -91,12 +103,24 @@ def make_state(
     norm_KLE = scenarios_KLE / np.where(mean_KL > 0, mean_KL, 1.0)[..., None]
     L, P = p2l.shape
     layer = np.arange(L)[:, None]
-    item_KLP = norm_KLE[:, layer, p2l] / cnt[layer, p2l]
+    if static_nodes is None:
+        item_KLP = norm_KLE[:, layer, p2l] / cnt[layer, p2l]
+    else:
+        item_KLP = norm_KLE[:, layer, p2l] * static_share_LP(p2l, cnt.shape[1], G, static_nodes)
     gpu_KLG = item_KLP.reshape(-1, L, G, P // G).sum(axis=-1)
     holds = holds_per_gpu(p2l, G, cnt.shape[1])
     plain = None if plain_LGE is None else CopyPrices.of(plain_LGE, holds)
     return MoveState(
-        p2l, cnt, norm_KLE, item_KLP, gpu_KLG, holds, CopyPrices.of(weighted_LGE, holds), plain, G
+        p2l,
+        cnt,
+        norm_KLE,
+        item_KLP,
+        gpu_KLG,
+        holds,
+        CopyPrices.of(weighted_LGE, holds),
+        plain,
+        G,
+        static_nodes,
     )
 
 
@@ -342,9 +366,12 @@ def apply_swap(state: MoveState, layer: int, a: int, b: int) -> None:
     ea, eb, ga, gb = swap_slots(
         state.phy2log_LP[layer], items, state.holds_LGE[layer], a, b, state.slots_per_gpu
     )
-    delta_K = items[:, a] - items[:, b]
-    state.gpu_KLG[:, layer, ga] += delta_K
-    state.gpu_KLG[:, layer, gb] -= delta_K
+    if state.static_nodes is not None and max(state.cnt_LE[layer, ea], state.cnt_LE[layer, eb]) > 1:
+        _reshare(state, layer, (ea, eb))  # a replicated expert moved: its shares follow its replicas
+    else:  # single replicas take all their expert's tokens wherever they sit
+        delta_K = items[:, a] - items[:, b]
+        state.gpu_KLG[:, layer, ga] += delta_K
+        state.gpu_KLG[:, layer, gb] -= delta_K
     _update_prices(state, layer, [ga, ga, gb, gb], [ea, eb, eb, ea])
 
 
@@ -357,13 +384,34 @@ def apply_replica_change(state: MoveState, layer: int, slot: int, expert: int) -
     cnt = state.cnt_LE[layer]
     cnt[expert] += 1
     cnt[giver] -= 1
-    touched = np.flatnonzero((p2l == expert) | (p2l == giver))
-    state.item_KLP[:, layer, touched] = state.norm_KLE[:, layer, p2l[touched]] / cnt[p2l[touched]]
-    state.gpu_KLG[:, layer] = state.item_KLP[:, layer].reshape(-1, G, S).sum(axis=-1)
+    if state.static_nodes is not None:
+        _reshare(state, layer, (giver, expert))
+    else:
+        touched = np.flatnonzero((p2l == expert) | (p2l == giver))
+        state.item_KLP[:, layer, touched] = state.norm_KLE[:, layer, p2l[touched]] / cnt[p2l[touched]]
+        state.gpu_KLG[:, layer] = state.item_KLP[:, layer].reshape(-1, G, S).sum(axis=-1)
     g = slot // S
     state.holds_LGE[layer, g, giver] -= 1
     state.holds_LGE[layer, g, expert] += 1
     _update_prices(state, layer, [g, g], [giver, expert])
+
+
+def soft_balancedness(state: MoveState, layer: int, weights_K: np.ndarray) -> float:
+    """Expected soft balancedness ``1 / smax`` of ``layer`` in the state as it is."""
+    u_K = _pow32(state.gpu_KLG[:, layer].copy()).sum(axis=-1)
+    return float(_expect(weights_K, _inv_root32(np.maximum(u_K, 1.0))))
+
+
+def _reshare(state: MoveState, layer: int, experts: tuple[int, int]) -> None:
+    """Static dispatch: recompute the shares of ``experts`` in ``layer``, their slots' and GPUs' loads."""
+    assert state.static_nodes is not None
+    p2l = state.phy2log_LP[layer]
+    E, G, S = state.cnt_LE.shape[1], state.num_gpus, state.slots_per_gpu
+    for e in set(experts):
+        slots = np.flatnonzero(p2l == e)
+        shares = expert_static_shares(slots.tolist(), layer * E + e, G, S, state.static_nodes)
+        state.item_KLP[:, layer, slots] = state.norm_KLE[:, layer, e, None] * np.asarray(shares)
+    state.gpu_KLG[:, layer] = state.item_KLP[:, layer].reshape(-1, G, S).sum(axis=-1)
 
 
 def _update_prices(state: MoveState, layer: int, gpus: list[int], experts: list[int]) -> None:

@@ -32,6 +32,8 @@ class SolverPlanner:
     """Bytes of one expert's weights in one layer (byte counts, byte budgets)."""
     weighted: bool = False
     """Also fit per-replica dispatch weights (weighted dispatch)."""
+    static_dispatch: bool = False
+    """The server dispatches by static per-rank maps: plans are scored with their shares."""
     seed: int = 0
     """Passed to SolveOptions.seed."""
     extra_options: Mapping[str, Any] = field(default_factory=dict)
@@ -46,6 +48,7 @@ class SolverPlanner:
             return SolveOptions(
                 algorithm=self.algorithm,
                 weighted=self.weighted,
+                static_dispatch=self.static_dispatch,
                 bytes_per_expert=self.bytes_per_expert,
                 seed=self.seed,
                 **dict(self.extra_options),

@@ -42,7 +42,10 @@ def scipy_phy2log(
     point_LE = prediction.point_LE
     weights_K = prediction.scenario_weights_K
     if current is not None and options.incremental and options.budgeted:
-        return budgeted_phy2log(prediction.scenarios_KLE, weights_K, current, budget_of(options), stats)
+        static_nodes = topology.num_nodes if options.static_dispatch else None
+        return budgeted_phy2log(
+            prediction.scenarios_KLE, weights_K, current, budget_of(options), stats, static_nodes
+        )
 
     fresh_LP, _, fresh_cnt_LE = deepseek_rebalance(point_LE, P, 1, 1, G)
     state = ls.make_state(fresh_LP, prediction.scenarios_KLE, fresh_cnt_LE, G, None)

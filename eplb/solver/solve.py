@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.placement.balance import model_balancedness, slot_share_LP
+from eplb.placement.balance import balancedness, slot_share_LP
 from eplb.placement.diff import PlacementDiff, diff_placements
 from eplb.placement.model import Placement
 from eplb.solver import holdout as ho
@@ -27,6 +27,7 @@ from eplb.solver.local_search import expected_balancedness
 from eplb.solver.policies import PlacementRequest, Policy, load_policy
 from eplb.solver.predict import Prediction, predict
 from eplb.solver.split import lp_split
+from eplb.solver.static_share import static_share_LP
 from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check_shapes
 
 
@@ -59,7 +60,9 @@ def solve(
     stats: dict[str, float] = {}
     prediction = predict(load_WLE, options, method)
     placement, weights_LER = _plan(policy, prediction, topology, current, options, stats)
-    forecast = float(model_balancedness(prediction.point_LE, placement, weights_LER))
+    base = None if current is None else _scored(current, None, options)
+    scored = _scored(placement, weights_LER, options, base)
+    forecast = _balancedness(prediction.point_LE, scored, topology.num_gpus)
     stats["forecast_balancedness"] = forecast
     held = ho.holdout_size(W, options.holdout_passes)
     stats["holdout_passes"] = float(held)
@@ -72,9 +75,9 @@ def solve(
         scores = ho.held_out_scores(
             ho.PassScores.of(tail),
             ho.PassScores.of(load_WLE[W - held :]),
-            _scored(placement, weights_LER),
-            _scored(older, older_weights),
-            None if current is None else _scored(current, None),
+            scored,
+            _scored(older, older_weights, options, base),
+            base,
             topology.num_gpus,
         )
         # Balancedness lies in (0, 1]; the held-out correction can step past 1 on tiny windows.
@@ -83,7 +86,7 @@ def solve(
         stats.update({k: v for k, v in scores.items() if k not in ("predicted", "current", "gain")})
     else:
         predicted = forecast
-        now = None if current is None else float(model_balancedness(prediction.point_LE, current))
+        now = None if base is None else _balancedness(prediction.point_LE, base, topology.num_gpus)
     diff = None if current is None else diff_placements(current, placement, options.bytes_per_expert)
     apply, reason = _decide(policy, predicted, now, current, diff, options, stats)
     stats["solve_seconds"] = time.perf_counter() - start
@@ -134,12 +137,37 @@ def _plan(
     return placement, weights_LER
 
 
-def _scored(placement: Placement, weights_LER: np.ndarray | None) -> ho.Scored:
-    if weights_LER is None:
-        share_LP = ho.even_share_LP(placement.phy2log_LP, placement.logcnt_LE)
-    else:
+def _scored(
+    placement: Placement,
+    weights_LER: np.ndarray | None,
+    options: SolveOptions,
+    base: ho.Scored | None = None,
+) -> ho.Scored:
+    """``placement`` with the share of its expert's tokens each slot gets as the server dispatches.
+
+    ``base``: the current placement scored; static shares are computed again only for the layers
+    that differ from it.
+    """
+    if weights_LER is not None:
         share_LP = slot_share_LP(placement, weights_LER)
+    elif options.static_dispatch:
+        E, G, N = placement.num_logical, placement.num_gpus, placement.num_nodes
+        if base is None:
+            share_LP = static_share_LP(placement.phy2log_LP, E, G, N)
+        else:
+            changed = np.flatnonzero((placement.phy2log_LP != base.phy2log_LP).any(axis=1))
+            share_LP = base.share_LP.copy()
+            share_LP[changed] = static_share_LP(placement.phy2log_LP, E, G, N, changed)
+    else:
+        share_LP = ho.even_share_LP(placement.phy2log_LP, placement.logcnt_LE)
     return ho.Scored(placement.phy2log_LP, share_LP)
+
+
+def _balancedness(load_LE: np.ndarray, scored: ho.Scored, num_gpus: int) -> float:
+    """Model balancedness of summed load [L, E] under ``scored``'s placement and shares."""
+    layer_LP = np.arange(load_LE.shape[0])[:, None]
+    slot_LP = load_LE[layer_LP, scored.phy2log_LP] * scored.share_LP
+    return float(balancedness(slot_LP.reshape(slot_LP.shape[0], num_gpus, -1).sum(axis=-1)).mean())
 
 
 def _decide(

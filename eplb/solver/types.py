@@ -76,6 +76,11 @@ class SolveOptions:
     """robust: sub-windows of the window used as scenarios of the next window's load shape."""
     weighted: bool = False
     """Also return LP per-replica dispatch weights [L, E, R] (for weighted dispatch)."""
+    static_dispatch: bool = False
+    """The server dispatches statically (each rank sends an expert's tokens to the one replica its
+    map picks, eplb.placement.dispatch_map): the budgeted search and the held-out prediction score
+    placements with the shares those maps give (eplb.solver.static_share) instead of an even split
+    over replicas. Not with ``weighted``."""
     milp_max_solves: int = 8
     """MILP repacking (fresh scipy plans): subproblem solves for the whole model (0 disables it).
     A count, not seconds, so every rank and every run computes the same plan."""
@@ -138,6 +143,8 @@ class SolveOptions:
             raise ValueError(f"bytes_per_expert must be >= 0, got {self.bytes_per_expert}")
         if self.max_bytes_moved is not None and (self.max_bytes_moved < 0 or self.bytes_per_expert <= 0):
             raise ValueError("max_bytes_moved needs bytes_per_expert > 0 and must be >= 0")
+        if self.static_dispatch and self.weighted:
+            raise ValueError("static_dispatch and weighted exclude each other: a server dispatches one way")
         if not np.isfinite(self.min_gain):
             raise ValueError(f"min_gain must be finite, got {self.min_gain}")
 
