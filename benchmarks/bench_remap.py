@@ -9,8 +9,10 @@ eagerly (CUDA events around one call, host launch cost included) and inside one 
 
 Variants: ``copy`` (the floor: the faster of ``Tensor.copy_`` and a Triton copy kernel of the same
 T*K int32), ``static`` (``remap_and_record``, slot counts, device ``num_valid_tokens`` and record
-flag), ``static prepared`` (the same through ``eplb.remap.prepared``), ``static rec=0`` (flag off:
-no histogram), ``lp`` (``mode="lp"``: count kernel, counts exchange, assign kernel; on one GPU the
+flag), ``static rows`` (the same into 16 count rows [16, P], as eplb.recorder passes on CUDA),
+``static prepared`` (rows, through ``eplb.remap.prepared``: the recorder's path), ``static rec=0`` (flag off:
+no histogram), ``static ballot`` (counting with ``tl.histogram`` in registers instead of
+shared-memory bins: the kernel before eplb.kernels.shared_bins), ``lp`` (``mode="lp"``: count kernel, counts exchange, assign kernel; on one GPU the
 exchange is a device copy of this rank's row into counts of 32 ranks held fixed, so the
 all-gather's network latency is not in these figures), ``sglang-fused`` (SGLang 0.5.23's Triton
 kernel, benchmarks/peers.py) and ``sglang-unfused`` (gather + ``scatter_add_``).
@@ -20,8 +22,9 @@ of the public function and of prepared calls, each plain and with the stat recor
 (``layer_kwargs``; ``ExpertDistributionRecorder.prepare``), ``begin_pass``/``end_pass`` included.
 
 ``--sweep`` adds static launch configs inside the graph (block x warps x programs per SM, with
-and without ``gather_map``: the lookup from the map row in registers), and ``lp`` with 1, 2, 4
-warps per program of its assign kernel (at T = 64, 4096, 65536).
+and without ``gather_map``: the lookup from the map row in registers; shared-memory bins or
+``tl.histogram``), and ``lp`` with 1, 2, 4 warps per program of its assign kernel (at T = 64,
+4096, 65536).
 Prints compact tables; writes JSON to ``--json`` or, when ``$OUT`` is set, ``$OUT/bench_remap.json``.
 
     python -m benchmarks.bench_remap --sweep                                  # on a CUDA machine
@@ -36,6 +39,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +57,11 @@ from benchmarks.remap_inputs import (
     stub_exchange,
     triton_copy,
 )
+from eplb.kernels.remap_record import default_config, remap_record_triton
 from eplb.placement.model import Placement
-from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
-from eplb.remap.api import remap_and_record
+from eplb.recorder.recorder import CUDA_COUNT_ROWS, ExpertDistributionRecorder, RecorderConfig
+from eplb.remap.api import count_rows_sum, remap_and_record
+from eplb.remap.call import RemapCall
 from eplb.remap.prepared import prepare_remap
 
 LAYER = 2
@@ -75,9 +81,9 @@ def build_variants(
     out: dict[str, torch.Tensor] = {}
     counts: dict[str, torch.Tensor] = {}
 
-    def new(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def new(name: str, rows: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         out[name] = torch.full_like(ids, -7)
-        counts[name] = torch.zeros(P, dtype=torch.int32, device=device)
+        counts[name] = torch.zeros((rows, P) if rows else (P,), dtype=torch.int32, device=device)
         return out[name], counts[name]
 
     variants: dict[str, Callable[[], Any]] = {}
@@ -86,20 +92,34 @@ def build_variants(
     o_tcopy, _ = new("copy triton")
     variants["copy triton"] = lambda: triton_copy(ids, o_tcopy)
 
-    def public(name: str, mode: str, record: torch.Tensor) -> None:
-        o, c = new(name)
+    def public(name: str, mode: str, record: torch.Tensor, rows: int = 0) -> None:
+        o, c = new(name, rows)
         kw: dict[str, Any] = {"counts_P": c, "num_valid_tokens": nvalid, "record": record, "out_TK": o}
         if mode == "lp":
             kw["lp"] = lp
         variants[name] = lambda: remap_and_record(ids, tables, LAYER, mode=mode, backend="triton", **kw)
 
     public("static", "static", rec_on)
-    o_p, c_p = new("static prepared")
+    public("static rows", "static", rec_on, CUDA_COUNT_ROWS)
+    o_p, c_p = new("static prepared", CUDA_COUNT_ROWS)
     prepared = prepare_remap(
         tables, LAYER, counts_P=c_p, num_valid_tokens=nvalid, record=rec_on, backend="triton"
     )
     variants["static prepared"] = lambda: prepared(ids, o_p)
     public("static rec=0", "static", rec_off)
+    o_b, c_b = new("static ballot")
+    ballot_call = RemapCall(
+        topk_ids_TK=ids,
+        tables=tables,
+        layer=LAYER,
+        mode="static",
+        out_TK=o_b,
+        counts_P=c_b,
+        num_valid_tokens=nvalid,
+        record=rec_on,
+    )
+    ballot_cfg = replace(default_config(ids.numel(), device), shared_bins=False)
+    variants["static ballot"] = lambda: remap_record_triton(ballot_call, config=ballot_cfg)
     public("lp", "lp", rec_on)
     map_E = tables.static_LE[LAYER].contiguous()
     if sglang is not None:
@@ -133,7 +153,18 @@ def check(variants: dict[str, Callable[[], Any]], bufs: dict[str, Any]) -> list[
             problems.append(f"{name}: raised {type(exc).__name__}: {exc}")
             del variants[name]
     for mode, names in (
-        ("static", ["static", "static prepared", "static rec=0", "sglang-fused", "sglang-unfused"]),
+        (
+            "static",
+            [
+                "static",
+                "static rows",
+                "static prepared",
+                "static rec=0",
+                "static ballot",
+                "sglang-fused",
+                "sglang-unfused",
+            ],
+        ),
         ("lp", ["lp"]),
     ):
         ref_c = torch.zeros(tables.num_physical, dtype=torch.int32, device=ids.device)
@@ -147,7 +178,7 @@ def check(variants: dict[str, Callable[[], Any]], bufs: dict[str, Any]) -> list[
             if not torch.equal(bufs["out"][name].to(torch.int32), ref_o):
                 problems.append(f"{name}: physical ids differ from the reference")
             want = torch.zeros_like(ref_c) if name == "static rec=0" else ref_c
-            if not torch.equal(bufs["counts"][name], want):
+            if not torch.equal(count_rows_sum(bufs["counts"][name]), want.to(torch.int64)):
                 problems.append(f"{name}: slot counts differ from the reference")
     for name in ("copy torch", "copy triton"):
         if not torch.equal(bufs["out"][name], ids):
@@ -190,30 +221,37 @@ def time_variants(
 
 
 SWEEP = [
-    (b, w, p, g) for b in (512, 1024, 2048, 4096) for w in (4, 8) for p in (1, 2, 4) for g in (False, True)
+    (b, w, p, g, s, r)
+    for b in (512, 1024, 2048, 4096)
+    for w in (4, 8)
+    for p in (1, 2)
+    for g in (False, True)
+    for s, r in ((True, 16), (True, 1), (False, 1))
 ]
 
 
 def sweep(bufs: dict[str, Any], reps: int, graph_calls: int) -> list[dict[str, Any]]:
     """Static launch configs inside the graph (through kernel[grid]: the config is explicit); the
     first call of each is checked against the torch reference."""
-    from eplb.kernels.remap_record import LaunchConfig, remap_record_triton
-    from eplb.remap.call import RemapCall
+    from eplb.kernels.remap_record import LaunchConfig
 
     ids, tables = bufs["ids"], bufs["tables"]
-    counts_P = torch.zeros(tables.num_physical, dtype=torch.int32, device=ids.device)
-    call = RemapCall(
-        topk_ids_TK=ids,
-        tables=tables,
-        layer=LAYER,
-        mode="static",
-        out_TK=torch.empty_like(ids),
-        counts_P=counts_P,
-        num_valid_tokens=bufs["nvalid"],
-    )
+    P = tables.num_physical
+    calls = {
+        r: RemapCall(
+            topk_ids_TK=ids,
+            tables=tables,
+            layer=LAYER,
+            mode="static",
+            out_TK=torch.empty_like(ids),
+            counts_P=torch.zeros((r, P) if r > 1 else (P,), dtype=torch.int32, device=ids.device),
+            num_valid_tokens=bufs["nvalid"],
+        )
+        for r in (1, CUDA_COUNT_ROWS)
+    }
     # the reference is computed here: the variants' own buffers have accumulated the timing runs' counts
     ref_out = torch.empty_like(ids)
-    ref_counts = torch.zeros_like(counts_P)
+    ref_counts = torch.zeros(P, dtype=torch.int32, device=ids.device)
     remap_and_record(
         ids,
         tables,
@@ -225,21 +263,38 @@ def sweep(bufs: dict[str, Any], reps: int, graph_calls: int) -> list[dict[str, A
         out_TK=ref_out,
     )
     rows = []
-    for block, warps, per_sm, gather in SWEEP:
+    for block, warps, per_sm, gather, shared, count_rows in SWEEP:
         if block > 4 * max(128, 1 << (ids.numel() - 1).bit_length()):
             continue
-        cfg = LaunchConfig(block=block, num_warps=warps, programs_per_sm=per_sm, gather_map=gather)
+        cfg = LaunchConfig(
+            block=block, num_warps=warps, programs_per_sm=per_sm, gather_map=gather, shared_bins=shared
+        )
 
-        def run(cfg: LaunchConfig = cfg) -> None:
+        call = calls[count_rows]
+
+        def run(cfg: LaunchConfig = cfg, call: RemapCall = call) -> None:
             remap_record_triton(call, config=cfg)
 
-        counts_P.zero_()
+        assert call.counts_P is not None
+        call.counts_P.zero_()
         run()
-        if not torch.equal(call.out_TK, ref_out) or not torch.equal(counts_P, ref_counts):
+        if not torch.equal(call.out_TK, ref_out) or not torch.equal(
+            count_rows_sum(call.counts_P), ref_counts.to(torch.int64)
+        ):
             raise AssertionError(f"launch config {cfg} differs from the reference")
         graph = capture_graph(run, graph_calls)
         us = statistics.median(event_us(graph.replay) / graph_calls for _ in range(reps))
-        rows.append({"block": block, "warps": warps, "per_sm": per_sm, "gather_map": gather, "graph_us": us})
+        rows.append(
+            {
+                "block": block,
+                "warps": warps,
+                "per_sm": per_sm,
+                "gather_map": gather,
+                "shared_bins": shared,
+                "count_rows": count_rows,
+                "graph_us": us,
+            }
+        )
     return rows
 
 
@@ -331,7 +386,17 @@ def recorder_pass_us(T: int, K: int, E: int, P: int, layers: int, device: torch.
 
 
 def print_tables(results: list[dict[str, Any]], recorder: dict[str, Any] | None, graph_calls: int) -> None:
-    names = ["copy", "static", "static prepared", "static rec=0", "lp", "sglang-fused", "sglang-unfused"]
+    names = [
+        "copy",
+        "static",
+        "static rows",
+        "static prepared",
+        "static rec=0",
+        "static ballot",
+        "lp",
+        "sglang-fused",
+        "sglang-unfused",
+    ]
     for kind, label in (("graph", f"inside a graph of {graph_calls} calls"), ("eager", "eager")):
         print(f"\nµs per call, {label} (median)")
         print("T".rjust(6) + "".join(n.rjust(16) for n in names) + "  static/copy  lp/copy  sglang/static")

@@ -51,7 +51,7 @@ def remap_record_lp_triton(call: RemapCall) -> None:
     ebins, nbins, gbins = _num_bins(E), _pow2(N), _pow2(G)
     chunk, programs = lp_launch_shape(numel, num_compute_units(ids_TK.device))
     hist_CE, starts_NG = _scratch(lp, ebins, nbins, gbins)
-    optional = (call.counts_P, call.logical_counts_E, call.num_valid_tokens, call.record)
+    optional = (call.counts_row_P(), call.logical_counts_E, call.num_valid_tokens, call.record)
     counts, lcounts, nvalid, record = (out_TK if t is None else t for t in optional)
     has_nvalid, has_record = call.num_valid_tokens is not None, call.record is not None
     lp.local_E.zero_()

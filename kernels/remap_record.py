@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from eplb.kernels import shared_bins
 from eplb.kernels.direct_launch import DirectLaunchCache, direct_launch_supported
 from eplb.kernels.remap_record_direct import PreparedDirect, RemapDirectLauncher
 from eplb.remap.call import RemapCall
@@ -86,6 +87,9 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
     HAS_NVALID: tl.constexpr,
     HAS_RECORD: tl.constexpr,
     GATHER_MAP: tl.constexpr,
+    SMEM: tl.constexpr,
+    SMEM_DECL: tl.constexpr,
+    COUNT_ROWS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
@@ -102,10 +106,22 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
         salt = salt ^ tl.load(seed_ptr).to(tl.uint32, bitcast=True)
     salt = _mix32(salt)
     table_base = layer * num_logical
+    # Count rows: consecutive programs flush into different rows, so at most
+    # ceil(programs / COUNT_ROWS) relaxed atomics serialise on one address.
+    counts_row_ptr = counts_ptr + (pid % COUNT_ROWS) * num_physical
 
     pacc = tl.zeros([PBINS], dtype=tl.int32)
     lacc = tl.zeros([LBINS], dtype=tl.int32)
     lbins = tl.arange(0, LBINS)
+    pbins = tl.arange(0, PBINS)
+    if SMEM:
+        # Bins in shared memory (eplb.kernels.shared_bins): slots at [0, PBINS), experts after.
+        shared_bins.declare(SMEM_DECL)
+        if COUNT_PHYS:
+            shared_bins.zero(pbins)
+        if COUNT_LOGICAL:
+            shared_bins.zero(lbins + PBINS)
+        tl.debug_barrier()
     if (MODE == 0 and GATHER_MAP) or (LOGICAL_HIST and COUNT_PHYS and not PHYS_HIST):
         # The map row the static-mode flush scatters through (and, with GATHER_MAP, the lookup
         # reads from registers), loaded now so its latency hides behind the ids' load.
@@ -145,14 +161,30 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
         tl.store(out_ptr + offs, tl.where(valid, phys, ids), mask=in_bounds)
         if do_count:
             counted = valid & (phys >= 0) & (phys < num_physical)
+            if SMEM:
+                if COUNT_PHYS:
+                    shared_bins.increment(phys, counted)
+                if COUNT_LOGICAL:
+                    shared_bins.increment(safe + PBINS, counted)
             if PHYS_HIST:
                 pacc += _histogram(phys, counted, PBINS, HIST_MASK)
             if LOGICAL_HIST:
                 lacc += _histogram(safe, counted, LBINS, HIST_MASK)
+    if do_count and SMEM:
+        tl.debug_barrier()  # every warp's increments land before any warp reads the bins
+        if COUNT_PHYS:
+            pcnt = shared_bins.read(pbins)
+            tl.atomic_add(
+                counts_row_ptr + pbins, pcnt, mask=(pbins < num_physical) & (pcnt > 0), sem="relaxed"
+            )
+        if COUNT_LOGICAL:
+            lcnt = shared_bins.read(lbins + PBINS)
+            tl.atomic_add(lcounts_ptr + lbins, lcnt, mask=(lbins < num_logical) & (lcnt > 0), sem="relaxed")
     if do_count:
         if PHYS_HIST:
-            pbins = tl.arange(0, PBINS)
-            tl.atomic_add(counts_ptr + pbins, pacc, mask=(pbins < num_physical) & (pacc > 0), sem="relaxed")
+            tl.atomic_add(
+                counts_row_ptr + pbins, pacc, mask=(pbins < num_physical) & (pacc > 0), sem="relaxed"
+            )
         if LOGICAL_HIST:
             nonzero = (lbins < num_logical) & (lacc > 0)
             if COUNT_LOGICAL:
@@ -161,7 +193,7 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
                 # Static mode: each expert goes to one slot, so slot counts are the expert histogram
                 # scattered through the map (half the bins of a slot histogram, and one histogram for both).
                 ok = nonzero & (slot_of_expert >= 0) & (slot_of_expert < num_physical)
-                tl.atomic_add(counts_ptr + slot_of_expert, lacc, mask=ok, sem="relaxed")
+                tl.atomic_add(counts_row_ptr + slot_of_expert, lacc, mask=ok, sem="relaxed")
 
 
 @triton.jit
@@ -184,9 +216,12 @@ class LaunchConfig:
     """Warps per program."""
     programs_per_sm: int
     """Upper bound on programs per SM (persistent grid)."""
-    gather_map: bool = False
-    """Static mode: look ids up in the map row held in registers (``tl.gather``) instead of a
-    dependent global load per id (a benchmark option until measured; the direct path uses False)."""
+    gather_map: bool = True
+    """Static mode: look ids up in the map row held in registers (``tl.gather``, Triton >= 3.2)
+    instead of a dependent global load per id (0.1-0.3 µs faster per call on an H200)."""
+    shared_bins: bool = True
+    """Count in shared-memory bins (eplb.kernels.shared_bins) where the kernel compiles to PTX;
+    False: ``tl.histogram`` in registers everywhere (the path the interpreter and ROCm take)."""
 
 
 DEFAULT_PROGRAMS_PER_SM = 2
@@ -206,16 +241,19 @@ def num_compute_units(device: torch.device) -> int:
 
 
 def default_block(numel: int, units: int) -> tuple[int, int]:
-    """(block, num_warps): about one block per compute unit, blocks of 512..4096 ids.
+    """(block, num_warps): about one block per compute unit, blocks of 512..2048 ids, 8 warps.
 
-    Measured on an H200 (docs/benchmarks.md, "Remap + record"): more, smaller blocks lose to
-    the flush (every program adds its histogram to the same bins, and atomics on one address
-    serialise), fewer, larger ones to idle SMs. Integer arithmetic only (it runs on every call).
+    Measured on an H200 with shared-memory bins and 16 count rows (docs/benchmarks.md, "Remap +
+    record"): 8 warps beat 4 at every T (more warps in flight hide the shared atomics), and
+    blocks of 512..2048 ids at about one per SM were within 0.1 µs of the best config at each T.
+    Blocks under 256 ids keep 4 warps: a block must give every thread at least one id, or the
+    replicated ids would be counted twice in the shared bins. Integer arithmetic only (it runs on
+    every call).
     """
     numel = max(numel, 1)
-    block = min(4096, max(512, 1 << (-(-numel // units) - 1).bit_length()))
+    block = min(2048, max(512, 1 << (-(-numel // units) - 1).bit_length()))
     block = min(block, max(128, 1 << (numel - 1).bit_length()))
-    return block, 4 if block <= 512 else 8
+    return block, 8 if block >= 256 else 4
 
 
 def default_config(numel: int, device: torch.device) -> LaunchConfig:
@@ -259,28 +297,38 @@ def constexpr_args(
     block: int,
     flags: tuple[bool, bool, bool, bool],
     gather_map: bool = False,
-) -> tuple[int | bool, ...]:
-    """The kernel's compile-time arguments, in order (K .. GATHER_MAP).
+    shared: bool = False,
+    count_rows: int = 1,
+) -> tuple[int | bool | str, ...]:
+    """The kernel's compile-time arguments, in order (K .. COUNT_ROWS).
 
     ``flags``: whether slot counts, logical counts, ``num_valid_tokens`` and ``record`` are given.
+    ``shared``: count in shared-memory bins where they fit (the caller knows the kernel compiles to PTX).
+    ``count_rows``: rows of the slot counts (RemapCall.count_rows).
     """
     count_phys, count_logical, has_nvalid, has_record = flags
+    pbins, lbins = _num_bins(tables.num_physical), _num_bins(tables.num_logical)
+    words = pbins + lbins
+    smem = shared and (count_phys or count_logical) and words <= shared_bins.MAX_WORDS
     return (
         K,
         tables.max_replicas,
         MODE_IDS[mode],
         mode in ("dynamic", "fake"),
         block,
-        _num_bins(tables.num_physical),
-        _num_bins(tables.num_logical),
+        pbins,
+        lbins,
         count_phys,
         count_logical,
-        count_phys and mode != "static",
-        count_logical or (count_phys and mode == "static"),
+        not smem and count_phys and mode != "static",
+        not smem and (count_logical or (count_phys and mode == "static")),
         HIST_MASK,
         has_nvalid,
         has_record,
         gather_map and mode == "static" and HAS_GATHER,
+        smem,
+        shared_bins.declaration(words) if smem else "",
+        count_rows,
     )
 
 
@@ -299,6 +347,9 @@ def remap_record_triton(call: RemapCall, config: LaunchConfig | None = None) -> 
     numel = ids_TK.numel()
     if numel == 0:
         return
+    if config is not None and config.shared_bins and SHARED_BINS and config.block < 32 * config.num_warps:
+        # Fewer ids than threads: Triton replicates ids over threads, and shared bins would count each copy.
+        raise ValueError(f"block {config.block} gives some of the {32 * config.num_warps} threads no id")
     if numel >= MAX_NUMEL:
         raise ValueError(f"topk_ids has {numel} elements; the kernel indexes with int32 (< 2**31)")
     if ids_TK.dtype != torch.int32 or out_TK.dtype != torch.int32:
@@ -310,7 +361,7 @@ def remap_record_triton(call: RemapCall, config: LaunchConfig | None = None) -> 
             return
     device = ids_TK.device
     cfg = config or default_config(numel, device)
-    runtime, constexprs = kernel_args(call, cfg.block, cfg.gather_map)
+    runtime, constexprs = kernel_args(call, cfg.block, cfg.gather_map, cfg.shared_bins)
     grid = grid_size(numel, cfg, device)
     compiled = _remap_record_kernel[(grid,)](*runtime, *constexprs, num_warps=cfg.num_warps)
     if direct_key is not None:
@@ -318,11 +369,12 @@ def remap_record_triton(call: RemapCall, config: LaunchConfig | None = None) -> 
 
 
 def kernel_args(
-    call: RemapCall, block: int, gather_map: bool = False
-) -> tuple[tuple[Any, ...], tuple[int | bool, ...]]:
+    call: RemapCall, block: int, gather_map: bool = False, shared: bool = True
+) -> tuple[tuple[Any, ...], tuple[int | bool | str, ...]]:
     """The kernel's arguments in order: (runtime arguments, compile-time arguments).
 
     Absent optional tensors are replaced by ``call.out_TK``, never dereferenced (their flag is off).
+    ``shared``: shared-memory bins where this kernel compiles to PTX (:data:`SHARED_BINS`).
     """
     tables, out_TK = call.tables, call.out_TK
     T, K = call.topk_ids_TK.shape
@@ -349,8 +401,13 @@ def kernel_args(
         call.num_valid_tokens is not None,
         call.record is not None,
     )
-    return runtime, constexpr_args(K, tables, call.mode, block, flags, gather_map)
+    return runtime, constexpr_args(
+        K, tables, call.mode, block, flags, gather_map, shared and SHARED_BINS, call.count_rows()
+    )
 
+
+SHARED_BINS = shared_bins.shared_bins_supported(_remap_record_kernel)
+"""Whether the kernel counts in shared-memory bins (compiled for NVIDIA; not the interpreter, not ROCm)."""
 
 DIRECT = RemapDirectLauncher(default_launch, DirectLaunchCache(direct_launch_supported(_remap_record_kernel)))
 """Direct launches of the default config (disabled under the interpreter, on ROCm, with hooks)."""
@@ -367,6 +424,7 @@ def prepare_direct(call: RemapCall) -> PreparedDirect | None:
 __all__ = [
     "DIRECT",
     "MODE_IDS",
+    "SHARED_BINS",
     "LaunchConfig",
     "constexpr_args",
     "default_block",

@@ -10,7 +10,8 @@ kept for that key:
 - device index, mode, K, block and num_warps (the constexprs and options besides the tables');
 - the tables' E, P, R and the alignment of their five tensors (computed once per tables);
 - whether ``numel`` (the one integer argument Triton may specialise) is 1 or a multiple of 16;
-- which optional tensors are given, and each pointer's address mod 16 (16-byte alignment).
+- which optional tensors are given, and each pointer's address mod 16 (16-byte alignment);
+- the count rows of the slot counts (eplb.remap.call.RemapCall.count_rows).
 
 ``HIST_MASK`` is not in the key: it is detected once at import. On a miss the caller launches
 through ``kernel[grid]`` and keeps the compiled kernel (eplb.kernels.remap_record).
@@ -132,6 +133,7 @@ class RemapDirectLauncher:
             (counts_P is None, logical_counts_E is None, num_valid_tokens is None, record is None),
             (p_ids & 15, p_out & 15, p_counts & 15, p_logical & 15, p_nvalid & 15, p_record & 15),
             facts.key,
+            call.count_rows(),
         )
         entry = cache.get(key)
         if entry is None:
@@ -190,9 +192,21 @@ def launch_key(
     absent: tuple[bool, bool, bool, bool],
     pointer_mods: tuple[int, int, int, int, int, int],
     tables_key: tuple[int, ...],
+    count_rows: int,
 ) -> Hashable:
     """The key of one specialisation (module docstring): one definition for both launch paths."""
-    return (device, mode, K, *shape[:2], numel == 1, numel & 15 == 0, *absent, *pointer_mods, tables_key)
+    return (
+        device,
+        mode,
+        K,
+        *shape[:2],
+        numel == 1,
+        numel & 15 == 0,
+        *absent,
+        *pointer_mods,
+        tables_key,
+        count_rows,
+    )
 
 
 class PreparedDirect:
@@ -203,7 +217,17 @@ class PreparedDirect:
     kernels that path keeps serve this one too.
     """
 
-    __slots__ = ("_absent", "_cache", "_facts", "_fixed", "_launcher", "_layer_args", "_mode", "_shapes")
+    __slots__ = (
+        "_absent",
+        "_cache",
+        "_count_rows",
+        "_facts",
+        "_fixed",
+        "_launcher",
+        "_layer_args",
+        "_mode",
+        "_shapes",
+    )
 
     def __init__(self, launcher: RemapDirectLauncher, call: RemapCall) -> None:
         self._launcher = launcher
@@ -216,6 +240,7 @@ class PreparedDirect:
         # Pointers of the given optional tensors (0 where absent: the output's, per call).
         self._fixed = tuple(0 if t is None else t.data_ptr() for t in optional)
         self._mode = call.mode
+        self._count_rows = call.count_rows()
         self._layer_args = (call.layer, facts.salts[call.mode == "weighted"][call.layer])
 
     def launch(self, ids_TK: torch.Tensor, out_TK: torch.Tensor) -> bool:
@@ -242,6 +267,7 @@ class PreparedDirect:
             self._absent,  # type: ignore[arg-type]
             (p_ids & 15, p_out & 15, p_counts & 15, p_logical & 15, p_nvalid & 15, p_record & 15),
             self._facts.key,
+            self._count_rows,
         )
         entry = cache.get(key)
         if entry is None:

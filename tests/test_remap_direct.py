@@ -249,10 +249,11 @@ def test_launch_shape_is_the_default_config() -> None:
         cfg = kernel.default_config(numel, cpu)
         assert kernel.launch_shape(numel, 4) == (cfg.block, cfg.num_warps, kernel.grid_size(numel, cfg, cpu))
         for units in (4, 132, 304):
-            # The former formula, through Triton's helpers.
-            block = min(4096, max(512, kernel.triton.next_power_of_2(kernel.triton.cdiv(numel, units))))
+            # The rule restated through Triton's helpers; every thread of a block gets an id.
+            block = min(2048, max(512, kernel.triton.next_power_of_2(kernel.triton.cdiv(numel, units))))
             block = min(block, max(128, kernel.triton.next_power_of_2(numel)))
-            assert kernel.default_block(numel, units) == (block, 4 if block <= 512 else 8)
+            warps = 8 if block >= 256 else 4
+            assert kernel.default_block(numel, units) == (block, warps) and block >= 32 * warps
 
 
 @pytest.mark.gpu

@@ -250,3 +250,69 @@ def test_static_lookup_from_the_map_row_in_registers(count_logical: bool) -> Non
                 config=config,
             )
         )
+
+
+@on_kernel_device
+@pytest.mark.parametrize("mode", LOCAL_MODES)
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_count_rows_sum_to_the_reference_counts(mode: str, rows: int) -> None:
+    """``counts_P`` as count rows [C, P]: many programs flush into different rows; the rows' sum is
+    the reference's count, for the kernel (general and direct launch) and the torch backend alike."""
+    from eplb.remap.api import count_rows_sum
+
+    rng = np.random.default_rng(17 + rows)
+    _, tables = random_tables(rng, 37, 45, 5, rank=2, device=DEVICE)
+    ids = random_ids(rng, 3000, 8, 37, "skewed").to(DEVICE)
+    want = torch.zeros(45, dtype=torch.int32, device=DEVICE)
+    ref = remap_and_record(
+        ids, tables, 0, mode=mode, counts_P=want, num_valid_tokens=_scalar(2900), backend="torch"
+    )
+    configs = [kernel.LaunchConfig(block=128, num_warps=4, programs_per_sm=2), None, None]
+    for backend, config in [("triton", c) for c in configs] + [("torch", None)]:
+        counts = torch.full((rows, 45), 2, dtype=torch.int32, device=DEVICE)
+        out = run_remap(
+            ids, tables, 0, mode, backend=backend, config=config, counts=counts, nvalid=_scalar(2900)
+        )
+        assert torch.equal(out, ref)
+        assert torch.equal(count_rows_sum(counts) - 2 * rows, want.to(torch.int64)), (backend, config)
+
+
+@on_kernel_device
+def test_count_rows_are_checked() -> None:
+    tables = DispatchTables.from_placement(Placement.trivial(1, 4, 2), 0, DEVICE)
+    ids = torch.zeros((2, 2), dtype=torch.int32, device=DEVICE)
+    for shape in ((0, 4), (65, 4), (2, 2, 4), (2, 5)):
+        with pytest.raises(ValueError, match=r"count rows|shape"):
+            remap_and_record(ids, tables, 0, counts_P=torch.zeros(shape, dtype=torch.int32, device=DEVICE))
+
+
+@on_kernel_device
+@pytest.mark.parametrize("mode", LOCAL_MODES)
+def test_shared_bins_and_register_histograms_count_the_same(mode: str) -> None:
+    """Shared-memory bins (compiled on NVIDIA) and ``tl.histogram`` (everywhere) give one count,
+    at the production shape and at few bins (bins replicated over more threads than there are)."""
+    rng = np.random.default_rng(18)
+    for E, P in ((256, 288), (20, 24)):
+        _, tables = random_tables(rng, E, P, 4, rank=1, device=DEVICE)
+        ids = random_ids(rng, 2500, 8, E, "skewed").to(DEVICE)
+        for warps in (4, 8):
+            results = [
+                _both(
+                    ids,
+                    tables,
+                    0,
+                    mode,
+                    nvalid=2400,
+                    record=1,
+                    config=kernel.LaunchConfig(
+                        block=512, num_warps=warps, programs_per_sm=1, shared_bins=shared
+                    ),
+                )
+                for shared in (True, False)
+            ]
+            _assert_same(results[0])
+            _assert_same(results[1])
+
+
+def _scalar(value: int) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.int32, device=DEVICE)

@@ -45,9 +45,9 @@ class StatWindow:
     def window(self) -> int:
         return int(self.counts_WLP.shape[0])
 
-    def push(self, pass_counts_LP: torch.Tensor, info: PassInfo) -> None:
-        """Copy one pass's counts into the next row (a device op; no host sync)."""
-        self._rows[self.next_row].copy_(pass_counts_LP)
+    def push(self, pass_counts_LCP: torch.Tensor, info: PassInfo) -> None:
+        """Sum one pass's count rows [L, C, P] into the next row (one device op; no host sync)."""
+        torch.sum(pass_counts_LCP, dim=1, dtype=torch.int32, out=self._rows[self.next_row])
         self.info[self.next_row] = info
         self.next_row = (self.next_row + 1) % self.window
         self.filled = min(self.filled + 1, self.window)
@@ -83,12 +83,13 @@ class PerPassStaging:
         self.in_flight: deque[tuple[int, PassInfo, torch.cuda.Event | None]] = deque()
         self.records: deque[tuple[PassInfo, np.ndarray]] = deque(maxlen=max_records)
 
-    def push(self, pass_counts_LP: torch.Tensor, info: PassInfo) -> None:
+    def push(self, pass_counts_LCP: torch.Tensor, info: PassInfo) -> None:
+        """Sum one pass's count rows [L, C, P] and copy the sum to a pinned buffer."""
         self.collect(wait=False)
         if not self.free:
             self._finish_oldest()
         slot = self.free.pop()
-        self.staging[slot].copy_(pass_counts_LP, non_blocking=True)
+        self.staging[slot].copy_(torch.sum(pass_counts_LCP, dim=1, dtype=torch.int32), non_blocking=True)
         event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()

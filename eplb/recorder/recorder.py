@@ -29,6 +29,10 @@ if TYPE_CHECKING:
     from eplb.remap.exchange import LpExchange
     from eplb.remap.tables import DispatchTables
 
+CUDA_COUNT_ROWS = 16
+"""Count rows per layer on CUDA: the remap kernel runs up to two programs per SM, and with 16 rows
+at most about 17 of its flushes add into one address (docs/benchmarks.md, "Remap + record")."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class RecorderConfig:
@@ -77,8 +81,9 @@ class ExpertDistributionRecorder:
             rec.record_topk(layer, ids)                           # per_token mode only
         counted = rec.end_pass()                                  # commits the pass, advances the step
 
-    ``prepare`` and ``layer_kwargs`` hand the kernel a fixed int32 [P] row of ``pass_counts_LP``
-    and the int32 ``record_flag_1``; both keep their address for the recorder's life, so a
+    ``prepare`` and ``layer_kwargs`` hand the kernel a fixed int32 [C, P] block of count rows of
+    ``pass_counts_LCP`` (C = :data:`CUDA_COUNT_ROWS` on CUDA, 1 elsewhere; eplb.remap.api) and the
+    int32 ``record_flag_1``; both keep their address for the recorder's life, so a
     captured CUDA graph records or not by the flag alone. Both are built once (views, dicts,
     checked arguments), so a pass costs the kernel launches plus two device ops at its end
     (the window push and the reset of the pass counts) and the flag's fill when it changes. After a hot-swap call :meth:`set_placement` before the next
@@ -114,12 +119,16 @@ class ExpertDistributionRecorder:
         self.group = group
         self.flag_group = flag_group if flag_group is not None else group
         L, P = placement.num_layers, placement.num_physical
-        self.pass_counts_LP = torch.zeros((L, P), dtype=torch.int32, device=self.device)
-        """int32 [L, P]: this pass's slot counts; row ``layer`` is the kernel's ``counts_P``."""
+        C = CUDA_COUNT_ROWS if self.device.type == "cuda" else 1
+        self.pass_counts_LCP = torch.zeros((L, C, P), dtype=torch.int32, device=self.device)
+        """int32 [L, C, P]: this pass's slot counts as count rows (their sum over C is the count);
+        ``pass_counts_LCP[layer]`` is the kernel's ``counts_P``."""
+        self.pass_counts_LP = self.pass_counts_LCP[:, 0]
+        """int32 [L, P] view: the first count row of each layer (adding to it adds to the pass)."""
         self.record_flag_1 = torch.zeros(1, dtype=torch.int32, device=self.device)
         """int32 [1]: 1 while this pass is recorded (the kernel's ``record`` flag)."""
-        self._rows_LP = list(self.pass_counts_LP.unbind(0))  # the per-layer views, made once
-        self._kwargs = [{"counts_P": row, "record": self.record_flag_1} for row in self._rows_LP]
+        self._rows_LCP = list(self.pass_counts_LCP.unbind(0))  # the per-layer [C, P] views, made once
+        self._kwargs = [{"counts_P": row, "record": self.record_flag_1} for row in self._rows_LCP]
         self._flag_value = 0
         self.any_rank_prefill: bool | None = None
         self._placement = placement
@@ -258,7 +267,7 @@ class ExpertDistributionRecorder:
                 backend=backend,
                 lp=lp,
             )
-            for layer, row in enumerate(self._rows_LP)
+            for layer, row in enumerate(self._rows_LCP)
         ]
 
     def record_topk(self, layer: int, topk_ids_TK: torch.Tensor) -> None:
@@ -280,13 +289,13 @@ class ExpertDistributionRecorder:
             self._num_counted += 1
             if self._recording:
                 if self._stat is not None:
-                    self._stat.push(self.pass_counts_LP, info)
+                    self._stat.push(self.pass_counts_LCP, info)
                 if self._per_pass is not None:
-                    self._per_pass.push(self.pass_counts_LP, info)
+                    self._per_pass.push(self.pass_counts_LCP, info)
         if self._tokens is not None:
             self._tokens.commit(self._num_counted - 1, keep=counted and self._local_flag)
         if self._local_flag:
-            self.pass_counts_LP.zero_()
+            self.pass_counts_LCP.zero_()
         return counted
 
     # ---- what the manager reads ----------------------------------------------------------------
@@ -396,4 +405,4 @@ class ExpertDistributionRecorder:
         return save_window(window, path, fmt=fmt)
 
 
-__all__ = ["ExpertDistributionRecorder", "PassInfo", "RecorderConfig"]
+__all__ = ["CUDA_COUNT_ROWS", "ExpertDistributionRecorder", "PassInfo", "RecorderConfig"]

@@ -27,7 +27,11 @@ Semantics (every backend, bit for bit):
   the element index and layer only, so ranks and replays agree). Hash details: eplb.remap.tables.
 - Counting: each valid element adds 1 to ``counts_P[physical id]`` and to
   ``logical_counts_E[logical id]``, when those int32 buffers are given, and only when the
-  device-side int32 scalar ``record`` is nonzero (None: always). Neither flag nor
+  device-side int32 scalar ``record`` is nonzero (None: always). ``counts_P`` may also be int32
+  [C, P] *count rows* (1 <= C <= MAX_COUNT_ROWS): each element then adds to one row, chosen by
+  the backend, and the count is the rows' sum (:func:`count_rows_sum`); the Triton kernel spreads its
+  programs' flushes over the rows, so fewer of them add into the same address (eplb.recorder
+  passes 16 rows on CUDA). Neither flag nor
   ``num_valid_tokens`` is read on the host, so one captured CUDA graph serves every case.
 
 Backends (``backend=``): ``triton`` (CUDA and ROCm; CPU under TRITON_INTERPRET=1), ``torch``
@@ -137,8 +141,8 @@ def remap_and_record(
 ) -> torch.Tensor:
     """Map router ids [T, K] int32 to physical slot ids [T, K] int32 and add the layer's counts.
 
-    ``counts_P`` int32 [P] and ``logical_counts_E`` int32 [E] are added to in place (contiguous,
-    on the ids' device). ``num_valid_tokens`` and ``record`` are int32 tensors of one element on
+    ``counts_P`` int32 [P] (or count rows [C, P]: module docstring) and ``logical_counts_E`` int32
+    [E] are added to in place (contiguous, on the ids' device). ``num_valid_tokens`` and ``record`` are int32 tensors of one element on
     that device. ``out_TK`` (int32 [T, K], contiguous) receives the result when given: pass it to
     skip an allocation per call. ``lp``: the rank's counts exchange in mode ``lp`` (None: the
     tables' own, over the default process group). See the module docstring for each mode.
@@ -209,7 +213,10 @@ def check_remap_args(
     if tables.device != device:
         raise ValueError(f"dispatch tables live on {tables.device} but topk_ids on {device}")
     if counts_P is not None:
-        check_tensor("counts_P", counts_P, (tables.num_physical,), device)
+        rows = (counts_P.shape[0],) if isinstance(counts_P, torch.Tensor) and counts_P.dim() == 2 else ()
+        if rows and not 1 <= rows[0] <= MAX_COUNT_ROWS:
+            raise ValueError(f"counts_P has {rows[0]} count rows; at most {MAX_COUNT_ROWS} (and at least 1)")
+        check_tensor("counts_P", counts_P, (*rows, tables.num_physical), device)
     if logical_counts_E is not None:
         check_tensor("logical_counts_E", logical_counts_E, (tables.num_logical,), device)
     if num_valid_tokens is not None:
@@ -234,6 +241,15 @@ def check_ids(topk_ids_TK: torch.Tensor) -> None:
         raise ValueError("topk_ids must be contiguous")
 
 
+MAX_COUNT_ROWS = 64
+"""Count rows a ``counts_P`` of shape [C, P] may have at most."""
+
+
+def count_rows_sum(counts: torch.Tensor) -> torch.Tensor:
+    """The counts of a ``counts_P`` of count rows [C, P] (int64 [P]); a [P] buffer as int64."""
+    return counts.to(torch.int64).sum(0) if counts.dim() == 2 else counts.to(torch.int64)
+
+
 def check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None, device: torch.device) -> None:
     """An int32 contiguous tensor on ``device`` of ``shape`` (None: one element)."""
     if not isinstance(t, torch.Tensor):
@@ -252,11 +268,13 @@ def check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None, devi
 
 
 __all__ = [
+    "MAX_COUNT_ROWS",
     "MODES",
     "DispatchTables",
     "RemapBackend",
     "RemapCall",
     "available_backends",
+    "count_rows_sum",
     "get_backend",
     "remap_and_record",
 ]

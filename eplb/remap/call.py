@@ -44,7 +44,8 @@ class RemapCall:
     out_TK: torch.Tensor
     """int32 [T, K]: receives the physical slot ids."""
     counts_P: torch.Tensor | None = None
-    """int32 [P]: per-slot counts, added to in place; None: not counted."""
+    """int32 [P], or count rows [C, P] whose sum is the count: per-slot counts, added to in
+    place; None: not counted."""
     logical_counts_E: torch.Tensor | None = None
     """int32 [E]: per-expert counts, added to in place; None: not counted."""
     num_valid_tokens: torch.Tensor | None = None
@@ -53,6 +54,17 @@ class RemapCall:
     """int32 [1] on the device: count only while nonzero; None: always count."""
     lp: LpExchange | None = None
     """``lp`` mode: the rank's counts exchange (eplb.remap.lp); None in every other mode."""
+
+    def counts_row_P(self) -> torch.Tensor | None:
+        """``counts_P``'s first count row (all of it when [P]): where a backend that does not
+        spread its counts over rows adds them (any row is correct, their sum is the count)."""
+        counts = self.counts_P
+        return counts[0] if counts is not None and counts.dim() == 2 else counts
+
+    def count_rows(self) -> int:
+        """Count rows of ``counts_P`` (1 when [P] or absent)."""
+        counts = self.counts_P
+        return counts.shape[0] if counts is not None and counts.dim() == 2 else 1
 
 
 __all__ = ["RemapCall"]

@@ -91,7 +91,7 @@ def valid_elements(call: RemapCall) -> tuple[torch.Tensor, torch.Tensor, torch.T
 def count_elements(call: RemapCall, counted: torch.Tensor, phys: torch.Tensor, safe: torch.Tensor) -> None:
     """Add 1 per ``counted`` element to ``call.counts_P[phys]`` and ``call.logical_counts_E[safe]``
     (times the record flag), where those buffers are given."""
-    counts_P, logical_counts_E = call.counts_P, call.logical_counts_E
+    counts_P, logical_counts_E = call.counts_row_P(), call.logical_counts_E
     if counts_P is None and logical_counts_E is None:
         return
     weight = counted.to(torch.int32)
