@@ -48,6 +48,7 @@ from benchmarks.peers import load_sglang_deepseek
 from eplb.placement.balance import model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
+from eplb.simulate.dispatch import static_weights
 from eplb.solver import SolveOptions, Topology, solve
 from eplb.workloads import PRESETS, WorkloadConfig, generate
 
@@ -240,7 +241,14 @@ def run_continuous(args: argparse.Namespace) -> list[dict[str, Any]]:
                 max_moved_experts=args.budget,
                 bytes_per_expert=preset.bytes_per_expert,
                 holdout_passes=args.holdout_passes,
+                static_dispatch=args.static_dispatch,
             )
+
+            def served(load_nLE: np.ndarray, placement: Placement) -> np.ndarray:
+                """Per-pass balancedness as the passes are dispatched (static maps or an even split)."""
+                weights = static_weights(placement) if args.static_dispatch else None
+                return model_balancedness(load_nLE, placement, weights)
+
             keys = ("cpu_s", "err", "err_prefill", "gain_err", "copies", "ran_prefill")
             samples: dict[str, list[float]] = {k: [] for k in keys}
             applied = []
@@ -250,8 +258,8 @@ def run_continuous(args: argparse.Namespace) -> list[dict[str, Any]]:
                 nxt = slice(t, t + args.interval)
                 load = counts[nxt].astype(np.float64)
                 weights = load.sum(axis=(1, 2))
-                plan_T = model_balancedness(load, plan.placement)
-                current_T = model_balancedness(load, current)
+                plan_T = served(load, plan.placement)
+                current_T = served(load, current)
                 realised = float(np.average(plan_T, weights=weights))
                 samples["cpu_s"].append(clock.cpu_s)
                 samples["err"].append(plan.predicted_balancedness - realised)
@@ -274,6 +282,7 @@ def run_continuous(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "interval": args.interval,
                 "window": args.window_passes,
                 "holdout_passes": args.holdout_passes,
+                "static_dispatch": args.static_dispatch,
                 "solves": len(applied),
                 "solve_cpu_s_median": float(np.median(samples["cpu_s"])),
                 "solve_cpu_s_max": float(np.max(samples["cpu_s"])),
@@ -329,6 +338,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--continuous-steps", type=int, default=2000, help="--continuous: trace length")
     parser.add_argument(
         "--holdout-passes", type=int, default=None, help="--continuous: SolveOptions.holdout_passes"
+    )
+    parser.add_argument(
+        "--static-dispatch",
+        action="store_true",
+        help="--continuous: the passes are served by static dispatch maps and the solver is told so",
     )
     parser.add_argument("--json", type=Path, default=None, help="write all rows here")
     args = parser.parse_args(argv)

@@ -254,3 +254,28 @@ def test_score_from_sets_the_scored_steps_and_counts_only_their_rebalances() -> 
     assert summary["bytes_moved_per_1000_passes"] == 0.0
     with pytest.raises(ValueError, match="score_from"):
         simulate(trace, [RunSpec("none", "dynamic")], replace(config, score_from=60))
+
+
+def test_realized_balancedness_is_what_the_prediction_estimates() -> None:
+    """The load-weighted mean over the recorded steps a plan served of their balancedness."""
+    trace = _drifting_trace(seed=4)
+    config = SimulationConfig(
+        num_gpus=4, num_nodes=2, num_redundant=4, interval=20, rebalance_mode="continuous",
+        max_moved_experts=6, bytes_per_expert=1000, transfer_gbps=100.0,
+    )  # fmt: skip
+    run = simulate(trace, parse_runs(["scipy"], "static"), config).runs[0]
+    load_T = trace.counts_TLE.sum(axis=(1, 2)).astype(np.float64)
+    # Each applied plan serves from its switch until the next rebalance (whatever that decides).
+    starts = [e.step for e in run.events]
+    checked = 0
+    for event in run.events:
+        if not event.applied or event.realized_balancedness is None:
+            continue
+        assert event.switch_step is not None
+        stop = next(s for s in starts if s > event.step)
+        served = slice(event.switch_step, stop)
+        want = np.average(run.balancedness_T[served], weights=load_T[served])
+        assert event.realized_balancedness == pytest.approx(want, rel=1e-6)
+        assert event.realized_summed_balancedness is not None
+        checked += 1
+    assert checked >= 3

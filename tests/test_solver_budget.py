@@ -20,6 +20,8 @@ PLANNERS = {
     "scipy": {},
     "scipy robust": {"prediction": "robust", "num_scenarios": 3},
     "scipy fresh": {"incremental": False, "milp_max_solves": 2},
+    # Static dispatch's shares: moves re-scored exactly after each step (undone when they lose).
+    "scipy static": {"static_dispatch": True},
     "deepseek": {"algorithm": "deepseek"},
 }
 

@@ -14,8 +14,10 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from eplb.placement.balance import model_balancedness
+from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
 from eplb.solver import SolveOptions, Topology, solve
 from eplb.traces import Trace
@@ -36,7 +38,11 @@ first = solve(load[:30], topology)  # fresh: swap search and MILP with their def
 current = first.placement
 out = {"fresh": hashlib.sha256(current.phy2log_LP.tobytes()).hexdigest(), "fresh_pred": first.predicted_balancedness}
 out["milp_solves"] = first.stats["milp_solves"]
-for name, options in (("budgeted", SolveOptions(max_moved_experts=40)), ("incremental", SolveOptions())):
+for name, options in (
+    ("budgeted", SolveOptions(max_moved_experts=40)),
+    ("static", SolveOptions(max_moved_experts=40, static_dispatch=True)),
+    ("incremental", SolveOptions()),
+):
     plan = solve(load[30:], topology, current, options)
     out[name] = hashlib.sha256(plan.placement.phy2log_LP.tobytes()).hexdigest()
     out[name + "_pred"] = plan.predicted_balancedness
@@ -57,7 +63,7 @@ def test_same_inputs_give_the_same_plan_in_separate_processes() -> None:
     """No wall clock decides anything: two processes (with different thread counts) agree bit for bit."""
     one, two = _plans_in_a_process("1"), _plans_in_a_process("2")
     assert one == two
-    assert {"fresh", "budgeted", "incremental"} <= set(one)
+    assert {"fresh", "budgeted", "static", "incremental"} <= set(one)
     assert one["milp_solves"] > 0  # the MILP ran
 
 
@@ -68,6 +74,7 @@ def test_same_inputs_give_the_same_plan_in_one_process() -> None:
     current = Placement.trivial(2, 64, 8, 8, num_nodes=2)
     for options in (
         SolveOptions(max_moved_experts=24, cross_node_weight=2.0),
+        SolveOptions(max_moved_experts=24, static_dispatch=True),
         SolveOptions(incremental=False),
     ):
         a, b = solve(load, topology, current, options), solve(load, topology, current, options)
@@ -83,26 +90,44 @@ def _trace(preset: str, steps: int, seed: int, stationary: bool) -> Trace:
     return generate(config)
 
 
-def _realised(trace: Trace, placement: Placement, start: int) -> tuple[float, float]:
-    """(load-weighted mean over the next interval's passes, mean over its prefill passes)."""
+def _realised(trace: Trace, placement: Placement, start: int, static: bool = False) -> tuple[float, float]:
+    """(load-weighted mean over the next interval's passes, mean over its prefill passes).
+
+    ``static``: tokens follow the ranks' static dispatch maps (eplb.placement.dispatch_map).
+    """
     window = slice(start, start + INTERVAL)
     counts = trace.counts_TLE[window].astype(np.float64)
-    per_pass = model_balancedness(counts, placement)
+    per_pass = model_balancedness(counts, placement, _static_weights(placement) if static else None)
     weighted = float(np.average(per_pass, weights=counts.sum(axis=(1, 2))))
     return weighted, float(per_pass[trace.is_prefill_T[window]].mean())
 
 
-def test_the_prediction_is_calibrated_on_a_drifting_workload() -> None:
-    """Predicted balancedness within 0.03 of what the next window gets, on average (measured ~0.006)."""
+def _static_weights(placement: Placement) -> np.ndarray:
+    """float64 [L, E, R]: each replica's share of its expert's tokens, counted from the ranks' maps."""
+    maps_GLE = static_dispatch_maps(placement)
+    L, P, G = placement.num_layers, placement.num_physical, placement.num_gpus
+    ranks_LP = np.zeros((L, P))
+    for g in range(G):
+        np.add.at(ranks_LP, (np.arange(L)[:, None], maps_GLE[g]), 1.0 / G)
+    l2p_LER = placement.log2phy_LER
+    return np.where(l2p_LER >= 0, np.take_along_axis(ranks_LP[:, None, :], np.maximum(l2p_LER, 0), 2), 0.0)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_the_prediction_is_calibrated_on_a_drifting_workload(static: bool) -> None:
+    """Predicted balancedness within 0.03 of what the next window gets, on average (measured ~0.006).
+
+    ``static``: the server dispatches by static maps, and the solver is told so.
+    """
     trace = _trace("deepseek-v3", 1000, 4, False)
     topology = Topology(num_gpus=32, num_nodes=4, num_physical=288, num_groups=8)
     current = Placement.trivial(58, 256, 32, 32, num_nodes=4)
-    options = SolveOptions(max_moved_experts=BUDGET)
+    options = SolveOptions(max_moved_experts=BUDGET, static_dispatch=static)
     errors, prefill_errors, gain_errors, forecast_errors = [], [], [], []
     for i, t in enumerate(range(WINDOW, trace.num_steps - INTERVAL + 1, INTERVAL)):
         plan = solve(trace.counts_TLE[t - WINDOW : t], topology, current, options)
-        realised, realised_prefill = _realised(trace, plan.placement, t)
-        realised_current, _ = _realised(trace, current, t)
+        realised, realised_prefill = _realised(trace, plan.placement, t, static)
+        realised_current, _ = _realised(trace, current, t, static)
         if i >= 3:  # the first plans leave the trivial placement: not the regime of interest
             errors.append(plan.predicted_balancedness - realised)
             prefill_errors.append(plan.predicted_balancedness - realised_prefill)
@@ -118,11 +143,12 @@ def test_the_prediction_is_calibrated_on_a_drifting_workload() -> None:
     assert np.mean(forecast_errors) > 0.03
 
 
-def test_repeated_solves_on_stationary_load_converge_and_stop_moving() -> None:
+@pytest.mark.parametrize("static", [False, True])
+def test_repeated_solves_on_stationary_load_converge_and_stop_moving(static: bool) -> None:
     trace = _trace("qwen3-235b-a22b", 1500, 5, True)
     topology = Topology(num_gpus=16, num_nodes=2, num_physical=144)
     current = Placement.trivial(94, 128, 16, 16, num_nodes=2)
-    options = SolveOptions(max_moved_experts=BUDGET)
+    options = SolveOptions(max_moved_experts=BUDGET, static_dispatch=static)
     applied, start = [], current
     for t in range(WINDOW, trace.num_steps + 1, INTERVAL):
         plan = solve(trace.counts_TLE[t - WINDOW : t], topology, current, options)
@@ -133,4 +159,8 @@ def test_repeated_solves_on_stationary_load_converge_and_stop_moving() -> None:
     assert sum(applied) <= 12, applied  # converged within a dozen rebalances ...
     assert not any(applied[-10:]), applied  # ... and then the gate keeps it still
     tail = trace.counts_TLE[-INTERVAL:].astype(np.float64)
-    assert model_balancedness(tail, current).mean() > model_balancedness(tail, start).mean() + 0.2
+    weights = (_static_weights(current), _static_weights(start)) if static else (None, None)
+    assert (
+        model_balancedness(tail, current, weights[0]).mean()
+        > model_balancedness(tail, start, weights[1]).mean() + 0.2
+    )

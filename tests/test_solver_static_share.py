@@ -1,0 +1,97 @@
+"""Static dispatch's replica shares in the solver (eplb.solver.static_share) against the ranks' maps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eplb.placement.dispatch_map import static_dispatch_maps
+from eplb.placement.model import Placement
+from eplb.solver import SolveOptions, Topology, solve
+from eplb.solver.static_share import expert_static_shares, static_share_LP
+from tests.helpers.placements import random_phy2log
+
+# (G, N, E, P): one node, several, one GPU per node, and DeepSeek-V3's EP32 shape.
+SHAPES = [(4, 1, 16, 24), (8, 2, 16, 24), (8, 8, 16, 32), (16, 4, 32, 64), (32, 4, 256, 288)]
+
+
+def _ranks_share_LP(placement: Placement) -> np.ndarray:
+    """float64 [L, P]: the fraction of ranks whose static map sends each slot's expert to it."""
+    maps_GLE = static_dispatch_maps(placement)
+    L, P, G = placement.num_layers, placement.num_physical, placement.num_gpus
+    share_LP = np.zeros((L, P))
+    for g in range(G):
+        for layer in range(L):
+            np.add.at(share_LP[layer], maps_GLE[g, layer], 1.0 / G)
+    # A slot no rank picks receives nothing; every picked slot's expert is the one it holds.
+    return share_LP
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", range(3))
+def test_shares_are_the_fraction_of_ranks_the_maps_send_to_each_replica(
+    shape: tuple[int, int, int, int], seed: int
+) -> None:
+    G, N, E, P = shape
+    rng = np.random.default_rng(seed)
+    L = 3
+    if seed == 0:  # the spare slots crowded onto three experts: many replicas, some on one node
+        spare_LX = rng.choice(rng.integers(0, E, size=3), size=(L, P - E))
+        phy2log_LP = np.concatenate([np.tile(np.arange(E), (L, 1)), spare_LX], axis=1)
+        for row in phy2log_LP:
+            rng.shuffle(row)
+    else:
+        phy2log_LP = random_phy2log(rng, L, E, P)
+    placement = Placement.from_phy2log(phy2log_LP, G, N)
+    want_LP = _ranks_share_LP(placement)
+    np.testing.assert_allclose(static_share_LP(placement.phy2log_LP, E, G, N), want_LP)
+    # A subset of layers keeps each layer's own rotation.
+    rows = np.array([2, 0])
+    np.testing.assert_allclose(static_share_LP(placement.phy2log_LP, E, G, N, rows), want_LP[rows])
+    S = P // G
+    for layer in range(L):
+        for e in range(E):
+            slots = np.flatnonzero(placement.phy2log_LP[layer] == e)
+            got = expert_static_shares(slots.tolist(), layer * E + e, G, S, N)
+            np.testing.assert_allclose(got, want_LP[layer, slots])
+
+
+def test_an_uneven_static_split_is_what_the_solver_scores() -> None:
+    """Three replicas, two on one node: 1/2, 1/4, 1/4 rather than the even split's 1/3 each.
+
+    Node 0's four ranks all send to GPU 0's replica (its own, or the one on their node); on node 1,
+    GPUs 4 and 5 keep their own and ranks 6 and 7 take one each.
+    """
+    G, N, E = 8, 2, 6
+    # GPUs 0-3 on node 0, 4-7 on node 1; two slots per GPU; expert 0 on GPUs 0, 4 and 5.
+    phy2log = np.array([[0, 1, 2, 3, 4, 5, 1, 2, 0, 3, 0, 4, 5, 1, 2, 3]])
+    placement = Placement.from_phy2log(phy2log, G, N)
+    share = static_share_LP(placement.phy2log_LP, E, G, N)[0]
+    np.testing.assert_allclose(share, _ranks_share_LP(placement)[0])
+    np.testing.assert_allclose(share[np.flatnonzero(phy2log[0] == 0)], [0.5, 0.25, 0.25])
+
+
+def test_a_static_plan_is_scored_with_the_maps_shares() -> None:
+    """current_balancedness of a static solve equals the maps' balancedness on the held-out passes' terms."""
+    rng = np.random.default_rng(4)
+    topology = Topology(num_gpus=8, num_nodes=2, num_physical=24)
+    current = Placement.from_phy2log(random_phy2log(rng, 2, 16, 24), 8, 2)
+    load = rng.poisson(rng.lognormal(0.0, 1.0, size=(1, 2, 16)) * 50, size=(1, 2, 16)).astype(float)
+    # A window of one pass: the prediction is the forecast's own balancedness, under each split.
+    even = solve(load, topology, current, SolveOptions(max_moved_experts=4))
+    static = solve(load, topology, current, SolveOptions(max_moved_experts=4, static_dispatch=True))
+    share_LP = _ranks_share_LP(current)
+    gpu_LG = np.stack(
+        [
+            np.bincount(np.arange(24) // 3, load[0, layer, current.phy2log_LP[layer]] * share_LP[layer], 8)
+            for layer in range(2)
+        ]
+    )
+    want = float((gpu_LG.mean(axis=1) / gpu_LG.max(axis=1)).mean())
+    assert static.stats["current_balancedness"] == pytest.approx(want)
+    assert static.stats["current_balancedness"] != pytest.approx(even.stats["current_balancedness"])
+
+
+def test_static_dispatch_and_weights_exclude_each_other() -> None:
+    with pytest.raises(ValueError, match="static_dispatch and weighted"):
+        SolveOptions(static_dispatch=True, weighted=True)
