@@ -81,7 +81,7 @@ def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[]
     if device.type == "cpu":
         # The direct path with a launcher that does nothing (the compiled kernel's place on a GPU).
         direct = RemapDirectLauncher(
-            lambda n, _d: kernel.launch_shape(n, 132), DirectLaunchCache(True, lambda: (-1, 0))
+            lambda n, _d, rows: kernel.launch_shape(n, 132, rows), DirectLaunchCache(True, lambda: (-1, 0))
         )
         _, key = direct.launch(call)
         direct.cache.keep(key, _NoOpCompiled(), ())

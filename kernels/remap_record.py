@@ -240,37 +240,50 @@ def num_compute_units(device: torch.device) -> int:
     return _num_sms(index)
 
 
-def default_block(numel: int, units: int) -> tuple[int, int]:
-    """(block, num_warps): about one block per compute unit, blocks of 512..2048 ids, 8 warps.
+SPREAD_ROWS = 8
+"""Count rows from which the flushes count as spread (:func:`default_block`)."""
+FEW_PROGRAMS = 32
+"""Programs aimed at when the flushes all go to one row (fewer rows than SPREAD_ROWS)."""
 
-    Measured on an H200 with shared-memory bins and 16 count rows (docs/benchmarks.md, "Remap +
-    record"): 8 warps beat 4 at every T (more warps in flight hide the shared atomics), and
-    blocks of 512..2048 ids at about one per SM were within 0.1 µs of the best config at each T.
-    Blocks under 256 ids keep 4 warps: a block must give every thread at least one id, or the
-    replicated ids would be counted twice in the shared bins. Integer arithmetic only (it runs on
-    every call).
+
+def default_block(numel: int, units: int, count_rows: int = 1) -> tuple[int, int]:
+    """(block, num_warps) for ``numel`` ids on ``units`` compute units, 8 warps.
+
+    Measured on an H200 with shared-memory bins (docs/benchmarks.md, "Remap + record"): every
+    program's flush adds into the same addresses of its count row, and those atomics serialise,
+    so the cost of the flush grows with programs per row. With SPREAD_ROWS rows or more, about
+    one block of 512..2048 ids per compute unit (all of them busy); with fewer, blocks of
+    512..4096 ids for about FEW_PROGRAMS programs (fewer flushes beat more SMs). 8 warps beat 4
+    at every T (more warps in flight hide the shared atomics); blocks under 256 ids keep 4, since
+    a block must give every thread an id (ids replicated over threads would be counted twice in
+    the shared bins). Integer arithmetic only (it runs on every call).
     """
     numel = max(numel, 1)
-    block = min(2048, max(512, 1 << (-(-numel // units) - 1).bit_length()))
+    spread = count_rows >= SPREAD_ROWS
+    per_block = -(-numel // (units if spread else FEW_PROGRAMS))
+    block = min(2048 if spread else 4096, max(512, 1 << (per_block - 1).bit_length()))
     block = min(block, max(128, 1 << (numel - 1).bit_length()))
     return block, 8 if block >= 256 else 4
 
 
-def default_config(numel: int, device: torch.device) -> LaunchConfig:
-    """The launch config used when none is given: :func:`default_block`, two programs per unit at most."""
-    block, num_warps = default_block(numel, num_compute_units(device))
-    return LaunchConfig(block=block, num_warps=num_warps, programs_per_sm=DEFAULT_PROGRAMS_PER_SM)
+def default_config(numel: int, device: torch.device, count_rows: int = 1) -> LaunchConfig:
+    """The launch config used when none is given: :func:`default_block`; two programs per unit at
+    most with spread count rows, one otherwise."""
+    block, num_warps = default_block(numel, num_compute_units(device), count_rows)
+    per_unit = DEFAULT_PROGRAMS_PER_SM if count_rows >= SPREAD_ROWS else 1
+    return LaunchConfig(block=block, num_warps=num_warps, programs_per_sm=per_unit)
 
 
-def launch_shape(numel: int, units: int) -> tuple[int, int, int]:
+def launch_shape(numel: int, units: int, count_rows: int = 1) -> tuple[int, int, int]:
     """(block, num_warps, grid) of :func:`default_config` for ``numel`` ids on ``units`` compute units."""
-    block, num_warps = default_block(numel, units)
-    return block, num_warps, max(1, min(-(-numel // block), DEFAULT_PROGRAMS_PER_SM * units))
+    block, num_warps = default_block(numel, units, count_rows)
+    per_unit = DEFAULT_PROGRAMS_PER_SM if count_rows >= SPREAD_ROWS else 1
+    return block, num_warps, max(1, min(-(-numel // block), per_unit * units))
 
 
-def default_launch(numel: int, device_index: int) -> tuple[int, int, int]:
+def default_launch(numel: int, device_index: int, count_rows: int = 1) -> tuple[int, int, int]:
     """:func:`launch_shape` on CUDA device ``device_index`` (the direct path's launch shape)."""
-    return launch_shape(numel, _num_sms(device_index))
+    return launch_shape(numel, _num_sms(device_index), count_rows)
 
 
 def grid_size(numel: int, config: LaunchConfig, device: torch.device) -> int:
@@ -360,7 +373,7 @@ def remap_record_triton(call: RemapCall, config: LaunchConfig | None = None) -> 
         if launched:
             return
     device = ids_TK.device
-    cfg = config or default_config(numel, device)
+    cfg = config or default_config(numel, device, call.count_rows())
     runtime, constexprs = kernel_args(call, cfg.block, cfg.gather_map, cfg.shared_bins)
     grid = grid_size(numel, cfg, device)
     compiled = _remap_record_kernel[(grid,)](*runtime, *constexprs, num_warps=cfg.num_warps)
@@ -369,7 +382,7 @@ def remap_record_triton(call: RemapCall, config: LaunchConfig | None = None) -> 
 
 
 def kernel_args(
-    call: RemapCall, block: int, gather_map: bool = False, shared: bool = True
+    call: RemapCall, block: int, gather_map: bool = True, shared: bool = True
 ) -> tuple[tuple[Any, ...], tuple[int | bool | str, ...]]:
     """The kernel's arguments in order: (runtime arguments, compile-time arguments).
 

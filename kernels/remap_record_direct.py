@@ -81,14 +81,14 @@ class RemapDirectLauncher:
     """Direct launches of the remap kernel with the default launch config."""
 
     def __init__(
-        self, launch_shape: Callable[[int, int], tuple[int, int, int]], cache: DirectLaunchCache
+        self, launch_shape: Callable[[int, int, int], tuple[int, int, int]], cache: DirectLaunchCache
     ) -> None:
-        """``launch_shape(numel, device_index) -> (block, num_warps, grid)``: the default config's."""
+        """``launch_shape(numel, device_index, count_rows) -> (block, num_warps, grid)``: the default config's."""
         self.cache = cache
         self._launch_shape = launch_shape
         # (numel, device) -> launch shape: every MoE layer of a pass has the same T, so all but
         # the first layer's call find it here (a dict lookup instead of integer logarithms).
-        self._shapes: dict[tuple[int, int], tuple[int, int, int]] = {}
+        self._shapes: dict[tuple[int, int, int], tuple[int, int, int]] = {}
 
     def launch(self, call: RemapCall) -> tuple[bool, Hashable | None]:
         """(launched, key): launched directly, or not, with the key to keep the compiled kernel under.
@@ -108,11 +108,12 @@ class RemapDirectLauncher:
         facts = tables.derived.get(_FACTS) or table_facts(tables)
         T, K = ids_TK.shape
         numel = T * K
-        shape = self._shapes.get((numel, device))
+        rows = call.count_rows()
+        shape = self._shapes.get((numel, device, rows))
         if shape is None:
             if len(self._shapes) >= 4096:
                 self._shapes.clear()
-            shape = self._shapes[numel, device] = self._launch_shape(numel, device)
+            shape = self._shapes[numel, device, rows] = self._launch_shape(numel, device, rows)
         grid = shape[2]
         counts_P, logical_counts_E = call.counts_P, call.logical_counts_E
         num_valid_tokens, record = call.num_valid_tokens, call.record
@@ -133,7 +134,7 @@ class RemapDirectLauncher:
             (counts_P is None, logical_counts_E is None, num_valid_tokens is None, record is None),
             (p_ids & 15, p_out & 15, p_counts & 15, p_logical & 15, p_nvalid & 15, p_record & 15),
             facts.key,
-            call.count_rows(),
+            rows,
         )
         entry = cache.get(key)
         if entry is None:
@@ -253,7 +254,7 @@ class PreparedDirect:
             return False
         T, K = ids_TK.shape
         numel = T * K
-        shape = self._shapes.get((numel, device))
+        shape = self._shapes.get((numel, device, self._count_rows))
         if shape is None:
             return False  # the general path computes and keeps it
         p_ids, p_out = ids_TK.data_ptr(), out_TK.data_ptr()

@@ -86,7 +86,9 @@ class _Harness:
                 return launch
 
         self.direct = RemapDirectLauncher(
-            lambda numel, _device: kernel.launch_shape(numel, 4),  # 4 units: the CPU's, as default_config
+            lambda numel, _device, rows: kernel.launch_shape(
+                numel, 4, rows
+            ),  # 4 units: the CPU's, as default_config
             DirectLaunchCache(True, lambda: (device_index, 0)),
         )
         monkeypatch.setattr(kernel, "_remap_record_kernel", _RecordingJit())
@@ -177,12 +179,13 @@ def test_key_changes_exactly_with_the_specialisation(monkeypatch: pytest.MonkeyP
     _, tables = random_tables(rng, 13, 17, 1, rank=0)
     _, same_shape = random_tables(rng, 13, 17, 1, rank=0)
     _, other_shape = random_tables(rng, 13, 18, 1, rank=0)
-    out_buf = torch.empty(16400, dtype=torch.int32)
+    out_buf = torch.empty(160400, dtype=torch.int32)
 
-    def key(T=64, K=8, tables=tables, layer=0, mode="static", counts=True, shift=0, ids_shift=0):
+    def key(T=64, K=8, tables=tables, layer=0, mode="static", counts=True, shift=0, ids_shift=0, rows=0):
         ids = torch.zeros(T * K + 8, dtype=torch.int32)[ids_shift : ids_shift + T * K].view(T, K)
         out = out_buf[shift : shift + T * K].view(T, K)
-        c = torch.zeros(tables.num_physical, dtype=torch.int32) if counts else None
+        shape = (rows, tables.num_physical) if rows else (tables.num_physical,)
+        c = torch.zeros(shape, dtype=torch.int32) if counts else None
         launched, k = harness.direct.launch(
             RemapCall(topk_ids_TK=ids, tables=tables, layer=layer, mode=mode, out_TK=out, counts_P=c)
         )
@@ -190,12 +193,13 @@ def test_key_changes_exactly_with_the_specialisation(monkeypatch: pytest.MonkeyP
         return k
 
     base = key()
-    same = [key(T=66), key(layer=1), key(tables=same_shape), key(shift=4), key(ids_shift=4)]
+    same = [key(T=66), key(layer=1), key(tables=same_shape), key(shift=4), key(ids_shift=4), key(rows=1)]
     differ = [
         key(T=1, K=1),  # numel == 1 (the next one differs from it only there)
         key(T=2, K=1),
         key(T=65),  # numel not a multiple of 16, the same block as the base
-        key(T=2000),  # another block size and warp count
+        key(T=20000),  # another block size
+        key(rows=16),  # count rows are a constexpr (and pick the launch shape)
         key(K=4, T=128),  # K is a constexpr
         key(mode="weighted"),
         key(counts=False),
@@ -243,17 +247,25 @@ def test_falls_back_to_the_jit_path(monkeypatch: pytest.MonkeyPatch) -> None:
     assert elsewhere.direct_launches == 0 and elsewhere.jit_launches == 2 and len(elsewhere.direct.cache) == 0
 
 
-def test_launch_shape_is_the_default_config() -> None:
+@pytest.mark.parametrize("rows", [1, 7, 8, 16])
+def test_launch_shape_is_the_default_config(rows: int) -> None:
     cpu = torch.device("cpu")
+    spread = rows >= 8
     for numel in [1, 2, 15, 16, 127, 128, 129, 511, 512, 513, 2048, 4097, 65536, 524288, 10**7 + 3]:
-        cfg = kernel.default_config(numel, cpu)
-        assert kernel.launch_shape(numel, 4) == (cfg.block, cfg.num_warps, kernel.grid_size(numel, cfg, cpu))
+        cfg = kernel.default_config(numel, cpu, rows)
+        assert kernel.launch_shape(numel, 4, rows) == (
+            cfg.block,
+            cfg.num_warps,
+            kernel.grid_size(numel, cfg, cpu),
+        )
+        assert cfg.programs_per_sm == (2 if spread else 1)
         for units in (4, 132, 304):
             # The rule restated through Triton's helpers; every thread of a block gets an id.
-            block = min(2048, max(512, kernel.triton.next_power_of_2(kernel.triton.cdiv(numel, units))))
+            per_block = kernel.triton.cdiv(numel, units if spread else 32)
+            block = min(2048 if spread else 4096, max(512, kernel.triton.next_power_of_2(per_block)))
             block = min(block, max(128, kernel.triton.next_power_of_2(numel)))
             warps = 8 if block >= 256 else 4
-            assert kernel.default_block(numel, units) == (block, warps) and block >= 32 * warps
+            assert kernel.default_block(numel, units, rows) == (block, warps) and block >= 32 * warps
 
 
 @pytest.mark.gpu
