@@ -279,3 +279,27 @@ def test_a_pass_that_would_wrap_int32_counts_is_refused(num_tokens: int) -> None
     rec.start()
     with pytest.raises(ValueError, match="num_tokens"):
         rec.begin_pass(has_prefill=True, num_tokens=num_tokens)
+
+
+@pytest.mark.parametrize("mode", ["stat", "per_pass"])
+def test_placements_no_stored_pass_uses_are_dropped(mode: str) -> None:
+    """Swaps every pass (a paced continuous run): the maps kept stay bounded by the window, and
+    every kept pass still converts through the placement it ran under (a numpy reference)."""
+    rng = np.random.default_rng(41)
+    window = 3
+    first = Placement.trivial(L, E, num_gpus=G, num_redundant=2)
+    tables = DispatchTables.from_placement(first, 0)
+    rec = ExpertDistributionRecorder(RecorderConfig(mode=mode, window=window), first)
+    rec.start()
+    expected = []
+    for step in range(40):
+        p2l = np.stack([rng.permutation(first.phy2log_LP[layer]) for layer in range(L)]).astype(np.int32)
+        placement = Placement.from_phy2log(p2l, num_gpus=G)
+        tables.update_(placement)
+        rec.set_placement(placement)
+        ids = _ids(100 + step)
+        _pass(rec, tables, ids)
+        expected.append(_counts(ids))
+        in_flight = len(rec._per_pass.staging) if rec._per_pass is not None else 0  # copies not yet collected
+        assert len(rec._maps) <= window + in_flight + 1
+    assert np.array_equal(rec.window_logical_counts(), np.stack(expected[-window:]))

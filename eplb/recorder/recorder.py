@@ -207,7 +207,21 @@ class ExpertDistributionRecorder:
             raise ValueError("a new placement must keep L, E and P")
         self._placement = placement
         self._map_version += 1
+        # Keep only the maps a stored pass still converts through (a paced continuous run calls
+        # this every few passes: without pruning the maps would grow for the server's life).
+        live = self._stored_versions()
+        self._maps = {v: m for v, m in self._maps.items() if v in live}
         self._maps[self._map_version] = placement.phy2log_LP.copy()
+
+    def _stored_versions(self) -> set[int]:
+        """Map versions of the passes the stat window and the per_pass records still hold."""
+        infos: list[PassInfo | None] = []
+        if self._stat is not None:
+            infos += self._stat.info
+        if self._per_pass is not None:
+            infos += [info for info, _ in self._per_pass.records]
+            infos += [info for _, info, _ in self._per_pass.in_flight]
+        return {info.map_version for info in infos if info is not None}
 
     # ---- per pass ------------------------------------------------------------------------------
     def begin_pass(
