@@ -20,6 +20,7 @@ from typing import Any
 
 from eplb.policy.dispatch import dispatch_mode, dispatch_mode_names
 from eplb.policy.registry import policy_names
+from eplb.policy.schedule import initial_full_plan_on
 
 RECORDER_MODES = ("stat", "per_pass", "per_token")
 DISPATCH_ALGORITHMS = dispatch_mode_names(flags_only=True)
@@ -66,6 +67,10 @@ class EplbConfig:
     eplb_max_moved_experts: int | None = None
     """Budget of one rebalance in cross-GPU expert copies, passed to the solver; None: no budget
     (periodic) or ``CONTINUOUS_MAX_MOVED_EXPERTS`` (continuous). 0 moves nothing."""
+    eplb_initial_full_plan: bool = True
+    """Continuous mode: the first plan since start-up moves without the move budget (it still
+    must pay for its copies), unless the server started from ``--init-expert-location`` or the
+    budget is 0 (eplb.policy.schedule)."""
     eplb_transfer_gbps: float | None = None
     """Continuous mode: pacing cap of a swap, in GB/s per GPU (the most bytes one GPU receives);
     each pass earns its duration times the cap and a chunk goes once earned. None: unpaced."""
@@ -229,6 +234,15 @@ class EplbConfig:
         return budget
 
     @property
+    def initial_full_plan(self) -> bool:
+        """Whether the first plan since start-up moves without the budget (continuous mode, a
+        budget above 0, no fitted placement at start-up)."""
+        on = initial_full_plan_on(
+            continuous=self.continuous, enabled=self.eplb_initial_full_plan, budget=self.max_moved_experts
+        )
+        return on and self.init_expert_location == "trivial"
+
+    @property
     def dispatch_algorithm(self) -> str:
         return self.ep_dispatch_algorithm or "static"
 
@@ -300,6 +314,13 @@ def add_cli_args(parser: argparse.ArgumentParser, *, check: bool = True) -> argp
         default=None,
         help="cross-GPU expert copies per rebalance, a solver budget "
         f"(default: none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS})",
+    )
+    g.add_argument(
+        "--eplb-initial-full-plan",
+        action=argparse.BooleanOptionalAction,
+        default=d.eplb_initial_full_plan,
+        help="continuous mode: the first plan since start-up moves without --eplb-max-moved-experts "
+        "(not from --init-expert-location, not with a budget of 0) (default: on)",
     )
     g.add_argument(
         "--eplb-transfer-gbps",

@@ -93,6 +93,67 @@ def test_continuous_mode_rebalances_every_interval_from_a_longer_window() -> Non
     manager.close()
 
 
+class _BudgetedPlanner:
+    """A planner with a move budget to drop (as SolverPlanner has): records which one planned."""
+
+    def __init__(
+        self, calls: list[str], targets: list[Placement], budgeted: bool = True, skip_first: bool = False
+    ) -> None:
+        self.calls, self.targets, self.budgeted, self.skip_first = calls, targets, budgeted, skip_first
+
+    def without_move_budget(self) -> _BudgetedPlanner:
+        return _BudgetedPlanner(self.calls, self.targets, budgeted=False, skip_first=self.skip_first)
+
+    def __call__(self, load_WLE: np.ndarray, current: Placement, history: object = None) -> FakePlan:
+        self.calls.append("budgeted" if self.budgeted else "full")
+        apply = not (self.skip_first and len(self.calls) == 1)
+        return FakePlan(self.targets[len(self.calls) % 2], apply=apply)
+
+
+def _first_three_plans(fields: dict[str, Any], skip_first: bool = False) -> list[str]:
+    """Which planner (budgeted or full) made each of the first three plans of a manager."""
+    model, placement, _ = make()
+    targets = [other_placement(placement, 5), other_placement(placement, 6)]
+    calls: list[str] = []
+    config = EplbConfig(**{"eplb_rebalance_mode": "continuous", "eplb_rebalance_num_iterations": 4, **fields})
+    planner = _BudgetedPlanner(calls, targets, skip_first=skip_first)
+    manager = EplbManager(config, model, placement, device=CPU, planner=planner)
+    model.recorder = manager.recorder
+    for step in range(40):
+        run_passes(manager, model, 1, seed=step)
+        until_idle(manager, model)
+        if len(calls) == 3:
+            break
+    manager.close()
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("fields", "want"),
+    [
+        ({}, ["full", "budgeted", "budgeted"]),  # the first plan since start-up moves unbudgeted
+        ({"eplb_initial_full_plan": False}, ["budgeted"] * 3),
+        ({"eplb_max_moved_experts": 0}, ["budgeted"] * 3),  # a budget of 0 moves nothing, ever
+        ({"eplb_rebalance_mode": "periodic", "eplb_max_moved_experts": 5}, ["budgeted"] * 3),
+    ],
+)
+def test_the_first_plan_since_start_up_moves_without_the_budget(
+    fields: dict[str, Any], want: list[str]
+) -> None:
+    assert _first_three_plans(fields) == want
+
+
+def test_a_skipped_first_plan_leaves_the_next_one_unbudgeted() -> None:
+    assert _first_three_plans({}, skip_first=True) == ["full", "full", "budgeted"]
+
+
+def test_a_start_up_placement_from_a_file_is_already_fitted() -> None:
+    assert not EplbConfig(
+        eplb_rebalance_mode="continuous", init_expert_location="placement.json"
+    ).initial_full_plan
+    assert EplbConfig(eplb_rebalance_mode="continuous").initial_full_plan
+
+
 def test_paced_chunks_of_local_copies_wait_for_no_credit() -> None:
     model, placement, w = make()  # one GPU: every copy is local, so no chunk costs link bytes
     target = other_placement(placement, 7)
@@ -219,7 +280,7 @@ def test_pacing_spreads_a_swap_and_every_rank_switches_on_the_same_pass() -> Non
 
 
 # ---- two ranks, the real solver under a budget ---------------------------------------------------
-def budget_run(ctx: RankContext, budget: int) -> dict[str, Any]:
+def budget_run(ctx: RankContext, budget: int, initial_full_plan: bool = False) -> dict[str, Any]:
     placement = Placement.trivial(CFG.num_layers, CFG.num_experts, 2, num_redundant=2)
     model = MoEModel(CFG, placement, rank=ctx.rank, device=ctx.device, remap_backend="torch")
     config = EplbConfig(
@@ -229,6 +290,7 @@ def budget_run(ctx: RankContext, budget: int) -> dict[str, Any]:
         eplb_rebalance_num_iterations=5,
         expert_distribution_recorder_buffer_size=15,
         eplb_max_moved_experts=budget,
+        eplb_initial_full_plan=initial_full_plan,
     )
     manager = EplbManager(config, model, placement, device=ctx.device)
     model.recorder = manager.recorder
@@ -250,6 +312,7 @@ def budget_run(ctx: RankContext, budget: int) -> dict[str, Any]:
 
 @pytest.mark.parametrize("budget", [0, 1])
 def test_real_solver_keeps_every_rebalance_within_the_budget(budget: int) -> None:
+    """With --no-eplb-initial-full-plan every plan keeps the budget (the first one included)."""
     r0, r1 = run_ranks(budget_run, 2, args=(budget,), timeout_s=120)
     assert r0 == r1
     assert len(r0["history"]) >= 3 and "failed" not in {outcome for _, outcome, _ in r0["history"]}
@@ -259,3 +322,12 @@ def test_real_solver_keeps_every_rebalance_within_the_budget(budget: int) -> Non
         assert Placement.from_phy2log(np.asarray(r0["phy2log"]), 2).same_slots(start)
     else:
         assert any(moved == 1 for *_, moved in r0["history"])  # the skew is worth a move
+
+
+def test_with_the_initial_full_plan_only_the_first_plan_may_exceed_the_budget() -> None:
+    """--eplb-initial-full-plan (the default): the documented exception is the first plan alone."""
+    r0, r1 = run_ranks(budget_run, 2, args=(1, True), timeout_s=120)
+    assert r0 == r1
+    history = [h for h in r0["history"] if h[1] == "applied"]
+    assert len(history) >= 2 and "failed" not in {outcome for _, outcome, _ in r0["history"]}
+    assert all(moved <= 1 for *_, moved in history[1:])

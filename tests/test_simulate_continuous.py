@@ -209,16 +209,20 @@ def _drifting_trace(seed: int, T: int = 240, L: int = 4, E: int = 16) -> Trace:
 
 
 @pytest.mark.parametrize("budget", [0, 3, 10])
-def test_the_budget_reaches_the_solver_and_is_never_exceeded(budget: int) -> None:
+@pytest.mark.parametrize("initial_full_plan", [False, True])
+def test_the_budget_reaches_the_solver_and_is_never_exceeded(budget: int, initial_full_plan: bool) -> None:
+    """Every plan keeps the budget; with the initial full plan (the default) all but the first do."""
     trace = _drifting_trace(seed=budget)
     config = SimulationConfig(
         num_gpus=4, num_nodes=2, num_redundant=4, interval=20, rebalance_mode="continuous",
         max_moved_experts=budget, bytes_per_expert=1000, transfer_gbps=100.0,
+        initial_full_plan=initial_full_plan,
     )  # fmt: skip
     result = simulate(trace, parse_runs(["scipy"], "static"), config)
     applied = [e for e in result.runs[0].events if e.applied]
     assert result.config["move_budget"] == budget and len(result.runs[0].events) == 11
-    assert all(e.experts_moved_across_gpus <= budget for e in applied)
+    kept = applied[1:] if initial_full_plan and budget > 0 else applied
+    assert all(e.experts_moved_across_gpus <= budget for e in kept)
     if budget == 0:
         assert sum(e.experts_moved_across_gpus for e in applied) == 0
     else:
@@ -279,3 +283,20 @@ def test_realized_balancedness_is_what_the_prediction_estimates() -> None:
         assert event.realized_summed_balancedness is not None
         checked += 1
     assert checked >= 3
+
+
+def test_the_initial_full_plan_is_the_first_plan_of_a_run_from_the_trivial_placement() -> None:
+    trace = _drifting_trace(seed=11)
+    config = SimulationConfig(
+        num_gpus=4, num_nodes=2, num_redundant=4, interval=20, rebalance_mode="continuous",
+        max_moved_experts=1, bytes_per_expert=1000,
+    )  # fmt: skip
+    run = simulate(trace, parse_runs(["scipy"], "static"), config).runs[0]
+    applied = [e for e in run.events if e.applied]
+    assert applied[0].experts_moved_across_gpus > 1  # the trivial placement is far from the load
+    assert all(e.experts_moved_across_gpus <= 1 for e in applied[1:])
+    # From a given placement (--init-expert-location) the first plan keeps the budget too.
+    start = run.final_placement
+    assert start is not None
+    given = simulate(trace, parse_runs(["scipy"], "static"), config, initial=start).runs[0]
+    assert all(e.experts_moved_across_gpus <= 1 for e in given.events if e.applied)

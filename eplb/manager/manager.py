@@ -49,6 +49,7 @@ from eplb.placement.balance import gpu_load, model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import PlanLike, Planner
+from eplb.policy.schedule import plan_with
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 
 __all__ = [
@@ -118,6 +119,8 @@ class EplbManager:
         self._planner: Planner = planner or default_planner(
             config, num_groups=num_groups, bytes_per_expert=self._bytes_per_expert
         )
+        self._fitted = False
+        """A plan was applied since start-up (eplb.policy.schedule: the first one moves unbudgeted)."""
         self._executor: ThreadPoolExecutor | None = None
         self._preparer: ThreadPoolExecutor | None = None
         self._future: Future[tuple[PlanLike, float]] | None = None
@@ -223,7 +226,10 @@ class EplbManager:
         if self.rank == 0:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb-solve")
-            self._future = self._executor.submit(timed_plan, self._planner, load_WLE, self._placement)
+            planner = plan_with(
+                self._planner, initial_full_plan=self.config.initial_full_plan, fitted=self._fitted
+            )
+            self._future = self._executor.submit(timed_plan, planner, load_WLE, self._placement)
         self._phase = "solving"
 
     def _adopt_plan(self, seconds: float) -> None:
@@ -378,6 +384,7 @@ class EplbManager:
             bytes_moved=0 if job is None else job.bytes_moved,
         )
         self._history.append(record)
+        self._fitted = self._fitted or outcome == "applied"
         self._job = None
         self._phase = "idle"
         if self.rank == 0:

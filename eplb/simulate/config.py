@@ -63,6 +63,9 @@ class SimulationConfig:
     """--eplb-max-moved-experts: budget of expert copies across GPUs per rebalance, given to the
     solver-backed runs as ``SolveOptions.max_moved_experts`` (None: no budget in periodic mode,
     ``eplb.config.CONTINUOUS_MAX_MOVED_EXPERTS`` in continuous mode, as a server has)."""
+    initial_full_plan: bool = True
+    """--eplb-initial-full-plan: in continuous mode, the first plan of a run that starts from the
+    trivial placement moves without the budget (eplb.policy.schedule; not with a budget of 0)."""
     transfer_gbps: float | None = None
     """--eplb-transfer-gbps: pace of a swap sent beside the passes, GB/s into one GPU
     (continuous mode; None: as fast as the links go)."""

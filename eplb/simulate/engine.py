@@ -86,6 +86,7 @@ def simulate(
             f"{E} experts + {config.num_redundant} redundant = {E + config.num_redundant} slots do not "
             f"divide evenly over --ep-size {config.num_gpus}"
         )
+    fitted = initial is not None  # a given start-up placement: no unbudgeted first plan
     if initial is None:
         initial = Placement.trivial(L, E, config.num_gpus, config.num_redundant, config.num_nodes)
     else:
@@ -115,7 +116,16 @@ def simulate(
         scored_from = config.score_from
     recorded_T = recorded_steps_mask(trace, config)
     states = [
-        RunState(spec, initial, _planner_for(spec, config, planners), trace, config, recorded_T, scored_from)
+        RunState(
+            spec,
+            initial,
+            _planner_for(spec, config, planners),
+            trace,
+            config,
+            recorded_T,
+            scored_from,
+            fitted,
+        )
         for spec in specs
     ]
     # The products are many small GEMMs: BLAS threads only add contention (65x slower measured on

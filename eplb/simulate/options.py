@@ -114,6 +114,13 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
             f"(default: none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS})",
         )
         g.add_argument(
+            "--eplb-initial-full-plan",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="continuous mode: the first plan from the trivial placement moves without the budget "
+            "(default: on)",
+        )
+        g.add_argument(
             "--eplb-transfer-gbps",
             type=float,
             default=None,
@@ -241,6 +248,7 @@ def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) 
         enable_eplb=True,
         eplb_rebalance_mode=mode,
         eplb_transfer_gbps=getattr(args, "eplb_transfer_gbps", None),
+        eplb_initial_full_plan=getattr(args, "eplb_initial_full_plan", True),
         eplb_record_prefill_only=args.eplb_record_prefill_only,
         eplb_min_rebalancing_utilization_threshold=threshold,
         ep_dispatch_algorithm=args.ep_dispatch_algorithm,
@@ -262,6 +270,7 @@ def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) 
         rebalance_mode=mode,
         max_moved_experts=values["eplb_max_moved_experts"],
         transfer_gbps=server.eplb_transfer_gbps,
+        initial_full_plan=server.eplb_initial_full_plan,
         record_prefill_only=args.eplb_record_prefill_only,
         utilization_threshold=threshold,
         default_dispatch=args.ep_dispatch_algorithm,

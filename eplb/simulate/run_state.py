@@ -23,6 +23,7 @@ from eplb.placement.balance import balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import PlanLike, Planner
+from eplb.policy.schedule import initial_full_plan_on, plan_with
 from eplb.simulate.config import SimulationConfig
 from eplb.simulate.cost_model import swap_beside_passes
 from eplb.simulate.dispatch import DispatchMatrices, dispatch_matrices, fake_gpu_load
@@ -59,8 +60,11 @@ class RunState:
         config: SimulationConfig,
         recorded_T: np.ndarray,
         scored_from: int,
+        fitted: bool = False,
     ) -> None:
         self.spec, self.planner, self.trace, self.config = spec, planner, trace, config
+        self.fitted = fitted
+        """A plan was applied, or the run started from a given placement (eplb.policy.schedule)."""
         self.placement = initial
         self.weights_LER: np.ndarray | None = None
         self.matrices = dispatch_matrices(initial, spec.dispatch)
@@ -119,7 +123,13 @@ class RunState:
             )
             return
         started = time.perf_counter()
-        proposal: PlanLike = self.planner(window_WLE, self.placement, self.past)
+        on = initial_full_plan_on(
+            continuous=self.config.continuous,
+            enabled=self.config.initial_full_plan,
+            budget=self.config.move_budget,
+        )
+        planner = plan_with(self.planner, initial_full_plan=on, fitted=self.fitted)
+        proposal: PlanLike = planner(window_WLE, self.placement, self.past)
         skipped = RebalanceEvent(
             step=step,
             window_steps=len(window_WLE),
@@ -132,6 +142,7 @@ class RunState:
         if not proposal.apply:
             self.events.append(skipped)
             return
+        self.fitted = True
         diff = diff_placements(self.placement, proposal.placement, self.config.bytes_per_expert)
         cost, gbps = self.config.cost, self.config.transfer_gbps
         continuous = self.config.continuous

@@ -9,7 +9,7 @@ of options means the same plan everywhere. The topology comes from the current p
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -55,6 +55,12 @@ class SolverPlanner:
             )
         except TypeError as exc:
             raise ValueError(f"solver option: {exc}") from None
+
+    def without_move_budget(self) -> SolverPlanner:
+        """This planner with no move budget (``max_moved_experts``, ``max_bytes_moved``): the
+        first plan from a placement nobody fitted (eplb.policy.schedule)."""
+        budgets = ("max_moved_experts", "max_bytes_moved")
+        return replace(self, extra_options={k: v for k, v in self.extra_options.items() if k not in budgets})
 
     def __call__(
         self, window_WLE: np.ndarray, current: Placement, history: LoadHistory | None = None
