@@ -349,6 +349,43 @@ def test_bad_output_paths_end_in_one_line_and_write_nothing(
         load_trace(src).save(tmp_path / "missing" / "t.npz")
 
 
+def test_long_commands_refuse_bad_outputs_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """simulate, sweep (both kinds) and demo check --json and --plots before they run anything."""
+    import eplb.commands.demo
+    import eplb.simulate
+    import eplb.simulate.sweep
+    import eplb.simulate.tradeoff
+
+    def never(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("the run started before its outputs were checked")
+
+    for target, name in [
+        (eplb.simulate, "simulate"),
+        (eplb.simulate.sweep, "sweep"),
+        (eplb.simulate.tradeoff, "tradeoff"),
+        (eplb.commands.demo, "run_demo"),
+    ]:
+        monkeypatch.setattr(target, name, never)
+    (tmp_path / "file").write_text("keep")
+    under_file = str(tmp_path / "file" / "out.json")
+    tiny = ["--preset", "tiny", "--steps", "40", "--disable-tqdm"]
+    commands = [
+        ["simulate", *tiny],
+        ["sweep", *tiny, "--intervals", "10"],
+        ["sweep", "--tradeoff", *tiny],
+        ["demo", "--nproc", "1", "--steps", "5"],
+    ]
+    for argv in commands:
+        assert "is not a folder" in _one_line_error(capsys, [*argv, "--json", under_file])
+    for argv in commands[0], commands[2]:
+        assert "is not a folder" in _one_line_error(capsys, [*argv, "--plots", str(tmp_path / "file")])
+    assert (tmp_path / "file").read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "file"
+    ]
+
+
 def test_ctrl_c_ends_in_one_line_and_leaves_nothing(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

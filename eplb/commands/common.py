@@ -59,6 +59,15 @@ def check_outputs(*targets: Path | None) -> None:
             check_output_path(target, parents=True)
 
 
+def check_output_folder(folder: Path | None) -> None:
+    """Refuse an output folder (``--plots DIR``) that is a file or sits under one, before any work."""
+    if folder is None:
+        return
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder")
+    check_output_path(folder / "plot.png", parents=True)
+
+
 def progress(items: Iterable[T], *, disable: bool, desc: str, total: int | None = None) -> Iterator[T]:
     """A tqdm bar on stderr, or the plain iterable when disabled or tqdm is missing."""
     if disable:

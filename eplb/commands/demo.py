@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from eplb.commands.common import add_json_out, add_seed, emit, json_to_stdout
+from eplb.commands.common import add_json_out, add_seed, check_outputs, emit, json_to_stdout
 from eplb.config import EplbConfig, add_cli_args, config_from_args
 from eplb.metrics.sink import MetricsSink
 
@@ -125,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from eplb.metrics.exporter import sink_for_rank
 
     config = config_from_namespace(args)
+    check_outputs(args.json_out)  # an unwritable output fails now, not after the run
     # Rank 0 runs in this process and reports the window it aggregated over all ranks.
     sink, exporter = sink_for_rank(0, port=args.metrics_port, host=args.metrics_host)
     # Progress goes to stderr when the JSON goes to stdout, so stdout stays one JSON document.

@@ -10,7 +10,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from eplb.commands.common import add_json_out, add_progress, add_seed, progress, require_extra, write_json
+from eplb.commands.common import (
+    add_json_out,
+    add_progress,
+    add_seed,
+    check_output_folder,
+    check_outputs,
+    progress,
+    require_extra,
+    write_json,
+)
 
 HELP = "simulate rebalancing offline on a trace or a built-in workload: balance, speed-up, moves"
 
@@ -53,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     runs = parse_runs(args.algorithms, args.ep_dispatch_algorithm)
     if args.plots is not None:
         require_extra("matplotlib", "plots", "--plots")  # before the simulation, not after it
+    check_outputs(args.json_out)  # an unwritable output fails now, not after the simulation
+    check_output_folder(args.plots)
     trace = load_input(args, quiet=args.disable_tqdm)
     config = simulation_config(args, trace)
     initial = initial_placement(args, trace, config)

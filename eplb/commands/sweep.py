@@ -13,7 +13,14 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from eplb.commands.common import add_json_out, add_progress, add_seed, write_json
+from eplb.commands.common import (
+    add_json_out,
+    add_progress,
+    add_seed,
+    check_output_folder,
+    check_outputs,
+    write_json,
+)
 
 HELP = "find the fewest redundant experts and the longest rebalance interval that reach a target balancedness"
 
@@ -96,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from eplb.simulate.planners import RunSpec
     from eplb.simulate.sweep import SweepPoint, redundant_candidates, sweep
 
+    check_outputs(args.json_out)  # an unwritable output fails now, not after the sweep
     if args.tradeoff:
         return _tradeoff(args)
     if not 0.0 < args.target <= 1.0:
@@ -176,6 +184,7 @@ def _tradeoff(args: argparse.Namespace) -> int:
     from eplb.simulate.planners import RunSpec
     from eplb.simulate.tradeoff import default_settings, tradeoff, tradeoff_table
 
+    check_output_folder(args.plots)
     periodic = RunSpec.parse(args.periodic_algorithm, args.ep_dispatch_algorithm)
     continuous = RunSpec.parse(args.algorithm, args.ep_dispatch_algorithm)
     if "none" in (periodic.algorithm, continuous.algorithm):
