@@ -138,6 +138,10 @@ def budgeted_phy2log(
     left_w, left_p = budget.weighted, budget.plain
     counts = {"swaps": 0, "replica_changes": 0, "rounds": 0, "undone": 0}
     checked = state.static_nodes is not None
+    # Static dispatch: each layer's exact soft balancedness, to check every move against.
+    soft_L = np.zeros(L)
+    if checked:
+        soft_L[:] = [moves.soft_balancedness(state, layer, weights_K) for layer in range(L)]
     spent_total = 0.0
     for _ in range(MAX_ROUNDS):
         stale_L = active_L & (dirty_L | (weighted_L > left_w + _TOL) | (plain_L > left_p + _TOL))
@@ -165,13 +169,14 @@ def budgeted_phy2log(
             if cw > _TOL and spent > 0 and spent + cw > round_cap + _TOL:
                 continue
             slot_a, slot_b, giver = int(slot_a_L[layer]), int(slot_b_L[layer]), -1
-            before = moves.soft_balancedness(state, layer, weights_K) if checked else 0.0
+            before = float(soft_L[layer]) if checked else 0.0
             if replica_L[layer]:
                 giver = int(state.phy2log_LP[layer, slot_b])
                 moves.apply_replica_change(state, layer, slot_b, int(expert_L[layer]))
             else:
                 moves.apply_swap(state, layer, slot_a, slot_b)
-            if checked and (moves.soft_balancedness(state, layer, weights_K) - before <= MIN_STEP_GAIN):
+            after = moves.soft_balancedness(state, layer, weights_K) if checked else 0.0
+            if checked and after - before <= MIN_STEP_GAIN:
                 # The proposal's even-split estimate did not hold under the static maps' shares:
                 # undo it, and search this layer no further (strict progress: no cycles).
                 if replica_L[layer]:
@@ -181,6 +186,7 @@ def budgeted_phy2log(
                 active_L[layer] = False
                 counts["undone"] += 1
                 continue
+            soft_L[layer] = after
             counts["replica_changes" if replica_L[layer] else "swaps"] += 1
             left_w -= cw
             left_p -= cp

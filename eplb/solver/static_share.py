@@ -55,8 +55,8 @@ def _static_share(
     layer_l = np.arange(phy2log_LP.shape[0]) if layers is None else np.asarray(layers, dtype=np.int64)
     p2l_lP = phy2log_LP[layer_l].astype(np.int64)
     nl, P = p2l_lP.shape
-    E, G = num_logical, num_gpus
-    S, gpn = P // G, G // num_nodes
+    E, G, N = num_logical, num_gpus, num_nodes
+    S, gpn = P // G, G // N
     share_lP = np.ones((nl, P))
     rows = np.arange(nl)[:, None]
     cnt_lE = np.bincount((rows * E + p2l_lP).ravel(), minlength=nl * E).reshape(nl, E)
@@ -74,33 +74,39 @@ def _static_share(
     slot_XR = np.where(valid_XR, order_lP[row_X[:, None], pos_XR], -1)
     gpu_XR = np.where(valid_XR, slot_XR // S, -1)
     node_XR = np.where(valid_XR, gpu_XR // gpn, -1)
-
-    rank_G = np.arange(G)
-    node_G = rank_G // gpn
-    on_gpu_XGR = gpu_XR[:, None, :] == rank_G[None, :, None]
-    on_node_XGR = node_XR[:, None, :] == node_G[None, :, None]
-    local_XG = on_gpu_XGR.any(axis=2)
-    node_cnt_XG = on_node_XGR.sum(axis=2)
-    same_node_XG = ~local_XG & (node_cnt_XG > 0)
-    anywhere_XG = ~local_XG & ~same_node_XG
-    X = row_X.size
-    same_j_XG = np.cumsum(same_node_XG.reshape(X, num_nodes, gpn), axis=2).reshape(X, G) - 1
-    # All replicas on the rank's node: that node's remote ranks continue the others' count.
-    whole_pool_XG = node_cnt_XG == cnt_X[:, None]
-    same_j_XG = same_j_XG + np.where(whole_pool_XG, anywhere_XG.sum(axis=1, keepdims=True), 0)
-    anywhere_j_XG = np.cumsum(anywhere_XG, axis=1) - 1
     offset_X = layer_l[row_X] * E + expert_X
-
-    candidates_XGR = np.where(
-        local_XG[..., None], on_gpu_XGR, np.where(same_node_XG[..., None], on_node_XGR, valid_XR[:, None, :])
+    # A GPU's own first replica takes that rank.
+    first_on_gpu_XR = valid_XR & ~(
+        (gpu_XR[:, :, None] == gpu_XR[:, None, :]) & (k_R[None, None, :] < k_R[None, :, None])
+    ).any(axis=2)
+    ranks_XR = first_on_gpu_XR.astype(np.int64)
+    on_node_XNR = node_XR[:, None, :] == np.arange(N)[None, :, None]
+    reps_XN = on_node_XNR.sum(axis=2)
+    gpus_XN = (on_node_XNR & first_on_gpu_XR[:, None, :]).sum(axis=2)
+    # Ranks of nodes without a replica: round-robin over all replicas from the expert's offset.
+    anywhere_X = gpn * (reps_XN == 0).sum(axis=1)
+    ranks_XR += _round_robin(anywhere_X[:, None], cnt_X[:, None], offset_X[:, None], k_R[None, :])
+    ranks_XR = np.where(valid_XR, ranks_XR, 0)
+    # The other ranks of a node with replicas: round-robin over the node's, after the anywhere
+    # ranks when the node holds every replica.
+    rest_XN = np.where(reps_XN > 0, gpn - gpus_XN, 0)
+    base_XN = np.where(reps_XN == cnt_X[:, None], anywhere_X[:, None], 0)
+    index_XNR = np.cumsum(on_node_XNR, axis=2) - 1  # a replica's position among its node's
+    extra_XNR = _round_robin(
+        rest_XN[..., None],
+        np.maximum(reps_XN, 1)[..., None],
+        (base_XN + offset_X[:, None])[..., None],
+        index_XNR,
     )
-    n_XG = candidates_XGR.sum(axis=2)
-    j_XG = np.where(same_node_XG, same_j_XG, anywhere_j_XG)
-    k_XG = np.where(local_XG, 0, (j_XG + offset_X[:, None]) % np.maximum(n_XG, 1))
-    pick_XGR = candidates_XGR & (np.cumsum(candidates_XGR, axis=2) == (k_XG + 1)[..., None])
-    ranks_XR = pick_XGR.sum(axis=1)
+    ranks_XR += (extra_XNR * on_node_XNR).sum(axis=1)
     share_lP[row_X[:, None].repeat(R, axis=1)[valid_XR], slot_XR[valid_XR]] = ranks_XR[valid_XR] / G
     return share_lP
+
+
+def _round_robin(count: np.ndarray, pool: np.ndarray, start: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """Of ``count`` ranks dealt round-robin over ``pool`` candidates (the j-th to candidate
+    ``(j + start) mod pool``), how many candidate ``index`` gets."""
+    return count // pool + (np.mod(index - start, pool) < count % pool)
 
 
 def expert_static_shares(
@@ -117,24 +123,21 @@ def expert_static_shares(
         return [1.0]
     gpn = num_gpus // num_nodes
     gpus = [s // slots_per_gpu for s in slots]
-    nodes = [g // gpn for g in gpus]
-    held = set(nodes)
-    anywhere_total = gpn * (num_nodes - len(held))
     ranks = [0] * c
-    anywhere_j = 0
-    for node in range(num_nodes):
-        if node not in held:  # these ranks pick from every replica, round-robin in rank order
-            for _ in range(gpn):
-                ranks[(anywhere_j + offset) % c] += 1
-                anywhere_j += 1
-            continue
-        on_node = [i for i in range(c) if nodes[i] == node]
-        j = anywhere_total if len(on_node) == c else 0
-        for rank in range(node * gpn, (node + 1) * gpn):
-            local = next((i for i in on_node if gpus[i] == rank), -1)
-            if local >= 0:
-                ranks[local] += 1
-            else:
-                ranks[on_node[(j + offset) % len(on_node)]] += 1
-                j += 1
+    by_node: dict[int, list[int]] = {}
+    seen: set[int] = set()
+    for i, g in enumerate(gpus):
+        by_node.setdefault(g // gpn, []).append(i)
+        if g not in seen:  # a GPU's own first replica takes that rank
+            seen.add(g)
+            ranks[i] += 1
+    anywhere = gpn * (num_nodes - len(by_node))
+    for i in range(c):  # ranks of nodes without a replica, round-robin over all of them
+        ranks[i] += anywhere // c + ((i - offset) % c < anywhere % c)
+    for members in by_node.values():
+        n = len(members)
+        rest = gpn - len({gpus[i] for i in members})
+        start = offset + (anywhere if n == c else 0)
+        for q, i in enumerate(members):
+            ranks[i] += rest // n + ((q - start) % n < rest % n)
     return [r / num_gpus for r in ranks]
