@@ -95,3 +95,29 @@ def test_a_static_plan_is_scored_with_the_maps_shares() -> None:
 def test_static_dispatch_and_weights_exclude_each_other() -> None:
     with pytest.raises(ValueError, match="static_dispatch and weighted"):
         SolveOptions(static_dispatch=True, weighted=True)
+
+
+def test_the_search_state_keeps_exact_static_loads_through_swaps_and_replica_changes() -> None:
+    """After any sequence of moves the state's slot and GPU loads are the static shares' loads."""
+    from eplb.solver import moves
+
+    rng = np.random.default_rng(9)
+    G, N, E, P, L = 8, 2, 16, 32, 3
+    current = Placement.from_phy2log(random_phy2log(rng, L, E, P), G, N)
+    scenarios_KLE = rng.lognormal(0.0, 1.0, size=(1, L, E))
+    cost_LGE = np.ones((L, G, E))
+    state = moves.make_state(scenarios_KLE, current.phy2log_LP, current.logcnt_LE, G, cost_LGE, None, N)
+    for _ in range(300):
+        layer = int(rng.integers(L))
+        if rng.random() < 0.5:
+            a, b = (int(x) for x in rng.choice(P, size=2, replace=False))
+            moves.apply_swap(state, layer, a, b)
+        else:
+            givers = np.flatnonzero(state.cnt_LE[layer, state.phy2log_LP[layer]] >= 2)
+            if givers.size:
+                moves.apply_replica_change(state, layer, int(rng.choice(givers)), int(rng.integers(E)))
+        share_LP = static_share_LP(state.phy2log_LP, E, G, N)
+        rows = np.arange(L)[:, None]
+        want_LP = state.norm_KLE[0][rows, state.phy2log_LP] * share_LP
+        np.testing.assert_allclose(state.item_KLP[0], want_LP, atol=1e-12)
+        np.testing.assert_allclose(state.gpu_KLG[0], want_LP.reshape(L, G, -1).sum(axis=-1), atol=1e-9)

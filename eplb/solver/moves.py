@@ -408,9 +408,10 @@ def _reshare(state: MoveState, layer: int, experts: tuple[int, int]) -> None:
     p2l = state.phy2log_LP[layer]
     E, G, S = state.cnt_LE.shape[1], state.num_gpus, state.slots_per_gpu
     for e in set(experts):
-        if state.cnt_LE[layer, e] == 1:  # a single replica takes all its tokens: its slot's load is right
-            continue
         slots = np.flatnonzero(p2l == e)
+        if slots.size == 1:  # a single replica takes all its expert's tokens
+            state.item_KLP[:, layer, slots[0]] = state.norm_KLE[:, layer, e]
+            continue
         shares = expert_static_shares(slots.tolist(), layer * E + e, G, S, state.static_nodes)
         state.item_KLP[:, layer, slots] = state.norm_KLE[:, layer, e, None] * np.asarray(shares)
     state.gpu_KLG[:, layer] = state.item_KLP[:, layer].reshape(-1, G, S).sum(axis=-1)
