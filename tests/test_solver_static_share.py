@@ -121,3 +121,26 @@ def test_the_search_state_keeps_exact_static_loads_through_swaps_and_replica_cha
         want_LP = state.norm_KLE[0][rows, state.phy2log_LP] * share_LP
         np.testing.assert_allclose(state.item_KLP[0], want_LP, atol=1e-12)
         np.testing.assert_allclose(state.gpu_KLG[0], want_LP.reshape(L, G, -1).sum(axis=-1), atol=1e-9)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_served_balancedness_is_the_maps_gpu_loads(shape: tuple[int, int, int, int]) -> None:
+    """What the manager reports before and after a plan: GPU loads of every rank sending its
+    share of each expert through its own static map (numpy, from the maps), mean / max per layer."""
+    from eplb.placement.balance import balancedness, model_balancedness
+    from eplb.solver.solve import served_balancedness
+
+    G, N, E, P = shape
+    rng = np.random.default_rng(7)
+    placement = Placement.from_phy2log(random_phy2log(rng, 3, E, P), G, N)
+    load_LE = rng.gamma(0.5, 100.0, size=(3, E))
+    maps_GLE = static_dispatch_maps(placement)
+    S = P // G
+    gpu_LG = np.zeros((3, G))
+    for g in range(G):
+        for layer in range(3):
+            np.add.at(gpu_LG[layer], maps_GLE[g, layer] // S, load_LE[layer] / G)
+    want = float(balancedness(gpu_LG).mean())
+    assert served_balancedness(load_LE, placement, static_dispatch=True) == pytest.approx(want, abs=1e-12)
+    even = float(model_balancedness(load_LE, placement))
+    assert served_balancedness(load_LE, placement) == pytest.approx(even, abs=1e-12)

@@ -49,6 +49,7 @@ from eplb.placement.balance import gpu_load, model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import PlanLike, Planner
+from eplb.policy.dispatch import dispatch_mode
 from eplb.policy.schedule import plan_with
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 
@@ -119,6 +120,8 @@ class EplbManager:
         self._planner: Planner = planner or default_planner(
             config, num_groups=num_groups, bytes_per_expert=self._bytes_per_expert
         )
+        self._static_dispatch = dispatch_mode(config.dispatch_algorithm).static_maps
+        """Static dispatch: before/after are scored with the static maps' replica shares, as the plans are."""
         self._fitted = False
         """A plan was applied since start-up (eplb.policy.schedule: the first one moves unbudgeted)."""
         self._executor: ThreadPoolExecutor | None = None
@@ -206,7 +209,7 @@ class EplbManager:
     def _trigger(self) -> None:
         load_WLE = self.recorder.window_logical_counts(reduce=True).astype(np.float64)
         load_LE = load_WLE.sum(axis=0)
-        before = float(model_balancedness(load_LE, self._placement))
+        before = self._served(load_LE, self._placement, self._weights_LER)
         self._windows.append((self._passes, before))
         self.sink.on_window(logical_load_LE=load_LE, gpu_load_LG=gpu_load(load_LE, self._placement))
         threshold = self.config.eplb_min_rebalancing_utilization_threshold
@@ -326,7 +329,7 @@ class EplbManager:
             job.experts_moved += result.experts_moved
             job.bytes_moved += result.bytes_moved
             if not job.pending:
-                after = float(model_balancedness(self._load_LE, self._placement, self._weights_LER))
+                after = self._served(self._load_LE, self._placement, self._weights_LER)
                 self._finish(
                     "applied", job.reason, self._before, after, job.predicted, job.solve_seconds, job
                 )
@@ -360,6 +363,14 @@ class EplbManager:
         self._finish("failed", reason, self._before, self._before, job.predicted, job.solve_seconds, job)
         if not self._health.usable:
             self._phase = "stopped"
+
+    def _served(self, load_LE: np.ndarray, placement: Placement, weights_LER: np.ndarray | None) -> float:
+        """Balancedness of ``load_LE`` on ``placement`` as this server dispatches (eplb.solver.solve)."""
+        if not self._static_dispatch or weights_LER is not None:
+            return float(model_balancedness(load_LE, placement, weights_LER))
+        from eplb.solver.solve import served_balancedness  # SciPy's module only where it is used
+
+        return served_balancedness(load_LE, placement, static_dispatch=True)
 
     def _finish(
         self,

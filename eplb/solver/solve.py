@@ -163,6 +163,23 @@ def _scored(
     return ho.Scored(placement.phy2log_LP, share_LP)
 
 
+def served_balancedness(
+    load_LE: np.ndarray,
+    placement: Placement,
+    weights_LER: np.ndarray | None = None,
+    *,
+    static_dispatch: bool = False,
+) -> float:
+    """Model balancedness of logical load [L, E] on ``placement`` as the server splits an expert's
+    tokens: by ``weights_LER`` where given, by the static maps' shares with ``static_dispatch``,
+    else evenly over its replicas (the score the solver's plans are made for; the manager reports
+    its before/after with it)."""
+    options = SolveOptions(static_dispatch=static_dispatch and weights_LER is None)
+    return _balancedness(
+        np.asarray(load_LE, dtype=np.float64), _scored(placement, weights_LER, options), placement.num_gpus
+    )
+
+
 def _balancedness(load_LE: np.ndarray, scored: ho.Scored, num_gpus: int) -> float:
     """Model balancedness of summed load [L, E] under ``scored``'s placement and shares."""
     layer_LP = np.arange(load_LE.shape[0])[:, None]
