@@ -73,7 +73,6 @@ def run(args: argparse.Namespace) -> int:
     from eplb.integrations import sglang as sglang_plugin
     from eplb.integrations import trtllm
     from eplb.integrations import vllm as vllm_plugin
-    from eplb.placement.balance import model_balancedness
     from eplb.placement.diff import diff_placements
     from eplb.placement.io import save_placement
     from eplb.placement.model import Placement
@@ -81,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from eplb.simulate.options import initial_placement, load_input, simulation_config
     from eplb.simulate.planners import PastView
     from eplb.solver.planner import SolverPlanner
+    from eplb.solver.solve import served_balancedness
 
     out_dir: Path = args.out
     if out_dir.exists() and not out_dir.is_dir():
@@ -103,11 +103,13 @@ def run(args: argparse.Namespace) -> int:
     start = current or Placement.trivial(
         trace.num_layers, trace.num_experts, config.num_gpus, config.num_redundant, config.num_nodes
     )
+    mode = dispatch_mode(args.ep_dispatch_algorithm)
     planner = SolverPlanner(
         algorithm=args.eplb_algorithm,
         num_groups=config.num_groups,
         bytes_per_expert=config.bytes_per_expert,
-        weighted=dispatch_mode(args.ep_dispatch_algorithm).needs_weights,
+        weighted=mode.needs_weights,
+        static_dispatch=mode.static_maps,
         seed=args.seed,
         extra_options=config.solver_options,
     )
@@ -137,10 +139,13 @@ def run(args: argparse.Namespace) -> int:
             "physical_slots": placement.num_physical,
             "ep_size": placement.num_gpus,
             "nnodes": placement.num_nodes,
-            "balancedness_on_window": float(
-                model_balancedness(load_LE, placement, proposal.dispatch_weights_LER)
+            # As the server will split each expert's tokens (static maps, weights or evenly).
+            "balancedness_on_window": served_balancedness(
+                load_LE, placement, proposal.dispatch_weights_LER, static_dispatch=mode.static_maps
             ),
-            "balancedness_on_window_before": float(model_balancedness(load_LE, start)),
+            "balancedness_on_window_before": served_balancedness(
+                load_LE, start, static_dispatch=mode.static_maps
+            ),
             "solver_predicted_balancedness": proposal.predicted_balancedness,
             "solver_says_apply": proposal.apply,
             "solver_reason": proposal.reason,
