@@ -11,12 +11,14 @@ integer arguments straight to the compiled kernel's launcher (eplb.kernels.remap
 which is what an eager prefill pass pays per MoE layer.
 
 Persistent grid: at most ``programs_per_sm`` programs per SM stride over blocks of ``BLOCK`` ids,
-each keeping a private histogram of physical slots (and of logical experts when asked) in
-registers, and flushing it once at the end with relaxed atomics, skipping empty bins. The cost of
-the flush is one atomic per non-empty bin per program, independent of T; a per-block flush (as in
-SGLang's kernel) costs one per bin per block and grows with T. In static mode each expert goes to
-one slot, so only the expert histogram (E bins, not P) is kept and the flush scatters it through
-the map into the slot counts.
+each keeping private counts of physical slots (and of logical experts when asked) and flushing
+them once at the end with relaxed atomics, skipping empty bins. Where the kernel compiles to PTX
+the counts are shared-memory bins incremented with one atomic per id (eplb.kernels.shared_bins);
+elsewhere (the interpreter, ROCm) a ``tl.histogram`` per block in registers, where static mode
+keeps only the expert histogram (E bins, not P) and scatters it through the map at the flush.
+The flush costs one atomic per non-empty bin per program, independent of T (a per-block flush,
+as in SGLang's kernel, grows with T); since every program adds into the same addresses, and
+those atomics serialise, slot counts may be count rows [C, P]: program i flushes into row i % C.
 
 Semantics (bit-for-bit equal to eplb.remap.torch_backend) are documented in eplb.remap.api and the hash in
 eplb.remap.tables.
@@ -249,7 +251,8 @@ FEW_PROGRAMS = 32
 def default_block(numel: int, units: int, count_rows: int = 1) -> tuple[int, int]:
     """(block, num_warps) for ``numel`` ids on ``units`` compute units, 8 warps.
 
-    Measured on an H200 with shared-memory bins (docs/benchmarks.md, "Remap + record"): every
+    Measured on an H200 with shared-memory bins (docs/benchmarks.md, "Per-batch dispatch (`lp`),
+    prepared layers and the recorder's cost"): every
     program's flush adds into the same addresses of its count row, and those atomics serialise,
     so the cost of the flush grows with programs per row. With SPREAD_ROWS rows or more, about
     one block of 512..2048 ids per compute unit (all of them busy); with fewer, blocks of

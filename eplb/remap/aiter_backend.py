@@ -23,5 +23,8 @@ def remap_record_aiter(call: RemapCall) -> None:
     from eplb.kernels.remap_record import LaunchConfig, remap_record_triton
 
     block = 2048 if call.topk_ids_TK.numel() >= 2048 else 256
-    config = LaunchConfig(block=block, num_warps=2 if block == 256 else 4, programs_per_sm=4)
+    # The map row's lookup stays a global load here: tl.gather was only measured on NVIDIA.
+    config = LaunchConfig(
+        block=block, num_warps=2 if block == 256 else 4, programs_per_sm=4, gather_map=False
+    )
     remap_record_triton(call, config=config)
