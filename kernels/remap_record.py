@@ -269,19 +269,23 @@ def default_block(numel: int, units: int, count_rows: int = 1) -> tuple[int, int
     return block, 8 if block >= 256 else 4
 
 
+def programs_per_unit(count_rows: int) -> int:
+    """Programs per compute unit at most in the default launch: two with spread count rows, one
+    otherwise (:func:`default_block`)."""
+    return DEFAULT_PROGRAMS_PER_SM if count_rows >= SPREAD_ROWS else 1
+
+
 def default_config(numel: int, device: torch.device, count_rows: int = 1) -> LaunchConfig:
     """The launch config used when none is given: :func:`default_block`; two programs per unit at
     most with spread count rows, one otherwise."""
     block, num_warps = default_block(numel, num_compute_units(device), count_rows)
-    per_unit = DEFAULT_PROGRAMS_PER_SM if count_rows >= SPREAD_ROWS else 1
-    return LaunchConfig(block=block, num_warps=num_warps, programs_per_sm=per_unit)
+    return LaunchConfig(block=block, num_warps=num_warps, programs_per_sm=programs_per_unit(count_rows))
 
 
 def launch_shape(numel: int, units: int, count_rows: int = 1) -> tuple[int, int, int]:
     """(block, num_warps, grid) of :func:`default_config` for ``numel`` ids on ``units`` compute units."""
     block, num_warps = default_block(numel, units, count_rows)
-    per_unit = DEFAULT_PROGRAMS_PER_SM if count_rows >= SPREAD_ROWS else 1
-    return block, num_warps, max(1, min(-(-numel // block), per_unit * units))
+    return block, num_warps, max(1, min(-(-numel // block), programs_per_unit(count_rows) * units))
 
 
 def default_launch(numel: int, device_index: int, count_rows: int = 1) -> tuple[int, int, int]:
