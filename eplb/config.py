@@ -20,7 +20,7 @@ from typing import Any
 
 from eplb.policy.dispatch import dispatch_mode, dispatch_mode_names
 from eplb.policy.registry import policy_names
-from eplb.policy.schedule import initial_full_plan_on
+from eplb.policy.schedule import SHIFT_BURST, initial_full_plan_on
 
 RECORDER_MODES = ("stat", "per_pass", "per_token")
 DISPATCH_ALGORITHMS = dispatch_mode_names(flags_only=True)
@@ -67,6 +67,10 @@ class EplbConfig:
     eplb_max_moved_experts: int | None = None
     """Budget of one rebalance in cross-GPU expert copies, passed to the solver; None: no budget
     (periodic) or ``CONTINUOUS_MAX_MOVED_EXPERTS`` (continuous). 0 moves nothing."""
+    eplb_shift_burst: int = SHIFT_BURST
+    """Continuous mode: a plan made when the window shows a domain shift may move up to this many
+    rebalances' budgets at once, repaid by the following rebalances (their budgets shrink by what
+    it moved beyond one); 1: every plan within one budget (eplb.policy.schedule.MoveAllowance)."""
     eplb_initial_full_plan: bool = True
     """Continuous mode: the first plan since start-up moves without the move budget (it still
     must pay for its copies), unless the server started from ``--init-expert-location`` or the
@@ -129,6 +133,8 @@ class EplbConfig:
         )
         budget = self.eplb_max_moved_experts
         _check(budget is None or budget >= 0, "--eplb-max-moved-experts", f"must be >= 0, got {budget}")
+        burst = self.eplb_shift_burst
+        _check(burst >= 1, "--eplb-shift-burst", f"must be >= 1, got {burst}")
         gbps = self.eplb_transfer_gbps
         _check(
             gbps is None or 0.0 < gbps < float("inf"),
@@ -314,6 +320,13 @@ def add_cli_args(parser: argparse.ArgumentParser, *, check: bool = True) -> argp
         default=None,
         help="cross-GPU expert copies per rebalance, a solver budget "
         f"(default: none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS})",
+    )
+    g.add_argument(
+        "--eplb-shift-burst",
+        type=int,
+        default=d.eplb_shift_burst,
+        help="continuous mode: on a domain shift a plan may move up to this many rebalances' "
+        f"--eplb-max-moved-experts, repaid by the following ones; 1: never (default: {SHIFT_BURST})",
     )
     g.add_argument(
         "--eplb-initial-full-plan",

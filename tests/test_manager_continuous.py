@@ -101,7 +101,7 @@ class _BudgetedPlanner:
     ) -> None:
         self.calls, self.targets, self.budgeted, self.skip_first = calls, targets, budgeted, skip_first
 
-    def without_move_budget(self) -> _BudgetedPlanner:
+    def for_unfitted_placement(self) -> _BudgetedPlanner:
         return _BudgetedPlanner(self.calls, self.targets, budgeted=False, skip_first=self.skip_first)
 
     def __call__(self, load_WLE: np.ndarray, current: Placement, history: object = None) -> FakePlan:

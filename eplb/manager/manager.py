@@ -50,7 +50,7 @@ from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import PlanLike, Planner
 from eplb.policy.dispatch import dispatch_mode
-from eplb.policy.schedule import plan_with
+from eplb.policy.schedule import MoveAllowance, is_first_plan, plan_with
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 
 __all__ = [
@@ -124,6 +124,13 @@ class EplbManager:
         """Static dispatch: before/after are scored with the static maps' replica shares, as the plans are."""
         self._fitted = False
         """A plan was applied since start-up (eplb.policy.schedule: the first one moves unbudgeted)."""
+        budget = config.max_moved_experts
+        self._allowance = (
+            MoveAllowance(budget, config.eplb_shift_burst)
+            if config.continuous and budget is not None
+            else None
+        )
+        """Continuous mode's move budget as a rate, a burst on a shift (eplb.policy.schedule)."""
         self._executor: ThreadPoolExecutor | None = None
         self._preparer: ThreadPoolExecutor | None = None
         self._future: Future[tuple[PlanLike, float]] | None = None
@@ -230,7 +237,10 @@ class EplbManager:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb-solve")
             planner = plan_with(
-                self._planner, initial_full_plan=self.config.initial_full_plan, fitted=self._fitted
+                self._planner,
+                initial_full_plan=self.config.initial_full_plan,
+                fitted=self._fitted,
+                allowance=self._allowance,
             )
             self._future = self._executor.submit(timed_plan, planner, load_WLE, self._placement)
         self._phase = "solving"
@@ -395,6 +405,10 @@ class EplbManager:
             bytes_moved=0 if job is None else job.bytes_moved,
         )
         self._history.append(record)
+        if self._allowance is not None:
+            first = is_first_plan(initial_full_plan=self.config.initial_full_plan, fitted=self._fitted)
+            counted = outcome == "applied" and job is not None and not first
+            self._allowance.record(job.experts_moved if counted and job is not None else 0)
         self._fitted = self._fitted or outcome == "applied"
         self._job = None
         self._phase = "idle"

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from eplb.config import CONTINUOUS_BUFFER_SIZE, CONTINUOUS_MAX_MOVED_EXPERTS
+from eplb.policy.schedule import SHIFT_BURST
 from eplb.simulate.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
 from eplb.simulate.dispatch import DISPATCH_MODES
 
@@ -63,6 +64,10 @@ class SimulationConfig:
     """--eplb-max-moved-experts: budget of expert copies across GPUs per rebalance, given to the
     solver-backed runs as ``SolveOptions.max_moved_experts`` (None: no budget in periodic mode,
     ``eplb.config.CONTINUOUS_MAX_MOVED_EXPERTS`` in continuous mode, as a server has)."""
+    shift_burst: int = SHIFT_BURST
+    """--eplb-shift-burst: in continuous mode, a plan made on a domain shift may move up to this
+    many rebalances' budgets, repaid by the following ones (eplb.policy.schedule.MoveAllowance);
+    1: never more than one budget."""
     initial_full_plan: bool = True
     """--eplb-initial-full-plan: in continuous mode, the first plan of a run that starts from the
     trivial placement moves without the budget (eplb.policy.schedule; not with a budget of 0)."""
@@ -93,6 +98,8 @@ class SimulationConfig:
                 f"--expert-distribution-recorder-buffer-size ({self.window}) must lie in "
                 f"[1, --eplb-rebalance-num-iterations ({self.interval})] in periodic mode"
             )
+        if self.shift_burst < 1:
+            raise ValueError(f"--eplb-shift-burst must be >= 1, got {self.shift_burst}")
         if self.max_moved_experts is not None and self.max_moved_experts < 0:
             raise ValueError(f"--eplb-max-moved-experts must be >= 0, got {self.max_moved_experts}")
         if self.transfer_gbps is not None and not (

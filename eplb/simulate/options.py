@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from eplb.placement.model import Placement
+from eplb.policy.schedule import SHIFT_BURST
 from eplb.simulate.config import REBALANCE_MODES, SimulationConfig
 from eplb.simulate.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, TRANSFER_KINDS, CostModel
 from eplb.simulate.dispatch import DISPATCH_MODES
@@ -112,6 +113,13 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
             default=None,
             help="budget of one rebalance in cross-GPU expert copies, for the solver-backed runs "
             f"(default: none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS})",
+        )
+        g.add_argument(
+            "--eplb-shift-burst",
+            type=int,
+            default=SHIFT_BURST,
+            help="continuous mode: on a domain shift a plan may move up to this many rebalances' "
+            f"budgets, repaid by the following ones; 1: never (default: {SHIFT_BURST})",
         )
         g.add_argument(
             "--eplb-initial-full-plan",
@@ -249,6 +257,7 @@ def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) 
         eplb_rebalance_mode=mode,
         eplb_transfer_gbps=getattr(args, "eplb_transfer_gbps", None),
         eplb_initial_full_plan=getattr(args, "eplb_initial_full_plan", True),
+        eplb_shift_burst=getattr(args, "eplb_shift_burst", SHIFT_BURST),
         eplb_record_prefill_only=args.eplb_record_prefill_only,
         eplb_min_rebalancing_utilization_threshold=threshold,
         ep_dispatch_algorithm=args.ep_dispatch_algorithm,
@@ -271,6 +280,7 @@ def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) 
         max_moved_experts=values["eplb_max_moved_experts"],
         transfer_gbps=server.eplb_transfer_gbps,
         initial_full_plan=server.eplb_initial_full_plan,
+        shift_burst=server.eplb_shift_burst,
         record_prefill_only=args.eplb_record_prefill_only,
         utilization_threshold=threshold,
         default_dispatch=args.ep_dispatch_algorithm,

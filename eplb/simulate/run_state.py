@@ -23,7 +23,7 @@ from eplb.placement.balance import balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import PlanLike, Planner
-from eplb.policy.schedule import initial_full_plan_on, plan_with
+from eplb.policy.schedule import MoveAllowance, initial_full_plan_on, is_first_plan, plan_with
 from eplb.simulate.config import SimulationConfig
 from eplb.simulate.cost_model import swap_beside_passes
 from eplb.simulate.dispatch import DispatchMatrices, dispatch_matrices, fake_gpu_load
@@ -85,6 +85,11 @@ class RunState:
         self.served_load = 0.0
         self.eval_seconds = 0.0
         self.apply_seconds = 0.0
+        budget = config.move_budget
+        self.allowance = (
+            MoveAllowance(budget, config.shift_burst) if config.continuous and budget is not None else None
+        )
+        """Continuous mode's move budget as a rate (eplb.policy.schedule)."""
 
     # ---- rebalancing ----------------------------------------------------------------------------
     def rebalance(self, step: int) -> None:
@@ -97,6 +102,14 @@ class RunState:
             )
             self._switch(step)
         self._close_realized()
+        copies = self._plan(step)
+        if self.allowance is not None:
+            self.allowance.record(copies)
+
+    def _plan(self, step: int) -> float:
+        """Plan at ``step`` (and apply the plan if it passes); the copies that count against the
+        move allowance (0 when skipped, and for the first plan)."""
+        assert self.planner is not None
         self.past.now = step
         window_WLE = self.past.window(self.config.window_size)
         if window_WLE.shape[0] == 0:
@@ -105,7 +118,7 @@ class RunState:
                     step=step, window_steps=0, applied=False, reason="empty window", solve_seconds=0.0
                 )
             )
-            return
+            return 0.0
         window_bal = model_balancedness(window_WLE.sum(axis=0, dtype=np.float64), self.matrices)
         if window_bal > self.config.utilization_threshold:
             reason = (
@@ -121,14 +134,15 @@ class RunState:
                     window_balancedness=window_bal,
                 )
             )
-            return
+            return 0.0
         started = time.perf_counter()
         on = initial_full_plan_on(
             continuous=self.config.continuous,
             enabled=self.config.initial_full_plan,
             budget=self.config.move_budget,
         )
-        planner = plan_with(self.planner, initial_full_plan=on, fitted=self.fitted)
+        first = is_first_plan(initial_full_plan=on, fitted=self.fitted)
+        planner = plan_with(self.planner, initial_full_plan=on, fitted=self.fitted, allowance=self.allowance)
         proposal: PlanLike = planner(window_WLE, self.placement, self.past)
         skipped = RebalanceEvent(
             step=step,
@@ -141,7 +155,7 @@ class RunState:
         )
         if not proposal.apply:
             self.events.append(skipped)
-            return
+            return 0.0
         self.fitted = True
         diff = diff_placements(self.placement, proposal.placement, self.config.bytes_per_expert)
         cost, gbps = self.config.cost, self.config.transfer_gbps
@@ -169,6 +183,8 @@ class RunState:
         )
         if not continuous or link_seconds == 0:
             self._switch(step)
+        stats = getattr(proposal, "stats", None) or {}
+        return 0.0 if first else float(stats.get("weighted_copies_moved", diff.experts_moved_across_gpus))
 
     def _switch(self, step: int) -> None:
         """The swap in flight has arrived: its placement serves from ``step``."""

@@ -138,6 +138,8 @@ def budgeted_phy2log(
     left_w, left_p = budget.weighted, budget.plain
     counts = {"swaps": 0, "replica_changes": 0, "rounds": 0, "undone": 0}
     checked = state.static_nodes is not None
+    # Static dispatch: layers whose replica change failed its check search swaps only from then on.
+    swaps_only_L = np.zeros(L, dtype=bool)
     # Static dispatch: each layer's exact soft balancedness, to check every move against.
     soft_L = np.zeros(L)
     if checked:
@@ -147,7 +149,9 @@ def budgeted_phy2log(
         stale_L = active_L & (dirty_L | (weighted_L > left_w + _TOL) | (plain_L > left_p + _TOL))
         if stale_L.any():
             layers = np.flatnonzero(stale_L)
-            p = moves.propose(state, layers, weights_K, budget.copy_cost, left_w, left_p)
+            p = moves.propose(
+                state, layers, weights_K, budget.copy_cost, left_w, left_p, swaps_only_L[layers]
+            )
             net_L[layers], gain_L[layers] = p.net_l, p.gain_l
             weighted_L[layers], plain_L[layers] = p.weighted_l, p.plain_l
             replica_L[layers] = p.replica_l
@@ -178,13 +182,19 @@ def budgeted_phy2log(
             after = moves.soft_balancedness(state, layer, weights_K) if checked else 0.0
             if checked and after - before <= MIN_STEP_GAIN:
                 # The proposal's even-split estimate did not hold under the static maps' shares:
-                # undo it, and search this layer no further (strict progress: no cycles).
+                # undo it. A failed replica change leaves the layer to swaps (whose gains are
+                # exact there, eplb.solver.moves); a failed swap ends the layer's search. Each
+                # layer fails at most twice: strict progress, no cycles.
+                counts["undone"] += 1
                 if replica_L[layer]:
                     moves.apply_replica_change(state, layer, slot_b, giver)
+                    if not swaps_only_L[layer]:
+                        swaps_only_L[layer] = True
+                        dirty_L[layer] = True
+                        continue
                 else:
                     moves.apply_swap(state, layer, slot_a, slot_b)
                 active_L[layer] = False
-                counts["undone"] += 1
                 continue
             soft_L[layer] = after
             counts["replica_changes" if replica_L[layer] else "swaps"] += 1

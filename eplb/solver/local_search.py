@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eplb.solver.static_share import static_share_LP
+
 _TOL = 1e-12
 
 
@@ -69,6 +71,27 @@ def expected_balancedness(gpu_KLG: np.ndarray, weights_K: np.ndarray) -> np.ndar
     mean = gpu_KLG.mean(axis=-1)
     ratio = np.where(peak > 0, mean / np.where(peak > 0, peak, 1.0), 1.0)
     return np.tensordot(weights_K, ratio, axes=1)
+
+
+def layer_scores(
+    phy2log_LP: np.ndarray,
+    scenarios_KLE: np.ndarray,
+    weights_K: np.ndarray,
+    num_gpus: int,
+    static_nodes: int | None,
+) -> np.ndarray:
+    """float64 [L]: expected balancedness of each layer over the scenarios, each slot carrying its
+    expert's load times its share: the static maps' (``static_nodes``: the topology's nodes) or
+    ``1 / count`` (None)."""
+    K, L, E = scenarios_KLE.shape
+    layer = np.arange(L)[:, None]
+    if static_nodes is None:
+        cnt_LE = np.stack([np.bincount(row, minlength=E) for row in phy2log_LP])
+        share_LP = 1.0 / cnt_LE[layer, phy2log_LP]
+    else:
+        share_LP = static_share_LP(phy2log_LP, E, num_gpus, static_nodes)
+    item_KLP = scenarios_KLE[:, layer, phy2log_LP] * share_LP
+    return expected_balancedness(item_KLP.reshape(K, L, num_gpus, -1).sum(axis=-1), weights_K)
 
 
 def swap_search(

@@ -20,7 +20,12 @@ from eplb.solver.local_search import holds_per_gpu
 
 
 def relabel(
-    new_phy2log_LP: np.ndarray, current_phy2log_LP: np.ndarray, num_gpus: int, num_nodes: int
+    new_phy2log_LP: np.ndarray,
+    current_phy2log_LP: np.ndarray,
+    num_gpus: int,
+    num_nodes: int,
+    *,
+    keep_nodes: bool = False,
 ) -> np.ndarray:
     """int64 [L, P]: ``new_phy2log_LP`` with GPUs permuted and slots reordered to match the current one.
 
@@ -29,6 +34,11 @@ def relabel(
     does not hold (copies across GPUs), then (a tie-break) the slots that would change. Both counts
     depend only on (a, b), so one assignment per layer minimises cross-node copies and, among
     those, cross-GPU copies. The GPU loads and replica counts are those of the new plan.
+
+    ``keep_nodes``: the new plan's nodes move as wholes (a node's GPUs stay together), because
+    static dispatch's shares depend on which replicas share a node (eplb.solver.static_pack);
+    each new node goes to the current node whose best GPU assignment costs least, by a second
+    assignment over nodes.
     """
     L, P = new_phy2log_LP.shape
     G, N = num_gpus, num_nodes
@@ -47,12 +57,29 @@ def relabel(
     cost = (P + 1.0) * (S + 1.0) * node_arrivals[:, :, node_of_gpu] + (S + 1.0) * gpu_arrivals - kept_slots
     out = np.empty((L, P), dtype=np.int64)
     for layer in range(L):
-        rows, cols = linear_sum_assignment(cost[layer])
+        rows, cols = _node_blocks(cost[layer], N) if keep_nodes else linear_sum_assignment(cost[layer])
         for a, b in zip(rows, cols, strict=True):
             out[layer, b * S : (b + 1) * S] = _align_slots(
                 new_phy2log_LP[layer, a * S : (a + 1) * S], current_phy2log_LP[layer, b * S : (b + 1) * S]
             )
     return out
+
+
+def _node_blocks(cost_GG: np.ndarray, num_nodes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(new GPUs, current GPUs): the cheapest GPU assignment that maps whole nodes onto nodes."""
+    G = cost_GG.shape[0]
+    gpn = G // num_nodes
+    blocks = cost_GG.reshape(num_nodes, gpn, num_nodes, gpn).transpose(0, 2, 1, 3)
+    inner = [[linear_sum_assignment(blocks[a, b]) for b in range(num_nodes)] for a in range(num_nodes)]
+    node_cost = np.array(
+        [[blocks[a, b][inner[a][b]].sum() for b in range(num_nodes)] for a in range(num_nodes)]
+    )
+    rows, cols = [], []
+    for a, b in zip(*linear_sum_assignment(node_cost), strict=True):
+        r, c = inner[a][b]
+        rows.extend((a * gpn + r).tolist())
+        cols.extend((b * gpn + c).tolist())
+    return np.asarray(rows), np.asarray(cols)
 
 
 def _align_slots(new_experts_S: np.ndarray, current_S: np.ndarray) -> np.ndarray:

@@ -170,8 +170,10 @@ def propose(
     copy_cost: float,
     left_w: float,
     left_p: float,
+    swaps_only_l: np.ndarray | None = None,
 ) -> Proposal:
-    """The best move of each of ``layers`` (swap or replica change) that fits the budget left."""
+    """The best move of each of ``layers`` (swap or replica change) that fits the budget left;
+    only swaps where ``swaps_only_l`` [l] is set."""
     G = state.num_gpus
     nl = layers.size
     rows = np.arange(nl)
@@ -185,12 +187,21 @@ def propose(
     light_lG[rows, hot_l] = np.inf
     num_partners = max(1, min(G - 1, max(4, G // 4)))
     partners_lB = np.argsort(light_lG, axis=1, kind="stable")[:, :num_partners]
+    if state.static_nodes is not None and state.static_nodes > 1:
+        # Replicated experts move only within their node here (_keeps_static_shares): add the
+        # hot GPU's node's other GPUs, which need not be among the lightest of all.
+        gpn = G // state.static_nodes
+        node_lB = (hot_l // gpn)[:, None] * gpn + np.arange(gpn)
+        mates_lB = np.where(node_lB == hot_l[:, None], partners_lB[:, :1], node_lB)
+        partners_lB = np.concatenate([partners_lB, mates_lB], axis=1)
     ctx = _Context(
         state, layers, rows, hot_l, x_KlG, xp_KlG, U_Kl, base_Kl, weights_K, copy_cost, left_w, left_p
     )
     swap = _best_swap(ctx, partners_lB)
     repl = _best_replica_change(ctx)
     use = repl.net_l > swap.net_l
+    if swaps_only_l is not None:
+        use &= ~swaps_only_l
     return Proposal(*(np.where(use, r, s) for r, s in zip(_fields(repl), _fields(swap), strict=True)))
 
 
@@ -290,12 +301,44 @@ def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> Proposal:
         if st.plain is None
         else _copy_terms(st.plain, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ).reshape(nl, -1)
     )
-    ok_lC = (ea_lS[:, :, None] != eb_lQ[:, None, :]).reshape(nl, -1)
+    ok_lSQ = ea_lS[:, :, None] != eb_lQ[:, None, :]
+    if st.static_nodes is not None:
+        ok_lSQ &= _keeps_static_shares(st, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ)
+    ok_lC = ok_lSQ.reshape(nl, -1)
     slot_a_lC = np.repeat(hot_slots_lS, Q, axis=1)
     slot_b_lC = np.tile(partner_lQ, (1, S))
     return ctx.best(
         gain_lC, weighted_lC, plain_lC, ok_lC, (slot_a_lC, slot_b_lC, np.zeros((nl, 1), np.int64)), False
     )
+
+
+def _keeps_static_shares(
+    st: MoveState,
+    lay_l1: np.ndarray,
+    hot_l1: np.ndarray,
+    ea_lS: np.ndarray,
+    eb_lQ: np.ndarray,
+    gpu_lQ: np.ndarray,
+) -> np.ndarray:
+    """bool [l, S, Q]: static dispatch, swaps whose slots keep their shares, so the swap's gain is
+    exact: a replicated expert moves only within its node, to a GPU without a replica of it.
+
+    Its node's ranks still reach it there; across nodes its share would follow the new node set
+    (eplb.solver.static_share), which the proposal does not price. Single replicas move freely.
+    """
+    gpn = st.num_gpus // st.static_nodes if st.static_nodes else st.num_gpus
+    same_node_lQ = (gpu_lQ // gpn) == (hot_l1 // gpn)
+    multi_a_lS = st.cnt_LE[lay_l1, ea_lS] > 1
+    multi_b_lQ = st.cnt_LE[lay_l1, eb_lQ] > 1
+    a_at_partner_lSQ = st.holds_LGE[lay_l1[:, :, None], gpu_lQ[:, None, :], ea_lS[:, :, None]] > 0
+    b_at_hot_lQ = st.holds_LGE[lay_l1, hot_l1, eb_lQ] > 0
+    N = st.static_nodes or 1
+    node_has_LNE = st.holds_LGE.reshape(st.holds_LGE.shape[0], N, gpn, -1).sum(axis=2) > 0
+    a_to_new_node_lSQ = ~node_has_LNE[lay_l1[:, :, None], (gpu_lQ // gpn)[:, None, :], ea_lS[:, :, None]]
+    b_to_new_node_lQ = ~node_has_LNE[lay_l1, hot_l1 // gpn, eb_lQ]
+    a_ok = ~multi_a_lS[:, :, None] | (same_node_lQ[:, None, :] & ~a_at_partner_lSQ) | a_to_new_node_lSQ
+    b_ok = ~multi_b_lQ | (same_node_lQ & ~b_at_hot_lQ) | b_to_new_node_lQ
+    return np.asarray(a_ok & b_ok[:, None, :])
 
 
 def _best_replica_change(ctx: _Context) -> Proposal:

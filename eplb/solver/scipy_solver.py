@@ -2,6 +2,8 @@
 
 Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU.
 
+Fresh plan under static dispatch (``static_dispatch``, no move budget): eplb.solver.static_pack's
+    packing, kept per layer where it pays (see ``_static_phy2log``).
 Fresh plan (no current placement, or ``incremental=False``):
     replica counts by the largest-load-per-replica greedy on the forecast; greedy packing of all
     replicas over all GPUs (no node constraint: groups-onto-nodes packing costs balance, see
@@ -27,6 +29,7 @@ from eplb.solver.budget import budget_of, budgeted_phy2log
 from eplb.solver.greedy import deepseek_rebalance
 from eplb.solver.migration import relabel, retarget_replicas
 from eplb.solver.predict import Prediction
+from eplb.solver.static_pack import static_fresh_phy2log
 from eplb.solver.types import SolveOptions, Topology
 
 
@@ -47,6 +50,8 @@ def scipy_phy2log(
             prediction.scenarios_KLE, weights_K, current, budget_of(options), stats, static_nodes
         )
 
+    if options.static_dispatch:
+        return _static_phy2log(prediction, topology, current, options, stats)
     fresh_LP, _, fresh_cnt_LE = deepseek_rebalance(point_LE, P, 1, 1, G)
     state = ls.make_state(fresh_LP, prediction.scenarios_KLE, fresh_cnt_LE, G, None)
     stats["fresh_swaps"] = ls.swap_search(state, weights_K, G)
@@ -100,6 +105,42 @@ def scipy_phy2log(
     stats["incremental_layers"] = float((use_inc_L & ~take_fresh_L).sum())
     stats["fresh_layers"] = float(take_fresh_L.sum())
     return np.where(take_fresh_L[:, None], fresh.phy2log_LP, base_LP)
+
+
+def _static_phy2log(
+    prediction: Prediction,
+    topology: Topology,
+    current: Placement | None,
+    options: SolveOptions,
+    stats: dict[str, float],
+) -> np.ndarray:
+    """The unbudgeted plan under static dispatch: the static-share packing (eplb.solver.static_pack)
+    of the forecast, kept per layer where it beats the current layer by more than its copies cost.
+
+    The even-split path's polish (swaps, MILP, retargeted counts) moves replicas one at a time
+    between nodes, which breaks the spread the static maps need, so it is not run here; plans
+    within a move budget are searched with the static shares (eplb.solver.budget).
+    """
+    G, N, P = topology.num_gpus, topology.num_nodes, topology.num_physical
+    fresh_LP, _ = static_fresh_phy2log(prediction.point_LE, P, G, N)
+    if current is None:
+        return fresh_LP
+    fresh_LP = relabel(fresh_LP, current.phy2log_LP, G, N, keep_nodes=True)
+    weights_K = prediction.scenario_weights_K
+    value_fresh_L = ls.layer_scores(fresh_LP, prediction.scenarios_KLE, weights_K, G, N)
+    value_kept_L = ls.layer_scores(current.phy2log_LP, prediction.scenarios_KLE, weights_K, G, N)
+    if options.incremental:
+        E = current.num_logical
+        value_fresh_L = value_fresh_L - options.copy_cost * _arrivals_L(fresh_LP, current, G, E)
+    take_fresh_L = value_fresh_L > value_kept_L + 1e-12
+    stats["fresh_layers"] = float(take_fresh_L.sum())
+    return np.where(take_fresh_L[:, None], fresh_LP, current.phy2log_LP.astype(np.int64))
+
+
+def _arrivals_L(phy2log_LP: np.ndarray, current: Placement, num_gpus: int, num_logical: int) -> np.ndarray:
+    """int64 [L]: expert copies across GPUs ``phy2log_LP`` needs from ``current``."""
+    holds_LGE = ls.holds_per_gpu(phy2log_LP, num_gpus, num_logical)
+    return np.asarray(((holds_LGE > 0) & ~current.gpu_has_expert()).sum(axis=(1, 2)))
 
 
 def _score(state: ls.SearchState, weights_K: np.ndarray, num_gpus: int) -> np.ndarray:

@@ -23,7 +23,7 @@ from eplb.placement.diff import PlacementDiff, diff_placements
 from eplb.placement.model import Placement
 from eplb.solver import holdout as ho
 from eplb.solver.budget import budget_of, fit_layers
-from eplb.solver.local_search import expected_balancedness
+from eplb.solver.local_search import layer_scores
 from eplb.solver.policies import PlacementRequest, Policy, load_policy
 from eplb.solver.predict import Prediction, predict
 from eplb.solver.split import lp_split
@@ -59,13 +59,14 @@ def solve(
     method = policy.prediction(options, W)
     stats: dict[str, float] = {}
     prediction = predict(load_WLE, options, method)
-    placement, weights_LER = _plan(policy, prediction, topology, current, options, stats)
     base = None if current is None else _scored(current, None, options)
+    held = ho.holdout_size(W, options.holdout_passes)
+    stats["holdout_passes"] = float(held)
+    options = _shift_budget(options, load_WLE, held, base, topology.num_gpus, stats)
+    placement, weights_LER = _plan(policy, prediction, topology, current, options, stats)
     scored = _scored(placement, weights_LER, options, base)
     forecast = _balancedness(prediction.point_LE, scored, topology.num_gpus)
     stats["forecast_balancedness"] = forecast
-    held = ho.holdout_size(W, options.holdout_passes)
-    stats["holdout_passes"] = float(held)
     if held:
         # The older plan only calibrates: its MILP polish would change the scores by < 0.001.
         older_options = replace(options, milp_max_solves=0)
@@ -103,6 +104,36 @@ def solve(
     )
 
 
+def _shift_budget(
+    options: SolveOptions,
+    load_WLE: np.ndarray,
+    held: int,
+    base: ho.Scored | None,
+    num_gpus: int,
+    stats: dict[str, float],
+) -> SolveOptions:
+    """``options`` with ``shift_max_moved_experts`` as the move budget when the window shows a
+    domain shift: the current placement's score on the newest ``held`` passes fell by more than
+    ``shift_decline`` from the ``held`` passes before them (its decline of the held-out scores)."""
+    shift_budget = options.shift_max_moved_experts
+    if base is None or not held or shift_budget is None or options.max_moved_experts is None:
+        return options
+    W, L = load_WLE.shape[:2]
+    all_L = np.arange(L)
+    tail = ho.PassScores.of(load_WLE[max(W - 2 * held, 0) : W - held])
+    newest = ho.PassScores.of(load_WLE[W - held :])
+    decline = float(
+        tail.layers(base.phy2log_LP, base.share_LP, num_gpus, all_L).mean()
+        - newest.layers(base.phy2log_LP, base.share_LP, num_gpus, all_L).mean()
+    )
+    stats["current_decline"] = decline
+    shifted = decline > options.shift_decline
+    stats["shift"] = float(shifted)
+    if not shifted:
+        return options
+    return replace(options, max_moved_experts=max(options.max_moved_experts, shift_budget))
+
+
 def _plan(
     policy: Policy,
     prediction: Prediction,
@@ -116,16 +147,13 @@ def _plan(
     searched_within_budget = policy.name == "scipy" and options.incremental
     if current is not None and options.budgeted and not searched_within_budget:
         # Plans that did not search within the budget keep the whole layers that pay best per copy.
-        G, S = topology.num_gpus, topology.slots_per_gpu
         scenarios_KLE, weights_K = prediction.scenarios_KLE, prediction.scenario_weights_K
-        layer = np.arange(current.num_layers)[:, None]
+        static_nodes = topology.num_nodes if options.static_dispatch else None
 
-        def score_L(p2l_LP: np.ndarray, cnt_LE: np.ndarray) -> np.ndarray:
-            item_KLP = scenarios_KLE[:, layer, p2l_LP] / cnt_LE[layer, p2l_LP]
-            return expected_balancedness(item_KLP.reshape(*item_KLP.shape[:2], G, S).sum(axis=-1), weights_K)
+        def score_L(p2l_LP: np.ndarray) -> np.ndarray:
+            return layer_scores(p2l_LP, scenarios_KLE, weights_K, topology.num_gpus, static_nodes)
 
-        target_cnt_LE = np.stack([np.bincount(row, minlength=current.num_logical) for row in phy2log_LP])
-        gain_L = score_L(phy2log_LP, target_cnt_LE) - score_L(current.phy2log_LP, current.logcnt_LE)
+        gain_L = score_L(phy2log_LP) - score_L(current.phy2log_LP)
         fitted_LP = fit_layers(phy2log_LP, current, gain_L, budget_of(options))
         stats["budget_dropped_layers"] = float((fitted_LP != phy2log_LP).any(axis=1).sum())
         phy2log_LP = fitted_LP

@@ -101,6 +101,14 @@ class SolveOptions:
     """Budget per plan: expert copies across GPUs (relative to ``current``), a copy to a node that
     held no replica of the expert counting ``cross_node_weight``. ``solve`` returns the best plan
     within it, never over it; 0 moves nothing; None: no budget."""
+    shift_max_moved_experts: int | None = None
+    """Budget per plan when the window shows a domain shift (``shift_decline``), counted as
+    ``max_moved_experts`` is; None: no separate budget. Continuous mode sets it from its move
+    allowance (eplb.policy.schedule.MoveAllowance), whose later budgets repay what it spends."""
+    shift_decline: float = 0.1
+    """A shift: the current placement's balancedness fell by more than this from the window's
+    older hold-out block to its newest (the held-out scores, eplb.solver.holdout). Drift moves it
+    by at most 0.03 per 50 passes on the presets; the shifts there by 0.2-0.3."""
     cross_node_weight: float = 1.0
     """What one expert copy across nodes counts against ``max_moved_experts`` (and in the transfer
     price of the apply/skip gate): the slower link's cost relative to a copy inside a node."""
@@ -133,6 +141,12 @@ class SolveOptions:
             raise ValueError(f"milp_max_solves must be >= 0, got {self.milp_max_solves}")
         if self.max_moved_experts is not None and self.max_moved_experts < 0:
             raise ValueError(f"max_moved_experts must be None or >= 0, got {self.max_moved_experts}")
+        if self.shift_max_moved_experts is not None and self.shift_max_moved_experts < 0:
+            raise ValueError(
+                f"shift_max_moved_experts must be None or >= 0, got {self.shift_max_moved_experts}"
+            )
+        if not 0 < self.shift_decline <= 1:
+            raise ValueError(f"shift_decline must lie in (0, 1], got {self.shift_decline}")
         if not (np.isfinite(self.cross_node_weight) and self.cross_node_weight > 0):
             raise ValueError(f"cross_node_weight must be finite and > 0, got {self.cross_node_weight}")
         if self.holdout_passes is not None and self.holdout_passes < 0:

@@ -1,0 +1,217 @@
+"""Fresh placements for static dispatch (eplb.solver.static_pack), checked with the ranks' own maps."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from eplb.placement.dispatch_map import static_dispatch_maps
+from eplb.placement.model import Placement
+from eplb.solver import SolveOptions, Topology, solve
+from eplb.solver.budget import budget_of, budgeted_phy2log
+from eplb.solver.greedy import deepseek_rebalance
+from eplb.solver.migration import relabel
+from eplb.solver.planner import SolverPlanner
+from eplb.solver.static_pack import (
+    canonical_slots,
+    max_share_table,
+    static_fresh_phy2log,
+    static_replica_counts,
+)
+from eplb.solver.static_share import static_share_LP
+
+# (G, N, E, P): one node, several, one GPU per node, and DeepSeek-V3's EP32 and EP64 shapes.
+SHAPES = [(4, 1, 16, 24), (8, 2, 16, 24), (8, 8, 16, 32), (16, 4, 32, 64), (32, 4, 256, 288), (64, 8, 256, 320)]
+
+
+def _maps_gpu_load_LG(placement: Placement, load_LE: np.ndarray) -> np.ndarray:
+    """float64 [L, G]: GPU loads when every rank sends 1/G of each expert's tokens where its map says."""
+    maps_GLE = static_dispatch_maps(placement)
+    L, G, S = placement.num_layers, placement.num_gpus, placement.slots_per_gpu
+    gpu_LG = np.zeros((L, G))
+    for rank in range(G):
+        for layer in range(L):
+            np.add.at(gpu_LG[layer], maps_GLE[rank, layer] // S, load_LE[layer] / G)
+    return gpu_LG
+
+
+def _heavy_tailed_load(rng: np.random.Generator, L: int, E: int, sigma: float = 1.2) -> np.ndarray:
+    return rng.lognormal(0.0, sigma, size=(L, E)) * 1000.0
+
+
+def test_max_share_table_is_the_maps_largest_share() -> None:
+    """Brute force: place one expert's R replicas on the canonical spread, ask the maps."""
+    G, N, E, P = 16, 4, 8, 32
+    S = P // G
+    table = max_share_table(P - E + 1, G, N, S)
+    for count in range(1, P - E + 2):
+        slots = canonical_slots(count, G, N, S)
+        assert len(set(s // S for s in slots)) == min(count, G)  # distinct GPUs while there are any
+        worst = 0.0
+        for expert in range(E):  # every rotation of the maps the expert index gives
+            others = [e for e in range(E) if e != expert]
+            row = np.empty(P, dtype=np.int64)
+            row[slots] = expert
+            free = [p for p in range(P) if p not in set(slots)]
+            row[free] = (others * P)[: len(free)]
+            placement = Placement.from_phy2log(row[None], G, N)
+            maps_G = static_dispatch_maps(placement)[:, 0, expert]
+            worst = max(worst, np.bincount(maps_G, minlength=P)[slots].max() / G)
+        assert table[count] == pytest.approx(worst)
+    # Four nodes of four GPUs: four replicas split evenly, a fifth does not lower the largest share.
+    assert table[4] == pytest.approx(0.25) and table[5] == pytest.approx(0.25)
+    assert table[8] == pytest.approx(0.125)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", range(3))
+def test_counts_fill_the_slots_and_skip_counts_that_split_unevenly(shape: tuple[int, int, int, int], seed: int) -> None:
+    G, N, E, P = shape
+    rng = np.random.default_rng(seed)
+    load_LE = _heavy_tailed_load(rng, 4, E, sigma=0.5 + seed)
+    cnt_LE, share_R = static_replica_counts(load_LE, P, G, N)
+    assert (cnt_LE.sum(axis=1) == P).all() and (cnt_LE >= 1).all()
+    # Every count used lowers the largest share below that of every smaller count.
+    for c in np.unique(cnt_LE):
+        assert all(share_R[c] < share_R[smaller] - 1e-12 for smaller in range(1, c))
+    # The greedy's invariant, checked in plain Python: no expert could take a useful next count
+    # and end above the largest per-replica load left (the hottest replica cannot be cut by
+    # moving a replica from the coolest expert with spare replicas).
+    for layer in range(load_LE.shape[0]):
+        per_replica = load_LE[layer] * share_R[cnt_LE[layer]]
+        assert per_replica.max() <= load_LE[layer].max() * share_R[1] + 1e-9
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("seed", range(3))
+def test_fresh_static_plan_spreads_replicas_and_beats_the_even_split_packing(
+    shape: tuple[int, int, int, int], seed: int
+) -> None:
+    G, N, E, P = shape
+    rng = np.random.default_rng(seed)
+    L = 4
+    load_LE = _heavy_tailed_load(rng, L, E)
+    phy2log_LP, cnt_LE = static_fresh_phy2log(load_LE, P, G, N)
+    placement = Placement.from_phy2log(phy2log_LP, G, N).validate()
+    np.testing.assert_array_equal(placement.logcnt_LE, cnt_LE)
+    S, gpn = P // G, G // N
+    for layer in range(L):
+        for e in np.flatnonzero(cnt_LE[layer] > 1):
+            slots = np.flatnonzero(phy2log_LP[layer] == e)
+            per_node = np.bincount(slots // (gpn * S), minlength=N)
+            assert per_node.max() <= -(-cnt_LE[layer, e] // N)  # as even over nodes as the count allows
+            if cnt_LE[layer, e] <= G:
+                assert len(set((slots // S).tolist())) == slots.size  # never two on one GPU
+    # Judged by the maps themselves (an independent path from the closed-form shares).
+    mine = _maps_gpu_load_LG(placement, load_LE)
+    even_LP = deepseek_rebalance(load_LE, P, 1, 1, G)[0]
+    theirs = _maps_gpu_load_LG(Placement.from_phy2log(even_LP, G, N), load_LE)
+
+    def bal(gpu_LG: np.ndarray) -> float:
+        return float((gpu_LG.mean(axis=1) / gpu_LG.max(axis=1)).mean())
+
+    assert bal(mine) >= bal(theirs) - 1e-9
+    if N > 1 and G > N:
+        assert bal(mine) > bal(theirs)
+
+
+def test_fresh_static_plan_on_a_smooth_load_is_nearly_balanced() -> None:
+    G, N, E, P = 32, 4, 256, 288
+    rng = np.random.default_rng(7)
+    load_LE = _heavy_tailed_load(rng, 6, E, sigma=0.8)
+    phy2log_LP, _ = static_fresh_phy2log(load_LE, P, G, N)
+    gpu_LG = _maps_gpu_load_LG(Placement.from_phy2log(phy2log_LP, G, N), load_LE)
+    assert (gpu_LG.mean(axis=1) / gpu_LG.max(axis=1)).min() > 0.95
+
+
+def test_nasty_loads() -> None:
+    """All load on one expert, all zero, all equal: valid plans, every slot used."""
+    G, N, E, P = 16, 4, 32, 64
+    for load_E in (np.eye(E)[3] * 1e6, np.zeros(E), np.ones(E)):
+        load_LE = np.tile(load_E, (2, 1))
+        phy2log_LP, cnt_LE = static_fresh_phy2log(load_LE, P, G, N)
+        Placement.from_phy2log(phy2log_LP, G, N).validate()
+        assert (cnt_LE.sum(axis=1) == P).all()
+
+
+def test_node_preserving_relabel_keeps_the_static_shares_and_moves_fewer_copies_than_none() -> None:
+    G, N, E, P = 16, 4, 32, 64
+    S, gpn = P // G, G // N
+    rng = np.random.default_rng(3)
+    load_LE = _heavy_tailed_load(rng, 3, E)
+    new_LP, _ = static_fresh_phy2log(load_LE, P, G, N)
+    current_LP, _ = static_fresh_phy2log(_heavy_tailed_load(rng, 3, E), P, G, N)
+    out_LP = relabel(new_LP, current_LP, G, N, keep_nodes=True)
+
+    def node_contents(p2l_LP: np.ndarray, layer: int) -> list[list[tuple[int, ...]]]:
+        gpus = [tuple(sorted(p2l_LP[layer, g * S : (g + 1) * S].tolist())) for g in range(G)]
+        return sorted(sorted(gpus[n * gpn : (n + 1) * gpn]) for n in range(N))
+
+    for layer in range(3):
+        assert node_contents(out_LP, layer) == node_contents(new_LP, layer)  # nodes moved as wholes
+    # The maps' balance is the new plan's: only the maps' round-robin rotation over a node-less
+    # node's ranks can change with the slot order (a rank or so of a replicated expert).
+    def bal_L(p2l_LP: np.ndarray) -> np.ndarray:
+        gpu_LG = _maps_gpu_load_LG(Placement.from_phy2log(p2l_LP, G, N), load_LE)
+        return gpu_LG.mean(axis=1) / gpu_LG.max(axis=1)
+
+    np.testing.assert_allclose(bal_L(out_LP), bal_L(new_LP), atol=0.05)
+    held = Placement.from_phy2log(current_LP, G, N).gpu_has_expert()
+
+    def arrivals(p2l_LP: np.ndarray) -> int:
+        return int((Placement.from_phy2log(p2l_LP, G, N).gpu_has_expert() & ~held).sum())
+
+    assert arrivals(out_LP) <= arrivals(new_LP)
+
+
+def test_unbudgeted_static_solve_uses_the_static_packing() -> None:
+    G, N, E, P = 32, 4, 256, 288
+    rng = np.random.default_rng(0)
+    window_WLE = rng.poisson(_heavy_tailed_load(rng, 4, E, sigma=0.8)[None] / 10, size=(20, 4, E))
+    topology = Topology(num_gpus=G, num_nodes=N, num_physical=P)
+    static = solve(window_WLE, topology, None, SolveOptions(static_dispatch=True, holdout_passes=0))
+    even = solve(window_WLE, topology, None, SolveOptions(holdout_passes=0))
+    load_LE = window_WLE.sum(axis=0).astype(np.float64)
+
+    def maps_bal(placement: Placement) -> float:
+        gpu_LG = _maps_gpu_load_LG(placement, load_LE)
+        return float((gpu_LG.mean(axis=1) / gpu_LG.max(axis=1)).mean())
+
+    assert maps_bal(static.placement) > maps_bal(even.placement) + 0.02
+    # From the trivial placement with a current placement given, the fresh layers replace it.
+    trivial = Placement.trivial(4, E, G, P - E, N)
+    plan = solve(window_WLE, topology, trivial, SolveOptions(static_dispatch=True, copy_cost=0.0))
+    assert plan.apply and maps_bal(plan.placement) > 0.9
+
+
+def test_budgeted_static_search_stays_within_budget_and_never_loses_on_its_forecast() -> None:
+    G, N, E, P = 32, 4, 256, 288
+    rng = np.random.default_rng(1)
+    load_LE = _heavy_tailed_load(rng, 4, E, sigma=0.8)
+    start_LP, _ = static_fresh_phy2log(load_LE, P, G, N)
+    current = Placement.from_phy2log(start_LP, G, N)
+    drifted_LE = load_LE * rng.lognormal(0.0, 0.4, size=load_LE.shape)
+    for budget in (0, 1, 16, 160):
+        options = SolveOptions(static_dispatch=True, max_moved_experts=budget)
+        stats: dict[str, float] = {}
+        out_LP = budgeted_phy2log(drifted_LE[None], np.ones(1), current, budget_of(options), stats, N)
+        out = Placement.from_phy2log(out_LP, G, N).validate()
+        assert int((out.gpu_has_expert() & ~current.gpu_has_expert()).sum()) <= budget
+
+        def score(p: Placement) -> float:
+            share_LP = static_share_LP(p.phy2log_LP, E, G, N)
+            gpu_LG = (drifted_LE[np.arange(4)[:, None], p.phy2log_LP] * share_LP).reshape(4, G, -1).sum(-1)
+            return float((gpu_LG.mean(axis=1) / gpu_LG.max(axis=1)).mean())
+
+        assert score(out) >= score(current) - 1e-9
+        if budget == 0:
+            np.testing.assert_array_equal(out_LP, current.phy2log_LP)
+
+
+def test_first_plan_planner_drops_budget_and_copy_price() -> None:
+    planner = SolverPlanner(
+        algorithm="scipy", extra_options={"max_moved_experts": 160, "copy_cost": 0.01, "min_gain": 0.003}
+    )
+    first = planner.for_unfitted_placement().options()
+    assert first.max_moved_experts is None and first.copy_cost == 0.0 and first.min_gain == 0.003
+    assert planner.options().copy_cost == 0.01  # the planner itself is unchanged
