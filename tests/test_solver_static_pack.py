@@ -215,3 +215,42 @@ def test_first_plan_planner_drops_budget_and_copy_price() -> None:
     first = planner.for_unfitted_placement().options()
     assert first.max_moved_experts is None and first.copy_cost == 0.0 and first.min_gain == 0.003
     assert planner.options().copy_cost == 0.01  # the planner itself is unchanged
+
+
+def test_move_allowance_bursts_on_a_shift_and_repays_it() -> None:
+    """Plain bookkeeping reference: over any run the copies stay within rate per rebalance plus one burst."""
+    from eplb.policy.schedule import MoveAllowance
+
+    rng = np.random.default_rng(0)
+    allowance = MoveAllowance(160, 8)
+    assert (allowance.budget(), allowance.shift_budget()) == (160, 1280)
+    spent = []
+    for step in range(200):
+        shift = step % 37 == 5
+        limit = allowance.shift_budget() if shift else allowance.budget()
+        copies = int(rng.integers(0, limit + 1))
+        spent.append(copies)
+        allowance.record(copies)
+        assert sum(spent) <= 160 * len(spent) + 160 * 7
+    zero = MoveAllowance(0, 8)
+    assert (zero.budget(), zero.shift_budget()) == (0, 0)  # a budget of 0 moves nothing, ever
+    with pytest.raises(ValueError):
+        MoveAllowance(160, 0)
+
+
+def test_a_shift_in_the_window_raises_the_budget_and_only_then() -> None:
+    G, N, E, P = 32, 4, 256, 288
+    rng = np.random.default_rng(2)
+    topology = Topology(num_gpus=G, num_nodes=N, num_physical=P)
+    before_LE = _heavy_tailed_load(rng, 4, E, sigma=0.8)
+    after_LE = before_LE[:, rng.permutation(E)]  # a new domain: other experts are hot
+    current = Placement.from_phy2log(static_fresh_phy2log(before_LE, P, G, N)[0], G, N)
+    steady = rng.poisson(before_LE[None] / 20, size=(200, 4, E))
+    shifted = np.concatenate([steady[:150], rng.poisson(after_LE[None] / 20, size=(50, 4, E))])
+    options = SolveOptions(static_dispatch=True, max_moved_experts=16, shift_max_moved_experts=400)
+    calm = solve(steady, topology, current, options)
+    assert calm.stats["shift"] == 0.0 and calm.stats["copies_moved"] <= 16
+    moved = solve(shifted, topology, current, options)
+    assert moved.stats["shift"] == 1.0 and 16 < moved.stats["copies_moved"] <= 400
+    off = solve(shifted, topology, current, SolveOptions(static_dispatch=True, max_moved_experts=16))
+    assert off.stats["copies_moved"] <= 16
