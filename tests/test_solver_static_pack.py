@@ -21,7 +21,14 @@ from eplb.solver.static_pack import (
 from eplb.solver.static_share import static_share_LP
 
 # (G, N, E, P): one node, several, one GPU per node, and DeepSeek-V3's EP32 and EP64 shapes.
-SHAPES = [(4, 1, 16, 24), (8, 2, 16, 24), (8, 8, 16, 32), (16, 4, 32, 64), (32, 4, 256, 288), (64, 8, 256, 320)]
+SHAPES = [
+    (4, 1, 16, 24),
+    (8, 2, 16, 24),
+    (8, 8, 16, 32),
+    (16, 4, 32, 64),
+    (32, 4, 256, 288),
+    (64, 8, 256, 320),
+]
 
 
 def _maps_gpu_load_LG(placement: Placement, load_LE: np.ndarray) -> np.ndarray:
@@ -65,7 +72,9 @@ def test_max_share_table_is_the_maps_largest_share() -> None:
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("seed", range(3))
-def test_counts_fill_the_slots_and_skip_counts_that_split_unevenly(shape: tuple[int, int, int, int], seed: int) -> None:
+def test_counts_fill_the_slots_and_skip_counts_that_split_unevenly(
+    shape: tuple[int, int, int, int], seed: int
+) -> None:
     G, N, E, P = shape
     rng = np.random.default_rng(seed)
     load_LE = _heavy_tailed_load(rng, 4, E, sigma=0.5 + seed)
@@ -149,6 +158,7 @@ def test_node_preserving_relabel_keeps_the_static_shares_and_moves_fewer_copies_
 
     for layer in range(3):
         assert node_contents(out_LP, layer) == node_contents(new_LP, layer)  # nodes moved as wholes
+
     # The maps' balance is the new plan's: only the maps' round-robin rotation over a node-less
     # node's ranks can change with the slot order (a rank or so of a replicated expert).
     def bal_L(p2l_LP: np.ndarray) -> np.ndarray:
