@@ -264,3 +264,62 @@ def test_a_shift_in_the_window_raises_the_budget_and_only_then() -> None:
     assert moved.stats["shift"] == 1.0 and 16 < moved.stats["copies_moved"] <= 400
     off = solve(shifted, topology, current, SolveOptions(static_dispatch=True, max_moved_experts=16))
     assert off.stats["copies_moved"] <= 16
+
+
+def test_shift_start_is_the_largest_drop_by_brute_force() -> None:
+    from eplb.solver import holdout as ho
+
+    G, N, E, P = 16, 4, 32, 64
+    rng = np.random.default_rng(4)
+    load_LE = _heavy_tailed_load(rng, 2, E)
+    phy2log_LP, _ = static_fresh_phy2log(load_LE, P, G, N)
+    scored = ho.Scored(phy2log_LP, static_share_LP(phy2log_LP, E, G, N))
+    for cut in (1, 7, 19):
+        passes = np.concatenate(
+            [
+                rng.poisson(load_LE[None] / 10, size=(cut, 2, E)),
+                rng.poisson(load_LE[:, rng.permutation(E)][None] / 10, size=(20 - cut, 2, E)),
+            ]
+        ).astype(np.float64)
+        scores = ho.PassScores.of(passes)
+        bal_n = scores.per_pass(scored.phy2log_LP, scored.share_LP, G, np.arange(2))
+        w_n = scores.weight_n
+
+        drops = [
+            float(np.average(bal_n[:t], weights=w_n[:t]) - np.average(bal_n[t:], weights=w_n[t:]))
+            for t in range(1, 20)
+        ]
+        assert ho.shift_start(passes, scored, G) == 1 + int(np.argmax(drops))
+        assert abs(ho.shift_start(passes, scored, G) - cut) <= 1
+
+
+def test_a_plan_made_on_a_shift_is_calibrated_after_it() -> None:
+    """The held-out correction is not charged with the jump: the burst plan's prediction is
+    within a few points of its score on later passes of the new domain."""
+    G, N, E, P = 32, 4, 256, 288
+    rng = np.random.default_rng(2)
+    topology = Topology(num_gpus=G, num_nodes=N, num_physical=P)
+    before_LE = _heavy_tailed_load(rng, 4, E, sigma=0.8)
+    after_LE = before_LE[:, rng.permutation(E)]
+    current = Placement.from_phy2log(static_fresh_phy2log(before_LE, P, G, N)[0], G, N)
+    window = np.concatenate(
+        [
+            rng.poisson(before_LE[None] / 20, size=(130, 4, E)),
+            rng.poisson(after_LE[None] / 20, size=(70, 4, E)),
+        ]
+    )
+    options = SolveOptions(static_dispatch=True, max_moved_experts=160, shift_max_moved_experts=1280)
+    plan = solve(window, topology, current, options)
+    assert plan.stats["shift"] == 1.0 and abs(plan.stats["passes_since_shift"] - 70) <= 2
+    future = rng.poisson(after_LE[None] / 20, size=(50, 4, E)).astype(np.float64)
+    share_LP = static_share_LP(plan.placement.phy2log_LP, E, G, N)
+    realized = np.mean(
+        [
+            (g.mean(axis=1) / g.max(axis=1)).mean()
+            for g in (
+                (f[np.arange(4)[:, None], plan.placement.phy2log_LP] * share_LP).reshape(4, G, -1).sum(-1)
+                for f in future
+            )
+        ]
+    )
+    assert abs(plan.predicted_balancedness - realized) < 0.03

@@ -60,6 +60,17 @@ class PassScores:
         """float64 [l]: weighted mean over passes of the balancedness of ``layers``."""
         if layers.size == 0:
             return np.zeros(0)
+        return np.asarray(self._bal_ln(phy2log_LP, share_LP, num_gpus, layers) @ self.weight_n)
+
+    def per_pass(
+        self, phy2log_LP: np.ndarray, share_LP: np.ndarray, num_gpus: int, layers: np.ndarray
+    ) -> np.ndarray:
+        """float64 [n]: each pass's balancedness, the mean over ``layers``."""
+        return np.asarray(self._bal_ln(phy2log_LP, share_LP, num_gpus, layers).mean(axis=0))
+
+    def _bal_ln(
+        self, phy2log_LP: np.ndarray, share_LP: np.ndarray, num_gpus: int, layers: np.ndarray
+    ) -> np.ndarray:
         nl, E, G = layers.size, self.load_LnE.shape[2], num_gpus
         p2l_lP = phy2log_LP[layers]
         gpu_P = np.arange(p2l_lP.shape[1]) // (p2l_lP.shape[1] // G)
@@ -69,8 +80,27 @@ class PassScores:
         gpu_lnG = np.matmul(self.load_LnE[layers], share_lEG.reshape(nl, E, G).astype(np.float32))
         peak_ln = gpu_lnG.max(axis=-1).astype(np.float64)
         mean_ln = gpu_lnG.sum(axis=-1, dtype=np.float64) / G
-        bal_ln = np.where(peak_ln > 0, mean_ln / np.where(peak_ln > 0, peak_ln, 1.0), 1.0)
-        return np.asarray(bal_ln @ self.weight_n)
+        return np.where(peak_ln > 0, mean_ln / np.where(peak_ln > 0, peak_ln, 1.0), 1.0)
+
+
+def shift_start(load_nLE: np.ndarray, scored: Scored, num_gpus: int) -> int:
+    """The pass (in [1, n)) where ``scored``'s balancedness dropped most: the split that maximises
+    the load-weighted mean over the passes before it minus that over the passes from it.
+
+    A domain shift is a jump, not a trend: calibrating across it would charge the jump again to
+    the plans made after it, so ``solve`` calibrates on the passes from here on.
+    """
+    n = load_nLE.shape[0]
+    if n < 2:
+        return max(n - 1, 0)
+    passes = PassScores.of(load_nLE)
+    L = load_nLE.shape[1]
+    bal_n = passes.per_pass(scored.phy2log_LP, scored.share_LP, num_gpus, np.arange(L))
+    w_n = np.maximum(passes.weight_n, 1e-300)
+    before_w, before_s = np.cumsum(w_n)[:-1], np.cumsum(w_n * bal_n)[:-1]
+    after_w, after_s = w_n.sum() - before_w, (w_n * bal_n).sum() - before_s
+    drop = before_s / before_w - after_s / after_w
+    return int(np.argmax(drop)) + 1
 
 
 def even_share_LP(phy2log_LP: np.ndarray, cnt_LE: np.ndarray) -> np.ndarray:
