@@ -332,3 +332,49 @@ def test_with_the_initial_full_plan_only_the_first_plan_may_exceed_the_budget() 
     assert len(history) >= 3 and "failed" not in {outcome for _, outcome, _ in history}
     assert history[0][1] == "applied" and history[0][2] > 1  # the first plan took more than the budget
     assert all(moved <= 1 for *_, moved in history[1:])  # and only the first
+
+
+class _AllowancePlanner:
+    """A planner taking continuous mode's budgets (as SolverPlanner does): records each plan's."""
+
+    def __init__(self, budgets: list[tuple[int, int | None]], targets: list[Placement]) -> None:
+        self.budgets, self.targets = budgets, targets
+        self.pending: tuple[int, int | None] | None = None
+
+    def with_move_budget(self, budget: int, shift_budget: int | None) -> _AllowancePlanner:
+        self.pending = (budget, shift_budget)
+        return self
+
+    def __call__(self, load_WLE: np.ndarray, current: Placement, history: object = None) -> FakePlan:
+        assert self.pending is not None, "continuous mode passes its budgets to every plan"
+        self.budgets.append(self.pending)
+        self.pending = None
+        return FakePlan(self.targets[len(self.budgets) % 2])
+
+
+def test_the_move_allowance_gives_every_plan_its_budgets() -> None:
+    """One GPU: every copy is local, so no plan spends against the rate and every plan gets the
+    full budget and burst (the repayment is checked on MoveAllowance itself and in the simulator)."""
+    model, placement, _ = make()
+    targets = [other_placement(placement, 5), other_placement(placement, 6)]
+    budgets: list[tuple[int, int | None]] = []
+    config = EplbConfig(
+        eplb_rebalance_mode="continuous",
+        eplb_rebalance_num_iterations=4,
+        eplb_max_moved_experts=2,
+        eplb_shift_burst=3,
+        eplb_initial_full_plan=False,
+    )
+    manager = EplbManager(config, model, placement, device=CPU, planner=_AllowancePlanner(budgets, targets))
+    model.recorder = manager.recorder
+    for step in range(40):
+        run_passes(manager, model, 1, seed=step)
+        until_idle(manager, model)
+        if len(budgets) == 3:
+            break
+    history = manager.state().history
+    manager.close()
+    assert [r.outcome for r in history] == ["applied"] * 3
+    assert budgets == [(2, 6)] * 3
+    with pytest.raises(ValueError, match="--eplb-shift-burst"):
+        EplbConfig(eplb_rebalance_mode="continuous", eplb_shift_burst=0)

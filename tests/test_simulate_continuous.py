@@ -230,6 +230,36 @@ def test_the_budget_reaches_the_solver_and_is_never_exceeded(budget: int, initia
         assert result.summaries()[0]["balancedness_mean"] > result.baseline.balancedness_T[20:].mean()
 
 
+def _shifted_trace(seed: int, T: int = 300, L: int = 4, E: int = 16) -> Trace:
+    """A skewed load whose hot experts change once, at step 2T/3 (a domain shift)."""
+    rng = np.random.default_rng(seed)
+    prob_LE = rng.lognormal(0.0, 1.2, size=(L, E))
+    prob_LE /= prob_LE.sum(axis=1, keepdims=True)
+    shifted_LE = prob_LE[:, rng.permutation(E)]
+    counts = [
+        [rng.multinomial(4000, (prob_LE if t < 2 * T // 3 else shifted_LE)[layer]) for layer in range(L)]
+        for t in range(T)
+    ]
+    return Trace.from_counts(np.asarray(counts, dtype=np.int32))
+
+
+@pytest.mark.parametrize("burst", [1, 4])
+def test_a_shift_may_spend_a_burst_that_the_next_budgets_repay(burst: int) -> None:
+    budget = 3
+    config = SimulationConfig(
+        num_gpus=8, num_nodes=4, num_redundant=8, interval=20, window=80, rebalance_mode="continuous",
+        max_moved_experts=budget, shift_burst=burst, bytes_per_expert=1000, transfer_gbps=100.0,
+    )  # fmt: skip
+    events = simulate(_shifted_trace(seed=1), parse_runs(["scipy"], "static"), config).runs[0].events
+    counted = [e.experts_moved_across_gpus if e.applied else 0 for e in events[1:]]  # the first is exempt
+    for n in range(1, len(counted) + 1):  # never more than the rate plus one burst, over any prefix
+        assert sum(counted[:n]) <= budget * n + budget * (burst - 1)
+    if burst == 1:
+        assert max(counted) <= budget
+    else:
+        assert max(counted) > budget  # the shift got more than one budget
+
+
 def test_on_stationary_load_continuous_mode_stops_moving() -> None:
     rng = np.random.default_rng(7)
     step_LE = (rng.lognormal(0, 1.0, size=(4, 16)) * 100).astype(np.int32)
