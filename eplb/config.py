@@ -319,7 +319,7 @@ def add_cli_args(parser: argparse.ArgumentParser, *, check: bool = True) -> argp
         type=int,
         default=None,
         help="cross-GPU expert copies per rebalance, a solver budget "
-        f"(default: none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS})",
+        f"(default: none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS}, on average: see --eplb-shift-burst)",
     )
     g.add_argument(
         "--eplb-shift-burst",

@@ -211,12 +211,13 @@ def _drifting_trace(seed: int, T: int = 240, L: int = 4, E: int = 16) -> Trace:
 @pytest.mark.parametrize("budget", [0, 3, 10])
 @pytest.mark.parametrize("initial_full_plan", [False, True])
 def test_the_budget_reaches_the_solver_and_is_never_exceeded(budget: int, initial_full_plan: bool) -> None:
-    """Every plan keeps the budget; with the initial full plan (the default) all but the first do."""
+    """Every plan keeps the budget (no shift burst: ``shift_burst=1``; bursts are tested below);
+    with the initial full plan (the default) all but the first do."""
     trace = _drifting_trace(seed=budget)
     config = SimulationConfig(
         num_gpus=4, num_nodes=2, num_redundant=4, interval=20, rebalance_mode="continuous",
         max_moved_experts=budget, bytes_per_expert=1000, transfer_gbps=100.0,
-        initial_full_plan=initial_full_plan,
+        initial_full_plan=initial_full_plan, shift_burst=1,
     )  # fmt: skip
     result = simulate(trace, parse_runs(["scipy"], "static"), config)
     applied = [e for e in result.runs[0].events if e.applied]

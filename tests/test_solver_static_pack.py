@@ -323,3 +323,29 @@ def test_a_plan_made_on_a_shift_is_calibrated_after_it() -> None:
         ]
     )
     assert abs(plan.predicted_balancedness - realized) < 0.03
+
+
+def test_static_plans_are_deterministic() -> None:
+    """Same inputs, same plan: the fresh static packing, a budgeted plan and a burst plan."""
+    G, N, E, P = 32, 4, 256, 288
+    rng = np.random.default_rng(9)
+    topology = Topology(num_gpus=G, num_nodes=N, num_physical=P)
+    load_LE = _heavy_tailed_load(rng, 3, E, sigma=0.8)
+    window = np.concatenate(
+        [
+            rng.poisson(load_LE[None] / 20, size=(150, 3, E)),
+            rng.poisson(load_LE[:, rng.permutation(E)][None] / 20, size=(50, 3, E)),
+        ]
+    )
+    trivial = Placement.trivial(3, E, G, P - E, N)
+    fitted = Placement.from_phy2log(static_fresh_phy2log(load_LE, P, G, N)[0], G, N)
+    cases = [
+        (trivial, SolveOptions(static_dispatch=True, copy_cost=0.0)),
+        (fitted, SolveOptions(static_dispatch=True, max_moved_experts=40)),
+        (fitted, SolveOptions(static_dispatch=True, max_moved_experts=40, shift_max_moved_experts=320)),
+    ]
+    for current, options in cases:
+        first, second = (solve(window, topology, current, options) for _ in range(2))
+        np.testing.assert_array_equal(first.placement.phy2log_LP, second.placement.phy2log_LP)
+        assert first.predicted_balancedness == second.predicted_balancedness
+        assert first.apply == second.apply

@@ -112,7 +112,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
             type=int,
             default=None,
             help="budget of one rebalance in cross-GPU expert copies, for the solver-backed runs "
-            f"(default: none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS})",
+            f"(default: none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS}, on average: see --eplb-shift-burst)",
         )
         g.add_argument(
             "--eplb-shift-burst",
