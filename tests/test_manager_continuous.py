@@ -118,14 +118,19 @@ def _first_three_plans(fields: dict[str, Any], skip_first: bool = False) -> list
     config = EplbConfig(**{"eplb_rebalance_mode": "continuous", "eplb_rebalance_num_iterations": 4, **fields})
     planner = _BudgetedPlanner(calls, targets, skip_first=skip_first)
     manager = EplbManager(config, model, placement, device=CPU, planner=planner)
+    _run_until_plans(manager, model, calls, 3)
+    manager.close()
+    return calls
+
+
+def _run_until_plans(manager: EplbManager, model: MoEModel, plans: list[Any], n: int) -> None:
+    """Run single passes (each to the manager's idle) until ``plans`` holds ``n`` entries."""
     model.recorder = manager.recorder
     for step in range(40):
         run_passes(manager, model, 1, seed=step)
         until_idle(manager, model)
-        if len(calls) == 3:
+        if len(plans) == n:
             break
-    manager.close()
-    return calls
 
 
 @pytest.mark.parametrize(
@@ -366,12 +371,7 @@ def test_the_move_allowance_gives_every_plan_its_budgets() -> None:
         eplb_initial_full_plan=False,
     )
     manager = EplbManager(config, model, placement, device=CPU, planner=_AllowancePlanner(budgets, targets))
-    model.recorder = manager.recorder
-    for step in range(40):
-        run_passes(manager, model, 1, seed=step)
-        until_idle(manager, model)
-        if len(budgets) == 3:
-            break
+    _run_until_plans(manager, model, budgets, 3)
     history = manager.state().history
     manager.close()
     assert [r.outcome for r in history] == ["applied"] * 3
