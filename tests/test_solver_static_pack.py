@@ -19,6 +19,7 @@ from eplb.solver.static_pack import (
     static_replica_counts,
 )
 from eplb.solver.static_share import static_share_LP
+from tests.helpers.placements import maps_share_LP
 
 # (G, N, E, P): one node, several, one GPU per node, and DeepSeek-V3's EP32 and EP64 shapes.
 SHAPES = [
@@ -33,13 +34,9 @@ SHAPES = [
 
 def _maps_gpu_load_LG(placement: Placement, load_LE: np.ndarray) -> np.ndarray:
     """float64 [L, G]: GPU loads when every rank sends 1/G of each expert's tokens where its map says."""
-    maps_GLE = static_dispatch_maps(placement)
-    L, G, S = placement.num_layers, placement.num_gpus, placement.slots_per_gpu
-    gpu_LG = np.zeros((L, G))
-    for rank in range(G):
-        for layer in range(L):
-            np.add.at(gpu_LG[layer], maps_GLE[rank, layer] // S, load_LE[layer] / G)
-    return gpu_LG
+    L, P, G = placement.num_layers, placement.num_physical, placement.num_gpus
+    slot_LP = load_LE[np.arange(L)[:, None], placement.phy2log_LP] * maps_share_LP(placement)
+    return slot_LP.reshape(L, G, P // G).sum(axis=-1)
 
 
 def _heavy_tailed_load(rng: np.random.Generator, L: int, E: int, sigma: float = 1.2) -> np.ndarray:

@@ -9,22 +9,10 @@ from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
 from eplb.solver import SolveOptions, Topology, solve
 from eplb.solver.static_share import expert_static_shares, static_share_LP
-from tests.helpers.placements import random_phy2log
+from tests.helpers.placements import maps_share_LP, random_phy2log
 
 # (G, N, E, P): one node, several, one GPU per node, and DeepSeek-V3's EP32 shape.
 SHAPES = [(4, 1, 16, 24), (8, 2, 16, 24), (8, 8, 16, 32), (16, 4, 32, 64), (32, 4, 256, 288)]
-
-
-def _ranks_share_LP(placement: Placement) -> np.ndarray:
-    """float64 [L, P]: the fraction of ranks whose static map sends each slot's expert to it."""
-    maps_GLE = static_dispatch_maps(placement)
-    L, P, G = placement.num_layers, placement.num_physical, placement.num_gpus
-    share_LP = np.zeros((L, P))
-    for g in range(G):
-        for layer in range(L):
-            np.add.at(share_LP[layer], maps_GLE[g, layer], 1.0 / G)
-    # A slot no rank picks receives nothing; every picked slot's expert is the one it holds.
-    return share_LP
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -43,7 +31,7 @@ def test_shares_are_the_fraction_of_ranks_the_maps_send_to_each_replica(
     else:
         phy2log_LP = random_phy2log(rng, L, E, P)
     placement = Placement.from_phy2log(phy2log_LP, G, N)
-    want_LP = _ranks_share_LP(placement)
+    want_LP = maps_share_LP(placement)
     np.testing.assert_allclose(static_share_LP(placement.phy2log_LP, E, G, N), want_LP)
     # A subset of layers keeps each layer's own rotation.
     rows = np.array([2, 0])
@@ -67,7 +55,7 @@ def test_an_uneven_static_split_is_what_the_solver_scores() -> None:
     phy2log = np.array([[0, 1, 2, 3, 4, 5, 1, 2, 0, 3, 0, 4, 5, 1, 2, 3]])
     placement = Placement.from_phy2log(phy2log, G, N)
     share = static_share_LP(placement.phy2log_LP, E, G, N)[0]
-    np.testing.assert_allclose(share, _ranks_share_LP(placement)[0])
+    np.testing.assert_allclose(share, maps_share_LP(placement)[0])
     np.testing.assert_allclose(share[np.flatnonzero(phy2log[0] == 0)], [0.5, 0.25, 0.25])
 
 
@@ -80,7 +68,7 @@ def test_a_static_plan_is_scored_with_the_maps_shares() -> None:
     # A window of one pass: the prediction is the forecast's own balancedness, under each split.
     even = solve(load, topology, current, SolveOptions(max_moved_experts=4))
     static = solve(load, topology, current, SolveOptions(max_moved_experts=4, static_dispatch=True))
-    share_LP = _ranks_share_LP(current)
+    share_LP = maps_share_LP(current)
     gpu_LG = np.stack(
         [
             np.bincount(np.arange(24) // 3, load[0, layer, current.phy2log_LP[layer]] * share_LP[layer], 8)
