@@ -407,8 +407,8 @@ class EplbManager:
         self._history.append(record)
         if self._allowance is not None:
             first = is_first_plan(initial_full_plan=self.config.initial_full_plan, fitted=self._fitted)
-            counted = outcome == "applied" and job is not None and not first
-            self._allowance.record(job.experts_moved if counted and job is not None else 0)
+            # The first plan is not counted (eplb.policy.schedule.MoveAllowance).
+            self._allowance.record(record.experts_moved if outcome == "applied" and not first else 0)
         self._fitted = self._fitted or outcome == "applied"
         self._job = None
         self._phase = "idle"

@@ -183,8 +183,8 @@ class RunState:
         )
         if not continuous or link_seconds == 0:
             self._switch(step)
-        stats = getattr(proposal, "stats", None) or {}
-        return 0.0 if first else float(stats.get("weighted_copies_moved", diff.experts_moved_across_gpus))
+        # Counted as the manager counts them: the plan's expert copies across GPUs.
+        return 0.0 if first else float(diff.experts_moved_across_gpus)
 
     def _switch(self, step: int) -> None:
         """The swap in flight has arrived: its placement serves from ``step``."""

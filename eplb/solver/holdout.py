@@ -118,9 +118,41 @@ class Scored:
     """float64 [L, P]: share of its expert's tokens each slot receives."""
 
 
+@dataclass(frozen=True)
+class Blocks:
+    """A window's last two hold-out blocks (``tail`` before ``held``) and the current placement's
+    per-layer scores on them: computed once per solve, for the shift check and the prediction."""
+
+    tail: PassScores
+    held: PassScores
+    current_held_L: np.ndarray | None
+    """float64 [L]: the current placement's scores on ``held`` (None: no current placement)."""
+    current_tail_L: np.ndarray | None
+
+    @classmethod
+    def of(cls, load_WLE: np.ndarray, size: int, current: Scored | None, num_gpus: int) -> Blocks:
+        """The blocks of the last ``size`` passes and the ``size`` before them (``size`` >= 1)."""
+        W = load_WLE.shape[0]
+        tail = PassScores.of(load_WLE[max(W - 2 * size, 0) : W - size])
+        held = PassScores.of(load_WLE[W - size :])
+        if current is None:
+            return cls(tail, held, None, None)
+        all_L = np.arange(load_WLE.shape[1])
+        return cls(
+            tail,
+            held,
+            held.layers(current.phy2log_LP, current.share_LP, num_gpus, all_L),
+            tail.layers(current.phy2log_LP, current.share_LP, num_gpus, all_L),
+        )
+
+    def current_decline(self) -> float:
+        """The current placement's score on ``tail`` minus that on ``held``."""
+        assert self.current_held_L is not None and self.current_tail_L is not None
+        return float(self.current_tail_L.mean() - self.current_held_L.mean())
+
+
 def held_out_scores(
-    tail: PassScores,
-    held: PassScores,
+    blocks: Blocks,
     plan: Scored,
     older: Scored,
     current: Scored | None,
@@ -133,6 +165,7 @@ def held_out_scores(
     """
     L = plan.phy2log_LP.shape[0]
     all_L = np.arange(L)
+    tail, held = blocks.tail, blocks.held
     if current is None:
         held_plan = held.layers(plan.phy2log_LP, plan.share_LP, num_gpus, all_L).mean()
         held_older = held.layers(older.phy2log_LP, older.share_LP, num_gpus, all_L).mean()
@@ -144,8 +177,8 @@ def held_out_scores(
             "held_older": float(held_older),
             "tail_older": float(tail_older),
         }
-    held_cur_L = held.layers(current.phy2log_LP, current.share_LP, num_gpus, all_L)
-    tail_cur_L = tail.layers(current.phy2log_LP, current.share_LP, num_gpus, all_L)
+    held_cur_L, tail_cur_L = blocks.current_held_L, blocks.current_tail_L
+    assert held_cur_L is not None and tail_cur_L is not None, "blocks made without the current placement"
 
     def score(x: Scored, base_L: np.ndarray, passes: PassScores) -> float:
         changed = np.flatnonzero(

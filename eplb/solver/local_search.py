@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eplb.solver.holdout import even_share_LP
 from eplb.solver.static_share import static_share_LP
 
 _TOL = 1e-12
@@ -51,9 +52,7 @@ def make_state(
     layer = np.arange(L)[:, None]
     item_KLP = scenarios_KLE[:, layer, phy2log_LP] / logcnt_LE[layer, phy2log_LP]
     holds_LGE = holds_per_gpu(phy2log_LP, num_gpus, E)
-    copies_L = np.zeros(L, dtype=np.int64)
-    if origin_LGE is not None:
-        copies_L = ((holds_LGE > 0) & ~origin_LGE).sum(axis=(1, 2))
+    copies_L = np.zeros(L, dtype=np.int64) if origin_LGE is None else arrivals_L(holds_LGE, origin_LGE)
     return SearchState(phy2log_LP.astype(np.int64), item_KLP, holds_LGE, origin_LGE, copies_L)
 
 
@@ -63,6 +62,12 @@ def holds_per_gpu(phy2log_LP: np.ndarray, num_gpus: int, num_logical: int) -> np
     gpu_P = np.arange(P) // (P // num_gpus)
     flat = (np.arange(L)[:, None] * num_gpus + gpu_P[None, :]) * num_logical + phy2log_LP
     return np.bincount(flat.ravel(), minlength=L * num_gpus * num_logical).reshape(L, num_gpus, num_logical)
+
+
+def arrivals_L(holds_LGE: np.ndarray, origin_LGE: np.ndarray) -> np.ndarray:
+    """int64 [L]: expert copies across GPUs from ``origin`` (bool [L, G, E]) to ``holds`` (counts
+    [L, G, E]): the (GPU, expert) pairs held now that were not held there before."""
+    return np.asarray(((holds_LGE > 0) & ~origin_LGE).sum(axis=(1, 2)))
 
 
 def expected_balancedness(gpu_KLG: np.ndarray, weights_K: np.ndarray) -> np.ndarray:
@@ -86,8 +91,7 @@ def layer_scores(
     K, L, E = scenarios_KLE.shape
     layer = np.arange(L)[:, None]
     if static_nodes is None:
-        cnt_LE = np.stack([np.bincount(row, minlength=E) for row in phy2log_LP])
-        share_LP = 1.0 / cnt_LE[layer, phy2log_LP]
+        share_LP = even_share_LP(phy2log_LP, np.stack([np.bincount(row, minlength=E) for row in phy2log_LP]))
     else:
         share_LP = static_share_LP(phy2log_LP, E, num_gpus, static_nodes)
     item_KLP = scenarios_KLE[:, layer, phy2log_LP] * share_LP

@@ -63,8 +63,8 @@ class SolverPlanner:
         unfitted one every layer gains far more than its copies cost (from the trivial placement
         on the deepseek-v3 preset, +0.39 balancedness against a price of 0.40 at the default
         ``copy_cost``, which kept the first plans from being applied)."""
-        budgets = ("max_moved_experts", "max_bytes_moved", "shift_max_moved_experts", "copy_cost")
-        options = {k: v for k, v in self.extra_options.items() if k not in budgets}
+        dropped = ("max_moved_experts", "max_bytes_moved", "shift_max_moved_experts")
+        options = {k: v for k, v in self.extra_options.items() if k not in dropped}
         return replace(self, extra_options={**options, "copy_cost": 0.0})
 
     def with_move_budget(self, budget: int, shift_budget: int | None) -> SolverPlanner:

@@ -130,17 +130,11 @@ def _static_phy2log(
     value_fresh_L = ls.layer_scores(fresh_LP, prediction.scenarios_KLE, weights_K, G, N)
     value_kept_L = ls.layer_scores(current.phy2log_LP, prediction.scenarios_KLE, weights_K, G, N)
     if options.incremental:
-        E = current.num_logical
-        value_fresh_L = value_fresh_L - options.copy_cost * _arrivals_L(fresh_LP, current, G, E)
+        holds_LGE = ls.holds_per_gpu(fresh_LP, G, current.num_logical)
+        value_fresh_L = value_fresh_L - options.copy_cost * ls.arrivals_L(holds_LGE, current.gpu_has_expert())
     take_fresh_L = value_fresh_L > value_kept_L + 1e-12
     stats["fresh_layers"] = float(take_fresh_L.sum())
     return np.where(take_fresh_L[:, None], fresh_LP, current.phy2log_LP.astype(np.int64))
-
-
-def _arrivals_L(phy2log_LP: np.ndarray, current: Placement, num_gpus: int, num_logical: int) -> np.ndarray:
-    """int64 [L]: expert copies across GPUs ``phy2log_LP`` needs from ``current``."""
-    holds_LGE = ls.holds_per_gpu(phy2log_LP, num_gpus, num_logical)
-    return np.asarray(((holds_LGE > 0) & ~current.gpu_has_expert()).sum(axis=(1, 2)))
 
 
 def _score(state: ls.SearchState, weights_K: np.ndarray, num_gpus: int) -> np.ndarray:

@@ -64,8 +64,8 @@ def solve(
     prediction = predict(load_WLE, options, method)
     base = None if current is None else _scored(current, None, options)
     held = ho.holdout_size(W, options.holdout_passes)
-    stats["holdout_passes"] = float(held)
-    options = _shift_budget(options, load_WLE, held, base, topology.num_gpus, stats)
+    blocks = ho.Blocks.of(load_WLE, held, base, topology.num_gpus) if held else None
+    options = _shift_budget(options, blocks, stats)
     if stats.get("shift"):
         # The held-out correction assumes the load moves on as it did between the last two
         # hold-out blocks; across a shift it jumped once, and the correction would charge the jump
@@ -75,21 +75,20 @@ def solve(
         recent = min(2 * held, W)
         after = recent - ho.shift_start(load_WLE[W - recent :], base, topology.num_gpus)
         held = after // 2 if after >= MIN_SHIFT_CALIBRATION else 0
+        blocks = ho.Blocks.of(load_WLE, held, base, topology.num_gpus) if held else None
         stats["passes_since_shift"] = float(after)
-        stats["holdout_passes"] = float(held)
+    stats["holdout_passes"] = float(held)
     placement, weights_LER = _plan(policy, prediction, topology, current, options, stats)
     scored = _scored(placement, weights_LER, options, base)
     forecast = _balancedness(prediction.point_LE, scored, topology.num_gpus)
     stats["forecast_balancedness"] = forecast
-    if held:
+    if blocks is not None:
         # The older plan only calibrates: its MILP polish would change the scores by < 0.001.
         older_options = replace(options, milp_max_solves=0)
         older_prediction = predict(load_WLE[: W - held], older_options, method)
         older, older_weights = _plan(policy, older_prediction, topology, current, older_options, {})
-        tail = load_WLE[max(W - 2 * held, 0) : W - held]
         scores = ho.held_out_scores(
-            ho.PassScores.of(tail),
-            ho.PassScores.of(load_WLE[W - held :]),
+            blocks,
             scored,
             _scored(older, older_weights, options, base),
             base,
@@ -118,28 +117,16 @@ def solve(
     )
 
 
-def _shift_budget(
-    options: SolveOptions,
-    load_WLE: np.ndarray,
-    held: int,
-    base: ho.Scored | None,
-    num_gpus: int,
-    stats: dict[str, float],
-) -> SolveOptions:
+def _shift_budget(options: SolveOptions, blocks: ho.Blocks | None, stats: dict[str, float]) -> SolveOptions:
     """``options`` with ``shift_max_moved_experts`` as the move budget when the window shows a
-    domain shift: the current placement's score on the newest ``held`` passes fell by more than
-    ``shift_decline`` from the ``held`` passes before them (its decline of the held-out scores)."""
+    domain shift: the current placement's score on the newest hold-out block fell by more than
+    ``shift_decline`` from the block before it (its decline of the held-out scores)."""
     shift_budget = options.shift_max_moved_experts
-    if base is None or not held or shift_budget is None or options.max_moved_experts is None:
+    if blocks is None or blocks.current_held_L is None or shift_budget is None:
         return options
-    W, L = load_WLE.shape[:2]
-    all_L = np.arange(L)
-    tail = ho.PassScores.of(load_WLE[max(W - 2 * held, 0) : W - held])
-    newest = ho.PassScores.of(load_WLE[W - held :])
-    decline = float(
-        tail.layers(base.phy2log_LP, base.share_LP, num_gpus, all_L).mean()
-        - newest.layers(base.phy2log_LP, base.share_LP, num_gpus, all_L).mean()
-    )
+    if options.max_moved_experts is None:
+        return options
+    decline = blocks.current_decline()
     stats["current_decline"] = decline
     shifted = decline > options.shift_decline
     stats["shift"] = float(shifted)

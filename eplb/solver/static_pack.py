@@ -117,10 +117,10 @@ def static_spread_phy2log(
         node_key = np.where(node_free_LN > 0, node_load_LN + np.where(crowded_LN, 1e300, 0.0), np.inf)
         n = node_key.argmin(axis=1)
         g_ids = gpu_of_node_NG[n]
-        taken = (gpu_fill_LG[rows[:, None], g_ids] >= S) | gpu_has_LGE[rows[:, None], g_ids, e[:, None]]
         # A GPU holding the expert already is a last resort (only when the node has no other room).
-        gpu_key = np.where(gpu_fill_LG[rows[:, None], g_ids] >= S, np.inf, gpu_load_LG[rows[:, None], g_ids])
-        gpu_key = np.where(taken & np.isfinite(gpu_key), gpu_key + 1e300, gpu_key)
+        holds = np.where(gpu_has_LGE[rows[:, None], g_ids, e[:, None]], 1e300, 0.0)
+        full = gpu_fill_LG[rows[:, None], g_ids] >= S
+        gpu_key = np.where(full, np.inf, gpu_load_LG[rows[:, None], g_ids] + holds)
         g = g_ids[rows, gpu_key.argmin(axis=1)]
         node_load_LN[rows, n] += w
         node_free_LN[rows, n] -= 1
