@@ -11,7 +11,7 @@ EP64 on 8, as many redundant slots as GPUs), on one trace:
   every 1000, 200 and 50 passes on a window of the interval; each transfer stalls serving;
 - continuous: ``eplb.solver`` scipy every ``interval`` passes from a window of ``window`` passes,
   at most ``budget`` expert copies per rebalance, each swap paced at ``--pace`` GB/s beside the
-  following passes (``eplb.simulate.cost_model``: a stall only past the link time the passes
+  following passes (``eplb.policy.cost_model``: a stall only past the link time the passes
   leave, plus the interference of a paced copy-engine swap).
 
 All points are scored on the same steps (from pass 1000, the slowest schedule's first

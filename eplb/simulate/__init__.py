@@ -7,8 +7,8 @@ periodic schedule or eplb's continuous one (``SimulationConfig.rebalance_mode``)
 
 from __future__ import annotations
 
+from eplb.policy.cost_model import CostModel, swap_beside_passes
 from eplb.simulate.config import REBALANCE_MODES, SimulationConfig
-from eplb.simulate.cost_model import CostModel, swap_beside_passes
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.simulate.engine import rebalance_steps, simulate
 from eplb.simulate.planners import ALGORITHMS, PastView, RunSpec, parse_runs

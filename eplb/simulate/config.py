@@ -7,7 +7,7 @@ a plan reaches the GPUs:
   transfer stalls serving for all of its link time; the new placement serves from the next step.
 - ``continuous``: small plans, at most ``max_moved_experts`` copies each, from a window that may
   be longer than the interval; the swap is sent beside the following passes at ``transfer_gbps``
-  and the maps switch at the first pass boundary after it arrives (``eplb.simulate.cost_model``).
+  and the maps switch at the first pass boundary after it arrives (``eplb.policy.cost_model``).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from eplb.config import CONTINUOUS_BUFFER_SIZE, CONTINUOUS_MAX_MOVED_EXPERTS
+from eplb.policy.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
 from eplb.policy.schedule import SHIFT_BURST
-from eplb.simulate.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
 from eplb.simulate.dispatch import DISPATCH_MODES
 
 REBALANCE_MODES = ("periodic", "continuous")

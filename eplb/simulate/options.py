@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 from eplb.placement.model import Placement
+from eplb.policy.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, TRANSFER_KINDS, CostModel
 from eplb.policy.schedule import SHIFT_BURST
 from eplb.simulate.config import REBALANCE_MODES, SimulationConfig
-from eplb.simulate.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, TRANSFER_KINDS, CostModel
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.simulate.planners import parse_solver_options
 from eplb.traces import Trace

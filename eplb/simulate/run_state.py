@@ -4,7 +4,7 @@ Shape legend: T steps, n steps of one chunk, W window, L layers, E logical exper
 
 At a rebalance the run plans from the window. Periodic mode switches to the plan at once and
 stalls for its transfer. Continuous mode keeps serving on the old placement while the swap goes
-beside the passes (``eplb.simulate.cost_model.swap_beside_passes``); the maps switch at the pass
+beside the passes (``eplb.policy.cost_model.swap_beside_passes``); the maps switch at the pass
 boundary after it arrives, and a swap still in flight at the next rebalance stalls serving for
 the rest of its link time. Each applied plan's *realized* balancedness is what its prediction
 estimates (``Plan.predicted_balancedness``): the mean over the recorded steps it served until the
@@ -23,9 +23,9 @@ from eplb.placement.balance import balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import PlanLike, Planner
+from eplb.policy.cost_model import swap_beside_passes
 from eplb.policy.schedule import MoveAllowance, initial_full_plan_on, is_first_plan, plan_with
 from eplb.simulate.config import SimulationConfig
-from eplb.simulate.cost_model import swap_beside_passes
 from eplb.simulate.dispatch import DispatchMatrices, dispatch_matrices, fake_gpu_load
 from eplb.simulate.planners import PastView, RunSpec
 from eplb.simulate.results import RebalanceEvent, RunResult

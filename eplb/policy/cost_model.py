@@ -1,4 +1,7 @@
-"""The simulator's cost model: MoE time per step from per-GPU load, and what a rebalance costs.
+"""The pass-time and transfer model: MoE time per pass from per-GPU load, and what a rebalance costs.
+
+The simulator charges it, and the rebalance decision (eplb.policy.decision) prices plans with it,
+so a plan is applied offline exactly when a server would apply it.
 
 Shape legend: T steps, n passes, L layers, E logical experts, G GPUs.
 
