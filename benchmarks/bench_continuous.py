@@ -40,7 +40,7 @@ from typing import Any
 
 from benchmarks.bench_simulate import SGLangDeepSeekPlanner
 from benchmarks.harness import Stopwatch, write_result
-from eplb.config import CONTINUOUS_BUFFER_SIZE, CONTINUOUS_INTERVAL, CONTINUOUS_MAX_MOVED_EXPERTS
+from eplb.config import CONTINUOUS_BUFFER_SIZE, CONTINUOUS_INTERVAL, CONTINUOUS_MAX_MOVED_EXPERTS, EplbConfig
 from eplb.policy import Planner
 from eplb.simulate import RunSpec, SimulationConfig
 from eplb.simulate.plots import write_tradeoff_plot
@@ -176,14 +176,21 @@ def run_case(
     num_gpus, num_nodes = TOPOLOGIES[topology]
     with Stopwatch() as gen:
         trace = generate(WORKLOADS[workload].with_(num_steps=steps, seed=seed))
+    # The continuous runs' flags; each setting replaces the schedule's (periodic ones unpaced).
+    server = EplbConfig(
+        enable_eplb=True,
+        ep_size=num_gpus,
+        nnodes=num_nodes,
+        ep_num_redundant_experts=num_gpus,
+        eplb_rebalance_mode="continuous",
+        eplb_transfer_gbps=args.pace,
+    )
     base = SimulationConfig(
-        num_gpus=num_gpus,
-        num_nodes=num_nodes,
-        num_redundant=num_gpus,
+        eplb=server,
         num_groups=int(trace.meta["num_groups"]),
         bytes_per_expert=int(trace.meta["bytes_per_expert"]),
-        transfer_gbps=args.pace,
         seed=seed,
+        score_from=SCORE_FROM,
     )
     settings = [
         *periodic_settings(trace, num_nodes, args.dispatch),
@@ -208,7 +215,6 @@ def run_case(
             trace,
             settings,
             base,
-            score_from=SCORE_FROM,
             planners=peer_planners(base.num_groups, args.dispatch),
             on_row=report,
         )
@@ -218,6 +224,7 @@ def run_case(
         "workload": workload,
         "workload_config": {k: v for k, v in trace.meta["generator"].items()},
         "domain_shifts": trace.meta["domain_per_step_changes"],
+        "domain_change_steps": trace.meta["domain_change_steps"],
         "topology": topology,
         "seed": seed,
         "steps": steps,

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.harness import Stopwatch, write_result
+from eplb.config import EplbConfig
 from eplb.placement.model import Placement
 from eplb.policy import LoadHistory, Proposal
 from eplb.simulate import RunSpec, SimulationConfig, parse_runs, simulate
@@ -104,7 +105,14 @@ def main() -> int:
     third = third_algorithm()
     names = ["none", "deepseek", third]
     runs = parse_runs(names, "static")
-    base = SimulationConfig(interval=args.interval, num_groups=8, num_gpus=32, num_nodes=4, num_redundant=32)
+    server = EplbConfig(
+        enable_eplb=True,
+        ep_size=32,
+        nnodes=4,
+        ep_num_redundant_experts=32,
+        eplb_rebalance_num_iterations=args.interval,
+    )
+    base = SimulationConfig(eplb=server, num_groups=8)
     out: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
@@ -164,7 +172,7 @@ def main() -> int:
 
     def point(kind: str, value: int, tr: Trace, cfg: SimulationConfig) -> None:
         m = timed_simulation(tr, runs, cfg)
-        row = {"kind": kind, "value": value, "steps": tr.num_steps, "layers": tr.num_layers, "ep": cfg.num_gpus,
+        row = {"kind": kind, "value": value, "steps": tr.num_steps, "layers": tr.num_layers, "ep": cfg.eplb.ep_size,
                "wall_s": m["wall_s"], "cpu_s": m["cpu_s"], "eval_s": m["eval_s"], "solve_s": m["solve_s"], "apply_s": m["apply_s"]}  # fmt: skip
         scaling.append(row)
         print(
@@ -184,7 +192,7 @@ def main() -> int:
             "ep",
             ep,
             trace.slice(0, grid_steps),
-            replace(base, num_gpus=ep, num_nodes=nodes, num_redundant=ep),
+            replace(base, eplb=replace(server, ep_size=ep, nnodes=nodes, ep_num_redundant_experts=ep)),
         )
     out["scaling"] = scaling
     out["loadavg_end"] = os.getloadavg()

@@ -18,7 +18,8 @@ router's log-popularity at step t is
 Popularity is softmax(z) capped at 1/top_k (a token picks k distinct experts). Step t routes
 ``tokens[t] * top_k`` choices as one multinomial draw, so small decode batches are noisy and
 large prefill batches are close to the popularity. Steps are prefill with probability
-``prefill_fraction``; token counts are log-uniform in their ranges.
+``prefill_fraction``; token counts are log-uniform in their ranges. The trace's metadata names
+the first step of each new domain (``domain_change_steps``), the shifts no planner can foresee.
 """
 
 from __future__ import annotations
@@ -184,6 +185,8 @@ def generate(config: WorkloadConfig | None = None, *, progress: ProgressFn | Non
         if progress is not None:
             progress(t1, T)
 
+    # First step of each new domain: a shift no planner can foresee from the steps before it.
+    change_steps = (np.flatnonzero(np.diff(domain_T) != 0) + 1).tolist()
     meta = {
         "source": "synthetic",
         "model": m.name,
@@ -191,7 +194,8 @@ def generate(config: WorkloadConfig | None = None, *, progress: ProgressFn | Non
         "num_groups": m.num_groups,
         "bytes_per_expert": m.bytes_per_expert,
         "generator": {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(cfg).items()},
-        "domain_per_step_changes": int((np.diff(domain_T) != 0).sum()) if T > 1 else 0,
+        "domain_per_step_changes": len(change_steps),
+        "domain_change_steps": change_steps,
     }
     return Trace(counts_TLE, is_prefill_T, tokens_T, meta)
 

@@ -20,10 +20,13 @@ from eplb.simulate import SimulationConfig, parse_runs, simulate
 from eplb.solver import Topology, solve
 from eplb.traces import Trace, load_trace, read_openevolve, write_openevolve
 from eplb.workloads import WorkloadConfig, generate
+from tests.helpers.simulation import server
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 SAMPLE_FLAGS = ["--ep-size", "4", "--nnodes", "1", "--ep-num-redundant-experts", "4"]
+SAMPLE_SERVER = server(ep_size=4, nnodes=1, ep_num_redundant_experts=4, eplb_rebalance_num_iterations=10)
+"""The same topology as a simulation's flags, rebalancing every 10 passes."""
 
 
 def test_diff_summary_says_bytes_unknown_instead_of_zero() -> None:
@@ -60,7 +63,7 @@ def test_traces_without_prefill_flags_say_so_once_per_result(tmp_path: Path) -> 
     synthetic = generate(WorkloadConfig(preset="tiny", num_steps=30, seed=0))
     assert synthetic.prefill_known and synthetic.prefill_note() is None
     assert Trace.from_counts(sglang.counts_TLE, is_prefill=sglang.is_prefill_T).prefill_known
-    config = SimulationConfig(num_gpus=4, num_nodes=1, num_redundant=4, interval=10)
+    config = SimulationConfig(eplb=SAMPLE_SERVER)
     notes = simulate(sglang, parse_runs(["none"], "static"), config).notes
     assert sum("no prefill flags" in n for n in notes) == 1
 
@@ -68,10 +71,10 @@ def test_traces_without_prefill_flags_say_so_once_per_result(tmp_path: Path) -> 
 def test_simulator_says_which_bytes_per_expert_it_assumed() -> None:
     tiny = generate(WorkloadConfig(preset="tiny", num_steps=30, seed=0))
     runs = parse_runs(["none"], "static")
-    config = SimulationConfig(num_gpus=4, num_nodes=1, num_redundant=4, interval=10)
+    config = SimulationConfig(eplb=SAMPLE_SERVER)
     (note,) = [n for n in simulate(tiny, runs, config).notes if "bytes per expert" in n]
     assert "44,040,192" in note and "the trace records 12,288" in note
-    own = SimulationConfig(num_gpus=4, num_nodes=1, num_redundant=4, interval=10, bytes_per_expert=12_288)
+    own = SimulationConfig(eplb=SAMPLE_SERVER, bytes_per_expert=12_288)
     assert not [n for n in simulate(tiny, runs, own).notes if "bytes per expert" in n]
     dump = load_trace(EXAMPLES / "sglang_stat_dump.pt")
     assert any("does not record one" in n for n in simulate(dump, runs, config).notes)

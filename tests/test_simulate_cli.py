@@ -183,6 +183,56 @@ def test_sweep_tradeoff_compares_periodic_and_continuous(
     assert data.startswith(b"\x89PNG") and len(data) > 5000
 
 
+def test_score_from_scores_every_run_from_that_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    args = [
+        "simulate", *TINY, "--steps", "240", "--ep-num-redundant-experts", "4",
+        "--eplb-rebalance-num-iterations", "40", "--algorithms", "none", "deepseek", "--score-from", "100",
+    ]  # fmt: skip
+    assert main([*args, "--json", "-"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["scored_from"] == result["config"]["score_from"] == 100
+    run = next(r for r in result["runs"] if r["name"] == "deepseek:static")
+    scored = [e for e in result["rebalances"]["deepseek:static"] if e["step"] >= 100]
+    applied = [e for e in scored if e["applied"]]
+    assert applied and run["rebalances_applied"] == len(applied)
+    assert run["rebalances_skipped"] == len(scored) - len(applied)
+    assert run["bytes_moved"] == sum(e["bytes_moved"] for e in applied)
+    assert run["bytes_moved_per_1000_passes"] == pytest.approx(run["bytes_moved"] * 1000 / 140)
+    timeline = result["timeline"]["deepseek:static"]["balancedness"]  # rounded to 5 digits
+    assert run["balancedness_mean"] == pytest.approx(np.mean(timeline[100:]), abs=1e-5)
+
+
+def test_sweep_tradeoff_scores_every_setting_from_score_from(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [
+        "sweep", "--tradeoff", *TINY, "--steps", "300", "--ep-num-redundant-experts", "4",
+        "--algorithm", "deepseek", "--periodic-intervals", "100", "25", "--budgets", "8",
+        "--eplb-rebalance-num-iterations", "20", "--score-from", "150", "--json", str(tmp_path / "t.json"),
+    ]  # fmt: skip
+    assert main(args) == 0
+    assert "scored from step 150" in capsys.readouterr().out
+    rows = json.loads((tmp_path / "t.json").read_text())["rows"]
+    assert len(rows) == 3 and all(r["scored_from"] == 150 for r in rows)
+    for r in rows:
+        assert r["bytes_moved_per_1000_passes"] == pytest.approx(r["bytes_moved"] * 1000 / 150)
+
+
+@pytest.mark.parametrize(
+    "command", [["simulate"], ["sweep", "--tradeoff", "--periodic-intervals", "20", "--budgets", "2"]]
+)
+@pytest.mark.parametrize("score_from", ["60", "75", "-1"])
+def test_a_score_from_outside_the_trace_is_a_one_line_error(
+    command: list[str], score_from: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [*command, *TINY, "--steps", "60", "--ep-num-redundant-experts", "4", "--score-from", score_from]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.startswith(f"eplb {command[0]}: error: --score-from")
+    assert "Traceback" not in captured.err
+
+
 def test_sweep_finds_fewest_redundant_and_longest_interval(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -272,6 +322,7 @@ def test_placement_file_round_trips_and_refuses_corrupt_files(tmp_path: Path) ->
         ),
         (["--eplb-rebalance-mode", "continuous", "--cost-interference", "-1"], "interference"),
         (["--trace", "/nonexistent/trace.safetensors"], "not found"),
+        (["--ep-size", "1"], "--ep-size must be > 1"),
     ],
 )
 def test_bad_simulate_flags_are_one_line_errors(

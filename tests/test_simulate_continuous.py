@@ -21,6 +21,7 @@ from eplb.simulate import (
     swap_beside_passes,
 )
 from eplb.traces import Trace
+from tests.helpers.simulation import server
 
 
 def _loop_reference(link_s: float, pass_us: list[float], slowdown: float) -> tuple[int, float, float]:
@@ -125,15 +126,8 @@ def _constant_setup(
         base_us=1000.0, per_expert_us=0.0, per_token_us=0.0, nvlink_gbps=100.0, interference=interference
     )
     pass_s = 2e-3
-    config = SimulationConfig(
-        num_gpus=4,
-        num_nodes=1,
-        num_redundant=0,
-        interval=10,
-        rebalance_mode=mode,
-        bytes_per_expert=int(link_passes * pass_s * 100e9),
-        cost=cost,
-    )
+    flags = server(ep_size=4, nnodes=1, eplb_rebalance_num_iterations=10, eplb_rebalance_mode=mode)
+    config = SimulationConfig(eplb=flags, bytes_per_expert=int(link_passes * pass_s * 100e9), cost=cost)
     return trace, config, target
 
 
@@ -188,14 +182,13 @@ def test_periodic_mode_stalls_for_the_whole_transfer() -> None:
 def test_the_window_may_exceed_the_interval_only_in_continuous_mode() -> None:
     trace, config, target = _constant_setup(link_passes=0.0, mode="continuous")
     planner = _OneMove(target, trace.counts_TLE[0])
-    simulate(
-        trace, [RunSpec("one", "dynamic")], replace(config, window=25), planners={"one:dynamic": planner}
-    )
+    longer = replace(config, eplb=replace(config.eplb, expert_distribution_recorder_buffer_size=25))
+    simulate(trace, [RunSpec("one", "dynamic")], longer, planners={"one:dynamic": planner})
     assert planner.windows == [10, 20, 25, 25, 25]
     with pytest.raises(ValueError, match="periodic mode"):
-        SimulationConfig(interval=10, window=25)
+        server(ep_size=4, eplb_rebalance_num_iterations=10, expert_distribution_recorder_buffer_size=25)
     with pytest.raises(ValueError, match="rebalance-mode"):
-        SimulationConfig(rebalance_mode="sometimes")
+        server(ep_size=4, eplb_rebalance_mode="sometimes")
 
 
 def _drifting_trace(seed: int, T: int = 240, L: int = 4, E: int = 16) -> Trace:
@@ -215,9 +208,12 @@ def test_the_budget_reaches_the_solver_and_is_never_exceeded(budget: int, initia
     with the initial full plan (the default) all but the first do."""
     trace = _drifting_trace(seed=budget)
     config = SimulationConfig(
-        num_gpus=4, num_nodes=2, num_redundant=4, interval=20, rebalance_mode="continuous",
-        max_moved_experts=budget, bytes_per_expert=1000, transfer_gbps=100.0,
-        initial_full_plan=initial_full_plan, shift_burst=1,
+        eplb=server(
+            ep_size=4, nnodes=2, ep_num_redundant_experts=4, eplb_rebalance_num_iterations=20,
+            eplb_rebalance_mode="continuous", eplb_max_moved_experts=budget, eplb_transfer_gbps=100.0,
+            eplb_initial_full_plan=initial_full_plan, eplb_shift_burst=1,
+        ),
+        bytes_per_expert=1000,
     )  # fmt: skip
     result = simulate(trace, parse_runs(["scipy"], "static"), config)
     applied = [e for e in result.runs[0].events if e.applied]
@@ -248,8 +244,12 @@ def _shifted_trace(seed: int, T: int = 300, L: int = 4, E: int = 16) -> Trace:
 def test_a_shift_may_spend_a_burst_that_the_next_budgets_repay(burst: int) -> None:
     budget = 3
     config = SimulationConfig(
-        num_gpus=8, num_nodes=4, num_redundant=8, interval=20, window=80, rebalance_mode="continuous",
-        max_moved_experts=budget, shift_burst=burst, bytes_per_expert=1000, transfer_gbps=100.0,
+        eplb=server(
+            ep_size=8, nnodes=4, ep_num_redundant_experts=8, eplb_rebalance_num_iterations=20,
+            expert_distribution_recorder_buffer_size=80, eplb_rebalance_mode="continuous",
+            eplb_max_moved_experts=budget, eplb_shift_burst=burst, eplb_transfer_gbps=100.0,
+        ),
+        bytes_per_expert=1000,
     )  # fmt: skip
     events = simulate(_shifted_trace(seed=1), parse_runs(["scipy"], "static"), config).runs[0].events
     counted = [e.experts_moved_across_gpus if e.applied else 0 for e in events[1:]]  # the first is exempt
@@ -266,8 +266,11 @@ def test_on_stationary_load_continuous_mode_stops_moving() -> None:
     step_LE = (rng.lognormal(0, 1.0, size=(4, 16)) * 100).astype(np.int32)
     trace = Trace.from_counts(np.broadcast_to(step_LE, (400, 4, 16)).copy())
     config = SimulationConfig(
-        num_gpus=4, num_nodes=2, num_redundant=4, interval=10, rebalance_mode="continuous",
-        max_moved_experts=2, bytes_per_expert=1000,
+        eplb=server(
+            ep_size=4, nnodes=2, ep_num_redundant_experts=4, eplb_rebalance_num_iterations=10,
+            eplb_rebalance_mode="continuous", eplb_max_moved_experts=2,
+        ),
+        bytes_per_expert=1000,
     )  # fmt: skip
     events = simulate(trace, parse_runs(["scipy"], "static"), config).runs[0].events
     applied = [i for i, e in enumerate(events) if e.applied and e.experts_moved_across_gpus > 0]
@@ -291,12 +294,48 @@ def test_score_from_sets_the_scored_steps_and_counts_only_their_rebalances() -> 
         simulate(trace, [RunSpec("none", "dynamic")], replace(config, score_from=60))
 
 
+class _EveryOther:
+    """Moves every expert to the next GPU at every other call; keeps the placement at the rest."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, window_WLE: np.ndarray, current: Placement, past: PastView | None = None) -> Proposal:
+        self.calls += 1
+        if self.calls % 2 == 0:
+            return Proposal(current, apply=False, reason="every other")
+        rolled_LP = np.roll(current.phy2log_LP, current.slots_per_gpu, axis=1)
+        return Proposal(
+            Placement.from_phy2log(rolled_LP, num_gpus=current.num_gpus, num_nodes=current.num_nodes)
+        )
+
+
+def test_the_summary_counts_only_the_rebalances_within_the_scored_passes() -> None:
+    trace = _drifting_trace(seed=3)
+    flags = server(ep_size=4, nnodes=2, ep_num_redundant_experts=4, eplb_rebalance_num_iterations=20)
+    config = SimulationConfig(eplb=flags, bytes_per_expert=1000, score_from=110)
+    result = simulate(trace, [RunSpec("alt", "dynamic")], config, planners={"alt:dynamic": _EveryOther()})
+    summary, events = result.summaries()[0], result.runs[0].events
+    scored = [e for e in events if e.step >= 110]
+    applied = [e for e in scored if e.applied]
+    assert len(events) > len(scored) and 0 < len(applied) < len(scored)
+    assert summary["rebalances_applied"] == len(applied)
+    assert summary["rebalances_skipped"] == len(scored) - len(applied)
+    moved = sum(e.bytes_moved for e in applied)
+    assert moved > 0 and summary["bytes_moved"] == moved
+    assert summary["bytes_moved_per_1000_passes"] == pytest.approx(moved * 1000 / (trace.num_steps - 110))
+    assert f" {len(applied)}/{len(scored)} " in result.table()
+
+
 def test_realized_balancedness_is_what_the_prediction_estimates() -> None:
     """The load-weighted mean over the recorded steps a plan served of their balancedness."""
     trace = _drifting_trace(seed=4)
     config = SimulationConfig(
-        num_gpus=4, num_nodes=2, num_redundant=4, interval=20, rebalance_mode="continuous",
-        max_moved_experts=6, bytes_per_expert=1000, transfer_gbps=100.0,
+        eplb=server(
+            ep_size=4, nnodes=2, ep_num_redundant_experts=4, eplb_rebalance_num_iterations=20,
+            eplb_rebalance_mode="continuous", eplb_max_moved_experts=6, eplb_transfer_gbps=100.0,
+        ),
+        bytes_per_expert=1000,
     )  # fmt: skip
     run = simulate(trace, parse_runs(["scipy"], "static"), config).runs[0]
     load_T = trace.counts_TLE.sum(axis=(1, 2)).astype(np.float64)
@@ -319,8 +358,11 @@ def test_realized_balancedness_is_what_the_prediction_estimates() -> None:
 def test_the_initial_full_plan_is_the_first_plan_of_a_run_from_the_trivial_placement() -> None:
     trace = _drifting_trace(seed=11)
     config = SimulationConfig(
-        num_gpus=4, num_nodes=2, num_redundant=4, interval=20, rebalance_mode="continuous",
-        max_moved_experts=1, bytes_per_expert=1000,
+        eplb=server(
+            ep_size=4, nnodes=2, ep_num_redundant_experts=4, eplb_rebalance_num_iterations=20,
+            eplb_rebalance_mode="continuous", eplb_max_moved_experts=1,
+        ),
+        bytes_per_expert=1000,
     )  # fmt: skip
     run = simulate(trace, parse_runs(["scipy"], "static"), config).runs[0]
     applied = [e for e in run.events if e.applied]

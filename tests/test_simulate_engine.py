@@ -23,6 +23,7 @@ from eplb.simulate import (
 )
 from eplb.traces import Trace, load_trace, write_openevolve
 from tests.helpers.placements import random_phy2log
+from tests.helpers.simulation import server
 
 
 def _random_trace(seed: int, T: int = 24, L: int = 3, E: int = 8, prefill: np.ndarray | None = None) -> Trace:
@@ -57,9 +58,14 @@ def _hand_step(
 def test_identity_placement_matches_hand_computation(dispatch: str, redundant: int) -> None:
     trace = _random_trace(seed=redundant)
     cost = CostModel(base_us=7.0, per_expert_us=3.0, per_token_us=0.5)
-    config = SimulationConfig(
-        num_gpus=4, num_nodes=2, num_redundant=redundant, interval=5, default_dispatch=dispatch, cost=cost
+    flags = server(
+        ep_size=4,
+        nnodes=2,
+        ep_num_redundant_experts=redundant,
+        eplb_rebalance_num_iterations=5,
+        ep_dispatch_algorithm=dispatch,
     )
+    config = SimulationConfig(eplb=flags, cost=cost)
     result = simulate(trace, [RunSpec("none", dispatch)], config)
     run = result.runs[0]
     pl = Placement.trivial(3, 8, num_gpus=4, num_redundant=redundant, num_nodes=2)
@@ -120,9 +126,14 @@ class _Peeker:
 def test_planner_gets_the_last_window_of_recorded_steps_before_the_rebalance() -> None:
     prefill = np.array([True, False, True, True, False, True, True, True, False, True, True, True] * 2)
     trace = _random_trace(seed=1, prefill=prefill)
-    config = SimulationConfig(
-        num_gpus=2, num_nodes=1, num_redundant=0, interval=3, window=2, record_prefill_only=True
+    flags = server(
+        ep_size=2,
+        nnodes=1,
+        eplb_rebalance_num_iterations=3,
+        expert_distribution_recorder_buffer_size=2,
+        eplb_record_prefill_only=True,
     )
+    config = SimulationConfig(eplb=flags)
     target = Placement.from_phy2log(np.array([np.roll(np.arange(8), 1)] * 3, dtype=np.int32), num_gpus=2)
     planner = _Recorder(target)
     result = simulate(trace, [RunSpec("fixed", "dynamic")], config, planners={"fixed:dynamic": planner})
@@ -145,7 +156,7 @@ def test_planner_gets_the_last_window_of_recorded_steps_before_the_rebalance() -
 
 def test_future_peeking_planner_is_caught() -> None:
     trace = _random_trace(seed=2)
-    config = SimulationConfig(num_gpus=2, num_nodes=1, num_redundant=0, interval=4)
+    config = SimulationConfig(eplb=server(ep_size=2, nnodes=1, eplb_rebalance_num_iterations=4))
     with pytest.raises(
         AssertionError, match="the placement used at step t must be computed from steps before t"
     ):
@@ -158,7 +169,8 @@ def test_when_the_future_equals_the_past_the_solver_forecast_is_exact(algorithm:
     rng = np.random.default_rng(11)
     step_LE = (rng.lognormal(0, 1.0, size=(4, 16)) * 100).astype(np.int32)
     trace = Trace.from_counts(np.broadcast_to(step_LE, (40, 4, 16)).copy())
-    config = SimulationConfig(num_gpus=4, num_nodes=2, num_redundant=4, interval=10, num_groups=4)
+    flags = server(ep_size=4, nnodes=2, ep_num_redundant_experts=4, eplb_rebalance_num_iterations=10)
+    config = SimulationConfig(eplb=flags, num_groups=4)
     result = simulate(trace, parse_runs([f"{algorithm}:{dispatch}"], "static"), config)
     run = result.runs[0]
     applied = [e for e in run.events if e.applied]
@@ -213,7 +225,8 @@ def test_every_input_format_gives_the_same_result(tmp_path: Path) -> None:
         load_trace(tmp_path / "stat.pt"),
         load_trace([tmp_path / "r0.pt", tmp_path / "r1.pt"]),
     ]
-    config = SimulationConfig(num_gpus=2, num_nodes=1, num_redundant=2, interval=6, num_groups=2)
+    flags = server(ep_size=2, nnodes=1, ep_num_redundant_experts=2, eplb_rebalance_num_iterations=6)
+    config = SimulationConfig(eplb=flags, num_groups=2)
     runs = parse_runs(["none", "deepseek", "deepseek:dynamic"], "static")
     results = [simulate(src, runs, config) for src in sources]
     reference = results[0].summaries()
@@ -251,9 +264,14 @@ def test_transfer_cost_counts_the_busiest_receiving_gpu() -> None:
 
 def test_threshold_skips_and_fake_dispatch_ignores_the_placement() -> None:
     trace = _random_trace(seed=8, T=40)
-    config = SimulationConfig(
-        num_gpus=4, num_nodes=1, num_redundant=4, interval=10, utilization_threshold=0.0
+    flags = server(
+        ep_size=4,
+        nnodes=1,
+        ep_num_redundant_experts=4,
+        eplb_rebalance_num_iterations=10,
+        eplb_min_rebalancing_utilization_threshold=0.0,
     )
+    config = SimulationConfig(eplb=flags)
     result = simulate(trace, parse_runs(["deepseek", "none:fake", "deepseek:fake"], "static"), config)
     assert all(not e.applied and "threshold" in e.reason for e in result.run("deepseek:static").events)
     fake_none, fake_ds = result.run("none:fake"), result.run("deepseek:fake")
@@ -265,7 +283,8 @@ def test_empty_steps_and_one_expert_taking_everything() -> None:
     counts = np.zeros((12, 2, 8), dtype=np.int32)
     counts[1::2, :, 5] = 500  # odd steps: expert 5 takes every token; even steps: no load at all
     trace = Trace.from_counts(counts)
-    config = SimulationConfig(num_gpus=4, num_nodes=2, num_redundant=4, interval=4, num_groups=4)
+    flags = server(ep_size=4, nnodes=2, ep_num_redundant_experts=4, eplb_rebalance_num_iterations=4)
+    config = SimulationConfig(eplb=flags, num_groups=4)
     result = simulate(trace, parse_runs(["none:dynamic", "deepseek:dynamic"], "static"), config)
     none, ds = result.run("none:dynamic"), result.run("deepseek:dynamic")
     np.testing.assert_array_equal(none.balancedness_T[0::2], 1.0)  # no load is perfectly balanced
@@ -278,9 +297,8 @@ def test_empty_steps_and_one_expert_taking_everything() -> None:
 
 def test_solver_options_reach_the_solver() -> None:
     trace = _random_trace(seed=4, T=40)
-    config = SimulationConfig(
-        num_gpus=4, num_nodes=1, num_redundant=4, interval=10, solver_options={"min_gain": 2.0}
-    )
+    flags = server(ep_size=4, nnodes=1, ep_num_redundant_experts=4, eplb_rebalance_num_iterations=10)
+    config = SimulationConfig(eplb=flags, solver_options={"min_gain": 2.0})
     events = simulate(trace, parse_runs(["deepseek"], "static"), config).runs[0].events
     assert len(events) == 3 and all(not e.applied and "min_gain" in e.reason for e in events)
 
@@ -288,11 +306,9 @@ def test_solver_options_reach_the_solver() -> None:
 def test_bad_configurations_are_value_errors() -> None:
     trace = _random_trace(seed=0)
     with pytest.raises(ValueError, match="divide evenly"):
-        simulate(
-            trace, [RunSpec("none", "static")], SimulationConfig(num_gpus=3, num_nodes=1, num_redundant=0)
-        )
+        simulate(trace, [RunSpec("none", "static")], SimulationConfig(eplb=server(ep_size=3, nnodes=1)))
     with pytest.raises(ValueError, match="recorder-buffer-size"):
-        SimulationConfig(interval=10, window=20)
+        server(ep_size=4, eplb_rebalance_num_iterations=10, expert_distribution_recorder_buffer_size=20)
     with pytest.raises(ValueError, match="unknown algorithm"):
         parse_runs(["greedy"], "static")
     with pytest.raises(ValueError, match="twice"):

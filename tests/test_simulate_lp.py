@@ -17,6 +17,7 @@ from eplb.simulate.dispatch_lp import PerBatchShare
 from eplb.traces import Trace
 from tests.helpers.placements import random_phy2log
 from tests.helpers.remap_reference import brute_lp_quotas
+from tests.helpers.simulation import server
 
 
 def _brute_gpu_loads(counts_LE: np.ndarray, pl: Placement) -> np.ndarray:
@@ -59,7 +60,14 @@ def test_every_step_loads_the_gpus_as_the_rule_does(seed: int) -> None:
     pl = Placement.from_phy2log(random_phy2log(rng, L, E, P), num_gpus=G, num_nodes=2)
     counts = rng.integers(0, 60, size=(20, L, E)) * (rng.random((20, L, E)) < 0.8)
     trace = Trace.from_counts(counts.astype(np.int32))
-    config = SimulationConfig(num_gpus=G, num_nodes=2, num_redundant=P - E, interval=5, default_dispatch="lp")
+    flags = server(
+        ep_size=G,
+        nnodes=2,
+        ep_num_redundant_experts=P - E,
+        eplb_rebalance_num_iterations=5,
+        ep_dispatch_algorithm="lp",
+    )
+    config = SimulationConfig(eplb=flags)
     run = simulate(trace, [RunSpec("none", "lp")], config, initial=pl).runs[0]
     for t in range(trace.num_steps):
         loads = _brute_gpu_loads(counts[t], pl)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from eplb.traces import Trace
+from eplb.traces import Trace, load_trace
 from eplb.workloads import PRESETS, WorkloadConfig, generate, unbalanced_imbalance
 
 
@@ -88,6 +91,29 @@ def test_slow_drift_and_workload_shifts() -> None:
         WorkloadConfig(preset="tiny", num_steps=3000, seed=2, mean_steps_between_shifts=300.0)
     )
     assert shifting.meta["domain_per_step_changes"] >= 3
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_meta_names_the_steps_where_the_domain_changes(seed: int, tmp_path: Path) -> None:
+    """Domains alone shape the load here (no base popularity, groups or drift; prefill only, so
+    little noise): a step's routing shares jump exactly where a new domain starts."""
+    cfg = WorkloadConfig(
+        preset="tiny", num_steps=1500, seed=seed, num_domains=4, domain_sigma=3.0,
+        mean_steps_between_shifts=150.0, popularity_sigma=0.0, group_sigma=0.0, drift_sigma=0.0,
+        prefill_fraction=1.0,
+    )  # fmt: skip
+    trace = generate(cfg)
+    share_TX = trace.counts_TLE.reshape(trace.num_steps, -1).astype(np.float64)
+    share_TX /= share_TX.sum(axis=1, keepdims=True)
+    jump_T = np.abs(np.diff(share_TX, axis=0)).sum(axis=1)  # within a domain about 0.03, across one > 1
+    changes = trace.meta["domain_change_steps"]
+    assert changes == (np.flatnonzero(jump_T > 0.5) + 1).tolist()
+    assert len(changes) >= 5 and trace.meta["domain_per_step_changes"] == len(changes)
+    assert all(type(t) is int for t in changes)  # JSON-serialisable as they are
+    assert json.loads(json.dumps(trace.meta))["domain_change_steps"] == changes
+    assert load_trace(trace.save(tmp_path / "t.safetensors")).meta["domain_change_steps"] == changes
+    steady = generate(cfg.with_(mean_steps_between_shifts=0.0))
+    assert steady.meta["domain_change_steps"] == [] and steady.meta["domain_per_step_changes"] == 0
 
 
 def test_invalid_config() -> None:

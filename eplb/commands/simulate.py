@@ -78,15 +78,16 @@ def run(args: argparse.Namespace) -> int:
     )
     to_stdout = args.json_out is not None and str(args.json_out) == "-"
     if not to_stdout:
+        flags = config.eplb
         print(
             f"{trace.num_steps} steps x {trace.num_layers} layers x {trace.num_experts} experts, "
-            f"EP{config.num_gpus} on {config.num_nodes} node(s), {config.num_redundant} redundant, "
-            f"{config.rebalance_mode} rebalancing every {config.interval} recorded steps (window "
-            f"{config.window_size}"
+            f"EP{flags.ep_size} on {flags.nnodes} node(s), {flags.ep_num_redundant_experts} redundant, "
+            f"{flags.eplb_rebalance_mode} rebalancing every {flags.rebalance_interval} recorded steps "
+            f"(window {flags.recorder_buffer_size}"
             + (
-                f", at most {config.move_budget} expert copies, swaps paced at "
-                + (f"{config.transfer_gbps:g} GB/s" if config.transfer_gbps else "link speed")
-                if config.continuous
+                f", at most {flags.max_moved_experts} expert copies, swaps paced at "
+                + (f"{flags.eplb_transfer_gbps:g} GB/s" if flags.eplb_transfer_gbps else "link speed")
+                if flags.continuous
                 else ""
             )
             + f"); scored from step {result.scored_from}"

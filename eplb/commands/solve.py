@@ -41,12 +41,13 @@ HELP = "solve a placement from a trace; write it for eplb, SGLang and TensorRT-L
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from eplb.config import EPLB_ALGORITHMS
     from eplb.simulate.options import add_input_arguments, add_schedule_arguments, add_topology_arguments
 
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
     parser.add_argument(
         "--eplb-algorithm",
-        choices=("auto", "deepseek", "deepseek_hierarchical", "scipy"),
+        choices=EPLB_ALGORITHMS,
         default="auto",
         help="placement solver (default: %(default)s)",
     )
@@ -100,12 +101,13 @@ def run(args: argparse.Namespace) -> int:
     window_WLE = past.window(window)
     if window_WLE.shape[0] == 0:
         raise ValueError("the trace has no recorded steps to plan from")
+    flags = config.eplb
     start = current or Placement.trivial(
-        trace.num_layers, trace.num_experts, config.num_gpus, config.num_redundant, config.num_nodes
+        trace.num_layers, trace.num_experts, flags.ep_size, flags.ep_num_redundant_experts, flags.nnodes
     )
-    mode = dispatch_mode(args.ep_dispatch_algorithm)
+    mode = dispatch_mode(flags.dispatch_algorithm)
     planner = SolverPlanner(
-        algorithm=args.eplb_algorithm,
+        algorithm=flags.eplb_algorithm,
         num_groups=config.num_groups,
         bytes_per_expert=config.bytes_per_expert,
         weighted=mode.needs_weights,
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     proposal = planner(window_WLE, start, past)
     placement = proposal.placement
     trace_meta = {k: v for k, v in trace.meta.items() if k != "generator"}
-    meta = {"algorithm": args.eplb_algorithm, "window_steps": int(window_WLE.shape[0]), "trace": trace_meta}
+    meta = {"algorithm": flags.eplb_algorithm, "window_steps": int(window_WLE.shape[0]), "trace": trace_meta}
     load_LE = window_WLE.sum(axis=0, dtype=np.int64)
     # Bytes only where the trace or --bytes-per-expert says them; a dump does not.
     bytes_known = args.bytes_per_expert is not None or "bytes_per_expert" in trace.meta
@@ -130,9 +132,9 @@ def run(args: argparse.Namespace) -> int:
         trtllm_balancer, trtllm_options = trtllm.write_load_balancer(
             placement, out_dir, args.trtllm_layer_offset, outputs=staged
         )
-        sglang_flags = sglang_plugin.launch_flags(placement, str(sglang), args.eplb_algorithm)
+        sglang_flags = sglang_plugin.launch_flags(placement, str(sglang), flags.eplb_algorithm)
         result: dict[str, Any] = {
-            "algorithm": args.eplb_algorithm,
+            "algorithm": flags.eplb_algorithm,
             "window_steps": int(window_WLE.shape[0]),
             "layers": placement.num_layers,
             "experts": placement.num_logical,

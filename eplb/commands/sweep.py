@@ -113,9 +113,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--algorithm none never rebalances: sweep a planner (deepseek, scipy, auto)")
     trace = load_input(args, quiet=args.disable_tqdm)
     config = simulation_config(args, trace)
-    redundant = args.redundant or redundant_candidates(
-        trace.num_experts, config.num_gpus, 2 * config.num_gpus
-    )
+    ep_size = config.eplb.ep_size
+    redundant = args.redundant or redundant_candidates(trace.num_experts, ep_size, 2 * ep_size)
     for r in redundant:
         # Each candidate is checked as a server would check it (slots must divide over the GPUs).
         simulation_config(args, trace, ep_num_redundant_experts=r)
@@ -147,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     if not to_stdout:
         print(
             f"{spec.name}, target {args.metric} balancedness {args.target}: "
-            + verdict(result, config.interval)
+            + verdict(result, config.eplb.rebalance_interval)
         )
     write_json(
         {
@@ -198,8 +197,8 @@ def _tradeoff(args: argparse.Namespace) -> int:
         continuous_algorithm=continuous.algorithm,
         dispatch=continuous.dispatch,
         periodic_intervals=args.periodic_intervals,
-        continuous_interval=base.interval,
-        continuous_window=base.window,
+        continuous_interval=base.eplb.rebalance_interval,
+        continuous_window=base.eplb.expert_distribution_recorder_buffer_size,
         budgets=args.budgets,
     )
     to_stdout = args.json_out is not None and str(args.json_out) == "-"
@@ -211,9 +210,10 @@ def _tradeoff(args: argparse.Namespace) -> int:
     rows = tradeoff(trace, settings, base, on_row=report)
     out: dict[str, object] = {"config": base.to_dict(), "rows": rows}
     if not to_stdout:
+        flags = base.eplb
         print(
-            f"{trace.num_steps} steps, EP{base.num_gpus} on {base.num_nodes} node(s), "
-            f"{base.num_redundant} redundant; scored from step {rows[0]['scored_from']}"
+            f"{trace.num_steps} steps, EP{flags.ep_size} on {flags.nnodes} node(s), "
+            f"{flags.ep_num_redundant_experts} redundant; scored from step {rows[0]['scored_from']}"
         )
         print(tradeoff_table(rows))
     if args.plots is not None:

@@ -2,13 +2,15 @@
 
 ``simulate(trace, runs, config)`` returns per-step balancedness and modeled MoE time for every
 run and for the no-balancing baseline, with every rebalance's moves and costs, under SGLang's
-periodic schedule or eplb's continuous one (``SimulationConfig.rebalance_mode``). See docs/simulate.md.
+periodic schedule or eplb's continuous one (``SimulationConfig.eplb``, the server's flags: an
+``eplb.config.EplbConfig``). See docs/simulate.md.
 """
 
 from __future__ import annotations
 
+from eplb.config import REBALANCE_MODES
 from eplb.policy.cost_model import CostModel, swap_beside_passes
-from eplb.simulate.config import REBALANCE_MODES, SimulationConfig
+from eplb.simulate.config import SimulationConfig
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.simulate.engine import rebalance_steps, simulate
 from eplb.simulate.planners import ALGORITHMS, PastView, RunSpec, parse_runs

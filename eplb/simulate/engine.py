@@ -2,9 +2,10 @@
 
 Shape legend: T steps, n steps of one chunk, W window, L layers, E logical experts, G GPUs.
 
-Schedule (SGLang's clock in both modes): a step is *recorded* (all steps, or only prefill steps
-with ``record_prefill_only``); after every ``interval``-th recorded step the planner gets the last
-``window`` recorded steps; its placement serves from the next step on (periodic) or from the pass
+Schedule (SGLang's clock in both modes, read from ``config.eplb``): a step is *recorded* (all
+steps, or only prefill steps with ``eplb_record_prefill_only``); after every
+``rebalance_interval``-th recorded step the planner gets the last ``recorder_buffer_size``
+recorded steps; its placement serves from the next step on (periodic) or from the pass
 boundary after its swap arrives (continuous, ``eplb.simulate.run_state``). The schedule does not
 depend on the algorithm, so every run is cut into the same chunks and all runs advance chunk by
 chunk, sharing the chunk's load arrays. Within a chunk each run's placement is fixed (but for the
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -48,13 +49,15 @@ def rebalance_steps(trace: Trace, config: SimulationConfig) -> np.ndarray:
     """int64 [k]: the steps from which a new plan serves (after every interval-th recorded step)."""
     recorded_T = recorded_steps_mask(trace, config)
     count_T = np.cumsum(recorded_T)
-    after = np.flatnonzero(recorded_T & (count_T % config.interval == 0))
+    after = np.flatnonzero(recorded_T & (count_T % config.eplb.rebalance_interval == 0))
     return after[after + 1 < trace.num_steps] + 1
 
 
 def recorded_steps_mask(trace: Trace, config: SimulationConfig) -> np.ndarray:
     """bool [T]: the steps the recorder counts."""
-    return trace.is_prefill_T.copy() if config.record_prefill_only else np.ones(trace.num_steps, dtype=bool)
+    if config.eplb.eplb_record_prefill_only:
+        return trace.is_prefill_T.copy()
+    return np.ones(trace.num_steps, dtype=bool)
 
 
 def plan_chunks(num_steps: int, apply_steps: np.ndarray) -> list[Chunk]:
@@ -81,14 +84,15 @@ def simulate(
     if trace.num_steps == 0:
         raise ValueError("the trace has no steps")
     L, E = trace.num_layers, trace.num_experts
-    if (E + config.num_redundant) % config.num_gpus:
-        raise ValueError(
-            f"{E} experts + {config.num_redundant} redundant = {E + config.num_redundant} slots do not "
-            f"divide evenly over --ep-size {config.num_gpus}"
-        )
+    flags = config.eplb
+    if flags.num_experts is None:
+        replace(flags, num_experts=E)  # EplbConfig checks that the slots divide over the GPUs
+    elif flags.num_experts != E:
+        raise ValueError(f"--num-experts: the flags say {flags.num_experts} experts, the trace has {E}")
+    G, N, R = flags.ep_size, flags.nnodes, flags.ep_num_redundant_experts
     fitted = initial is not None  # a given start-up placement: no unbudgeted first plan
     if initial is None:
-        initial = Placement.trivial(L, E, config.num_gpus, config.num_redundant, config.num_nodes)
+        initial = Placement.trivial(L, E, G, R, N)
     else:
         got = (
             initial.num_layers,
@@ -97,12 +101,12 @@ def simulate(
             initial.num_gpus,
             initial.num_nodes,
         )
-        want = (L, E, E + config.num_redundant, config.num_gpus, config.num_nodes)
+        want = (L, E, E + R, G, N)
         if got != want:
             raise ValueError(
                 f"the initial placement is (L, E, P, G, N) = {got}; the trace and topology need {want}"
             )
-    baseline_spec = RunSpec("none", config.default_dispatch)
+    baseline_spec = RunSpec("none", flags.dispatch_algorithm)
     specs = list(runs) if baseline_spec in runs else [*runs, baseline_spec]
     apply_steps = rebalance_steps(trace, config)
     chunks = plan_chunks(trace.num_steps, apply_steps)
@@ -111,7 +115,8 @@ def simulate(
     if config.score_from is not None:
         if config.score_from >= trace.num_steps:
             raise ValueError(
-                f"score_from {config.score_from} is not a step of the {trace.num_steps}-step trace"
+                f"--score-from {config.score_from} (SimulationConfig.score_from): not a step of the "
+                f"{trace.num_steps}-step trace (steps 0-{trace.num_steps - 1})"
             )
         scored_from = config.score_from
     recorded_T = recorded_steps_mask(trace, config)
@@ -143,7 +148,7 @@ def simulate(
     notes = []
     if not apply_steps.size:
         notes.append(
-            f"no rebalance happens: the trace records fewer than {config.interval} steps "
+            f"no rebalance happens: the trace records fewer than {flags.rebalance_interval} steps "
             "(--eplb-rebalance-num-iterations) before its end"
         )
     if trace.meta.get("chronological") is False:
@@ -180,8 +185,8 @@ def _planner_for(
     if spec.algorithm == "none":
         return None
     options = dict(config.solver_options)
-    if config.move_budget is not None:
-        options["max_moved_experts"] = config.move_budget
+    if config.eplb.max_moved_experts is not None:
+        options["max_moved_experts"] = config.eplb.max_moved_experts
     return make_planner(
         spec,
         num_groups=config.num_groups,

@@ -5,9 +5,10 @@ Flags that mean what SGLang's mean keep SGLang's names (``--ep-size``, ``--nnode
 ``--expert-distribution-recorder-buffer-size``, ``--eplb-record-prefill-only``,
 ``--eplb-min-rebalancing-utilization-threshold``, ``--ep-dispatch-algorithm``,
 ``--init-expert-location``), as do eplb's own server flags (``--eplb-rebalance-mode``,
-``--eplb-max-moved-experts``, ``--eplb-transfer-gbps``), and their combinations are checked by
-``eplb.config.EplbConfig``, so an invalid one fails with the same message a server would give.
-Continuous mode takes its defaults (interval, window, budget) from ``EplbConfig`` too. Periodic
+``--eplb-max-moved-experts``, ``--eplb-transfer-gbps``), and they become the
+``eplb.config.EplbConfig`` the simulation holds (``SimulationConfig.eplb``): their combinations are
+checked by it, so an invalid one fails with the same message a server would give, and every
+value derived from them (interval, window, budget, initial full plan, dispatch) is its. Periodic
 defaults differ from SGLang's where an offline study needs it (EP32 over 4 nodes, 32 redundant
 experts, interval 500).
 """
@@ -16,13 +17,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from eplb.config import REBALANCE_MODES, EplbConfig
 from eplb.placement.model import Placement
 from eplb.policy.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, TRANSFER_KINDS, CostModel
 from eplb.policy.schedule import SHIFT_BURST
-from eplb.simulate.config import REBALANCE_MODES, SimulationConfig
+from eplb.simulate.config import SimulationConfig
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.simulate.planners import parse_solver_options
 from eplb.traces import Trace
@@ -140,6 +143,14 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
             default=1.0,
             help="skip a rebalance when the window's balancedness is above this (default: %(default)s)",
         )
+        g.add_argument(
+            "--score-from",
+            type=int,
+            default=None,
+            metavar="N",
+            help="score every run from pass N on, so runs whose first rebalances differ compare on the "
+            "same passes (default: the first rebalance)",
+        )
     g.add_argument(
         "--expert-distribution-recorder-buffer-size",
         type=int,
@@ -232,63 +243,31 @@ def load_input(args: argparse.Namespace, quiet: bool = False) -> Trace:
 
 
 def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) -> SimulationConfig:
-    """Check the flags against ``trace`` (as a server would) and build the simulation config."""
-    from eplb.config import EplbConfig
-
-    threshold = getattr(args, "eplb_min_rebalancing_utilization_threshold", 1.0)
-    mode = getattr(args, "eplb_rebalance_mode", DEFAULT_MODE)
-    interval = getattr(args, "eplb_rebalance_num_iterations", None)
-    values: dict[str, Any] = {
-        "ep_size": args.ep_size,
-        "nnodes": args.nnodes,
-        "ep_num_redundant_experts": args.ep_num_redundant_experts,
-        "eplb_rebalance_num_iterations": (
-            DEFAULT_INTERVAL if interval is None and mode == "periodic" else interval
-        ),
-        "expert_distribution_recorder_buffer_size": args.expert_distribution_recorder_buffer_size,
-        "eplb_max_moved_experts": getattr(args, "eplb_max_moved_experts", None),
-    }
-    unknown = set(overrides) - set(values)
+    """The server's flags as an ``EplbConfig`` (checked against ``trace`` as a server would check
+    them), with the offline flags, as the simulation config; ``overrides`` replace flags by
+    ``EplbConfig`` field name."""
+    unknown = set(overrides) - {f.name for f in fields(EplbConfig)}
     if unknown:
         raise TypeError(f"unknown overrides {sorted(unknown)}")
-    values.update(overrides)
-    server = EplbConfig(
-        enable_eplb=True,
-        eplb_rebalance_mode=mode,
-        eplb_transfer_gbps=getattr(args, "eplb_transfer_gbps", None),
-        eplb_initial_full_plan=getattr(args, "eplb_initial_full_plan", True),
-        eplb_shift_burst=getattr(args, "eplb_shift_burst", SHIFT_BURST),
-        eplb_record_prefill_only=args.eplb_record_prefill_only,
-        eplb_min_rebalancing_utilization_threshold=threshold,
-        ep_dispatch_algorithm=args.ep_dispatch_algorithm,
-        num_experts=trace.num_experts,
-        **values,
-    )
-    if args.eplb_record_prefill_only and not trace.is_prefill_T.any():
+    values = {**vars(args), **overrides, "enable_eplb": True, "num_experts": trace.num_experts}
+    periodic = values.get("eplb_rebalance_mode", DEFAULT_MODE) == "periodic"
+    if periodic and values.get("eplb_rebalance_num_iterations") is None:
+        values["eplb_rebalance_num_iterations"] = DEFAULT_INTERVAL  # continuous: EplbConfig's default
+    server = EplbConfig.from_namespace(argparse.Namespace(**values))
+    if server.eplb_record_prefill_only and not trace.is_prefill_T.any():
         raise ValueError("--eplb-record-prefill-only: the trace has no prefill steps")
     bytes_per_expert = args.bytes_per_expert
     if bytes_per_expert is None:
         bytes_per_expert = int(trace.meta.get("bytes_per_expert", DEEPSEEK_V3_BYTES_PER_EXPERT))
     num_groups = args.num_groups if args.num_groups is not None else int(trace.meta.get("num_groups", 1))
     return SimulationConfig(
-        num_gpus=values["ep_size"],
-        num_nodes=values["nnodes"],
-        num_redundant=values["ep_num_redundant_experts"],
-        interval=server.rebalance_interval,
-        window=values["expert_distribution_recorder_buffer_size"],
-        rebalance_mode=mode,
-        max_moved_experts=values["eplb_max_moved_experts"],
-        transfer_gbps=server.eplb_transfer_gbps,
-        initial_full_plan=server.eplb_initial_full_plan,
-        shift_burst=server.eplb_shift_burst,
-        record_prefill_only=args.eplb_record_prefill_only,
-        utilization_threshold=threshold,
-        default_dispatch=args.ep_dispatch_algorithm,
+        eplb=server,
         bytes_per_expert=bytes_per_expert,
         num_groups=num_groups,
         seed=args.seed,
         cost=cost_model(args),
         solver_options=parse_solver_options(args.solver_option),
+        score_from=getattr(args, "score_from", None),
     )
 
 
@@ -312,22 +291,23 @@ def initial_placement(args: argparse.Namespace, trace: Trace, config: Simulation
     source = args.init_expert_location
     if source == "trivial":
         return None
+    flags = config.eplb
     if str(source).endswith(".safetensors"):
         from eplb.placement.io import load_placement
 
         placement, _ = load_placement(source)
     else:
-        placement = Placement.from_sglang(source, config.num_gpus, config.num_nodes)
+        placement = Placement.from_sglang(source, flags.ep_size, flags.nnodes)
     if (placement.num_layers, placement.num_logical, placement.num_gpus, placement.num_nodes) != (
         trace.num_layers,
         trace.num_experts,
-        config.num_gpus,
-        config.num_nodes,
-    ) or placement.num_redundant != config.num_redundant:
+        flags.ep_size,
+        flags.nnodes,
+    ) or placement.num_redundant != flags.ep_num_redundant_experts:
         raise ValueError(
             f"--init-expert-location: the placement is [L={placement.num_layers}, E={placement.num_logical}, "
             f"P={placement.num_physical}] on {placement.num_gpus} GPUs / {placement.num_nodes} nodes, but the trace "
             f"and flags need [L={trace.num_layers}, E={trace.num_experts}, "
-            f"P={trace.num_experts + config.num_redundant}] on {config.num_gpus} / {config.num_nodes}"
+            f"P={trace.num_experts + flags.ep_num_redundant_experts}] on {flags.ep_size} / {flags.nnodes}"
         )
     return placement

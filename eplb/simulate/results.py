@@ -80,7 +80,8 @@ class RunResult:
         return float(self.moe_us_T[scored_from:].sum()) * 1e-6 + float(overhead)
 
     def summary(self, baseline: RunResult, is_prefill_T: np.ndarray, scored_from: int = 0) -> dict[str, Any]:
-        """Figures over the scored steps (from ``scored_from``), compared with ``baseline``."""
+        """Figures over the scored steps (from ``scored_from``), compared with ``baseline``: every
+        count, cost and rate covers only the rebalances made within them (``scored_events``)."""
         events = self.scored_events(scored_from)
         applied = [e for e in events if e.applied]
         solve = np.array([e.solve_seconds for e in events], dtype=np.float64)
@@ -107,7 +108,7 @@ class RunResult:
             "total_seconds": total,
             "speedup_vs_none": baseline.total_seconds(scored_from) / total if total > 0 else float("nan"),
             "rebalances_applied": len(applied),
-            "rebalances_skipped": len(self.events) - len(applied),
+            "rebalances_skipped": len(events) - len(applied),
             "experts_moved": int(sum(e.experts_moved_across_gpus for e in applied)),
             "experts_moved_across_nodes": int(sum(e.experts_moved_across_nodes for e in applied)),
             "experts_moved_per_rebalance": (

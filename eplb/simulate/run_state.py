@@ -24,7 +24,7 @@ from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import PlanLike, Planner
 from eplb.policy.cost_model import swap_beside_passes
-from eplb.policy.schedule import MoveAllowance, initial_full_plan_on, is_first_plan, plan_with
+from eplb.policy.schedule import MoveAllowance, is_first_plan, plan_with
 from eplb.simulate.config import SimulationConfig
 from eplb.simulate.dispatch import DispatchMatrices, dispatch_matrices, fake_gpu_load
 from eplb.simulate.planners import PastView, RunSpec
@@ -71,7 +71,7 @@ class RunState:
         self.recorded_T = recorded_T
         self.past = PastView(trace, recorded_T)
         self.scored_from = scored_from
-        T, L, E, G = trace.num_steps, trace.num_layers, trace.num_experts, config.num_gpus
+        T, L, E, G = trace.num_steps, trace.num_layers, trace.num_experts, config.eplb.ep_size
         self.balancedness_T = np.zeros(T)
         self.moe_us_T = np.zeros(T)
         self.relative_load_LG = np.zeros((L, G))
@@ -85,9 +85,10 @@ class RunState:
         self.served_load = 0.0
         self.eval_seconds = 0.0
         self.apply_seconds = 0.0
-        budget = config.move_budget
+        flags = config.eplb
+        budget = flags.max_moved_experts
         self.allowance = (
-            MoveAllowance(budget, config.shift_burst) if config.continuous and budget is not None else None
+            MoveAllowance(budget, flags.eplb_shift_burst) if flags.continuous and budget is not None else None
         )
         """Continuous mode's move budget as a rate (eplb.policy.schedule)."""
 
@@ -111,7 +112,7 @@ class RunState:
         move allowance (0 when skipped, and for the first plan)."""
         assert self.planner is not None
         self.past.now = step
-        window_WLE = self.past.window(self.config.window_size)
+        window_WLE = self.past.window(self.config.eplb.recorder_buffer_size)
         if window_WLE.shape[0] == 0:
             self.events.append(
                 RebalanceEvent(
@@ -120,10 +121,9 @@ class RunState:
             )
             return 0.0
         window_bal = model_balancedness(window_WLE.sum(axis=0, dtype=np.float64), self.matrices)
-        if window_bal > self.config.utilization_threshold:
-            reason = (
-                f"window balancedness {window_bal:.3f} above threshold {self.config.utilization_threshold}"
-            )
+        threshold = self.config.eplb.eplb_min_rebalancing_utilization_threshold
+        if window_bal > threshold:
+            reason = f"window balancedness {window_bal:.3f} above threshold {threshold}"
             self.events.append(
                 RebalanceEvent(
                     step=step,
@@ -136,11 +136,7 @@ class RunState:
             )
             return 0.0
         started = time.perf_counter()
-        on = initial_full_plan_on(
-            continuous=self.config.continuous,
-            enabled=self.config.initial_full_plan,
-            budget=self.config.move_budget,
-        )
+        on = self.config.eplb.initial_full_plan
         first = is_first_plan(initial_full_plan=on, fitted=self.fitted)
         planner = plan_with(self.planner, initial_full_plan=on, fitted=self.fitted, allowance=self.allowance)
         proposal: PlanLike = planner(window_WLE, self.placement, self.past)
@@ -158,8 +154,8 @@ class RunState:
             return 0.0
         self.fitted = True
         diff = diff_placements(self.placement, proposal.placement, self.config.bytes_per_expert)
-        cost, gbps = self.config.cost, self.config.transfer_gbps
-        continuous = self.config.continuous
+        cost, gbps = self.config.cost, self.config.eplb.eplb_transfer_gbps
+        continuous = self.config.eplb.continuous
         link_seconds = cost.transfer_seconds(diff, gbps if continuous else None)
         self.events.append(
             replace(

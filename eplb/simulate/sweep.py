@@ -11,7 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from eplb.simulate.engine import SimulationConfig, simulate
+from eplb.simulate.config import SimulationConfig
+from eplb.simulate.engine import simulate
 from eplb.simulate.planners import RunSpec
 from eplb.traces import Trace
 
@@ -51,7 +52,7 @@ def sweep(
     metric: str = "prefill",
     on_point: Callable[[SweepPoint], None] | None = None,
 ) -> dict[str, Any]:
-    """Smallest redundant count reaching ``target`` at ``config.interval``, then the longest interval.
+    """Smallest redundant count reaching ``target`` at the flags' interval, then the longest interval.
 
     Returns ``{"redundant": int | None, "interval": int | None, "points": [SweepPoint...]}``;
     None where no candidate reaches the target (the interval sweep then uses the largest count).
@@ -61,11 +62,20 @@ def sweep(
     if not redundant or not intervals:
         raise ValueError("the sweep needs at least one redundant count and one interval")
     points: list[SweepPoint] = []
+    flags = config.eplb
 
     def measure(num_redundant: int, interval: int) -> SweepPoint:
         # Periodic windows never reach past the last rebalance; continuous ones may.
-        window = config.window if config.window is None or config.continuous else min(config.window, interval)
-        cfg = replace(config, num_redundant=num_redundant, interval=interval, window=window)
+        window = flags.expert_distribution_recorder_buffer_size
+        if window is not None and not flags.continuous:
+            window = min(window, interval)
+        point_flags = replace(
+            flags,
+            ep_num_redundant_experts=num_redundant,
+            eplb_rebalance_num_iterations=interval,
+            expert_distribution_recorder_buffer_size=window,
+        )
+        cfg = replace(config, eplb=point_flags)
         summary = simulate(trace, [run], cfg).summaries()[0]
         value = float(summary[METRICS[metric]])
         point = SweepPoint(num_redundant, interval, value, value >= target, summary)
@@ -74,7 +84,8 @@ def sweep(
             on_point(point)
         return point
 
-    best_redundant = next((r for r in sorted(redundant) if measure(r, config.interval).reached), None)
+    at = flags.rebalance_interval
+    best_redundant = next((r for r in sorted(redundant) if measure(r, at).reached), None)
     chosen = best_redundant if best_redundant is not None else max(redundant)
     longest = None
     for interval in sorted(set(intervals), reverse=True):

@@ -1,10 +1,11 @@
 """Balance and speed-up against bytes moved: periodic repacking vs continuous budgeted moves.
 
-Each setting is one run under one schedule (mode, interval, window, budget), simulated on the
-same trace and scored on the same steps (from the first rebalance of the slowest schedule), so
-the points compare: prefill balancedness and modeled MoE speed-up net of stalls and interference,
-against the bytes of expert weights moved across GPUs per 1000 passes. ``eplb sweep --tradeoff``
-prints the table and plots it (``eplb.simulate.plots.write_tradeoff_plot``).
+Each setting is one run under one schedule (mode, interval, window, budget: the schedule flags of
+an ``EplbConfig``), simulated on the same trace and scored on the same steps (``--score-from``,
+by default the first rebalance of the slowest schedule), so the points compare: prefill
+balancedness and modeled MoE speed-up net of stalls and interference, against the bytes of
+expert weights moved across GPUs per 1000 passes. ``eplb sweep --tradeoff`` prints the table and
+plots it (``eplb.simulate.plots.write_tradeoff_plot``).
 """
 
 from __future__ import annotations
@@ -31,14 +32,17 @@ class Setting:
     """One point: a run under one schedule."""
 
     label: str
+    """Its name in the table and the plot."""
     run: RunSpec
+    """The algorithm and dispatch simulated."""
     mode: str
-    """periodic | continuous."""
+    """--eplb-rebalance-mode: periodic | continuous."""
     interval: int
+    """--eplb-rebalance-num-iterations."""
     window: int | None = None
-    """Planner window in recorded passes (None: the mode's default)."""
+    """--expert-distribution-recorder-buffer-size, in recorded passes (None: the mode's default)."""
     max_moved_experts: int | None = None
-    """Budget per rebalance (None: the mode's default)."""
+    """--eplb-max-moved-experts: budget per rebalance (None: the mode's default)."""
 
 
 def default_settings(
@@ -80,40 +84,46 @@ def tradeoff(
     settings: Sequence[Setting],
     base: SimulationConfig,
     *,
-    score_from: int | None = None,
     planners: Mapping[str, Planner] | None = None,
     on_row: Callable[[dict[str, Any]], None] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per setting: the run's summary with its schedule; all scored from ``score_from``.
+    """One row per setting: the run's summary with its schedule; all scored from one step.
 
-    ``score_from`` defaults to the longest interval among ``settings`` (the slowest schedule's
-    first rebalance); ``planners`` replace built-in planners by run name, as in ``simulate``.
+    Each setting replaces the schedule flags of ``base.eplb``; every run is scored from
+    ``base.score_from``, by default the longest interval among ``settings`` (the slowest
+    schedule's first rebalance). ``planners`` replace built-in planners by run name, as in
+    ``simulate``.
     """
     if not settings:
         raise ValueError("the trade-off needs at least one setting")
-    start = max(s.interval for s in settings) if score_from is None else score_from
-    if start >= trace.num_steps:
-        raise ValueError(
-            f"scoring from step {start} leaves nothing of the {trace.num_steps}-step trace: "
-            "give more steps or shorter intervals"
-        )
+    start = base.score_from
+    if start is None:
+        start = max(s.interval for s in settings)
+        if start >= trace.num_steps:
+            raise ValueError(
+                f"scoring from step {start} (the longest interval) leaves nothing of the "
+                f"{trace.num_steps}-step trace: give more steps, shorter intervals or --score-from"
+            )
     rows = []
     for setting in settings:
-        config = replace(
-            base,
-            rebalance_mode=setting.mode,
-            interval=setting.interval,
-            window=setting.window,
-            max_moved_experts=setting.max_moved_experts,
-            score_from=start,
+        continuous = setting.mode == "continuous"
+        flags = replace(
+            base.eplb,
+            eplb_rebalance_mode=setting.mode,
+            eplb_rebalance_num_iterations=setting.interval,
+            expert_distribution_recorder_buffer_size=setting.window,
+            eplb_max_moved_experts=setting.max_moved_experts,
+            # Periodic swaps are never paced (SGLang's schedule: the transfer stalls serving).
+            eplb_transfer_gbps=base.eplb.eplb_transfer_gbps if continuous else None,
         )
+        config = replace(base, eplb=flags, score_from=start)
         result = simulate(trace, [setting.run], config, planners=planners)
         row = {
             "label": setting.label,
             "mode": setting.mode,
             "interval": setting.interval,
-            "window": config.window_size,
-            "budget": config.move_budget,
+            "window": flags.recorder_buffer_size,
+            "budget": flags.max_moved_experts,
             "scored_from": result.scored_from,
             **result.summaries()[0],
         }
