@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from eplb.policy.decision import SHIFT_BURST, initial_full_plan_on
 from eplb.policy.dispatch import dispatch_mode, dispatch_mode_names
 from eplb.policy.registry import policy_names
-from eplb.policy.schedule import SHIFT_BURST, initial_full_plan_on
 
 RECORDER_MODES = ("stat", "per_pass", "per_token")
 DISPATCH_ALGORITHMS = dispatch_mode_names(flags_only=True)
@@ -70,11 +70,11 @@ class EplbConfig:
     eplb_shift_burst: int = SHIFT_BURST
     """Continuous mode: a plan made when the window shows a domain shift may move up to this many
     rebalances' budgets at once, repaid by the following rebalances (their budgets shrink by what
-    it moved beyond one); 1: every plan within one budget (eplb.policy.schedule.MoveAllowance)."""
+    it moved beyond one); 1: every plan within one budget (eplb.policy.decision.MoveAllowance)."""
     eplb_initial_full_plan: bool = True
     """Continuous mode: the first plan since start-up moves without the move budget (it still
     must pay for its copies), unless the server started from ``--init-expert-location`` or the
-    budget is 0 (eplb.policy.schedule)."""
+    budget is 0 (eplb.policy.decision)."""
     eplb_transfer_gbps: float | None = None
     """Continuous mode: pacing cap of a swap, in GB/s per GPU (the most bytes one GPU receives);
     each pass earns its duration times the cap and a chunk goes once earned. None: unpaced."""

@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from eplb.simulate.planners import PastView
     from eplb.solver.planner import SolverPlanner
     from eplb.solver.solve import served_balancedness
+    from eplb.solver.types import SolveOptions
 
     out_dir: Path = args.out
     if out_dir.exists() and not out_dir.is_dir():
@@ -106,15 +107,14 @@ def run(args: argparse.Namespace) -> int:
         trace.num_layers, trace.num_experts, flags.ep_size, flags.ep_num_redundant_experts, flags.nnodes
     )
     mode = dispatch_mode(flags.dispatch_algorithm)
-    planner = SolverPlanner(
+    options = SolveOptions.from_mapping(
+        config.solver_options,
         algorithm=flags.eplb_algorithm,
-        num_groups=config.num_groups,
+        dispatch=mode.name,
         bytes_per_expert=config.bytes_per_expert,
-        weighted=mode.needs_weights,
-        static_dispatch=mode.static_maps,
         seed=args.seed,
-        extra_options=config.solver_options,
     )
+    planner = SolverPlanner(options=options, num_groups=config.num_groups)
     proposal = planner(window_WLE, start, past)
     placement = proposal.placement
     trace_meta = {k: v for k, v in trace.meta.items() if k != "generator"}
@@ -143,11 +143,9 @@ def run(args: argparse.Namespace) -> int:
             "nnodes": placement.num_nodes,
             # As the server will split each expert's tokens (static maps, weights or evenly).
             "balancedness_on_window": served_balancedness(
-                load_LE, placement, proposal.dispatch_weights_LER, static_dispatch=mode.static_maps
+                load_LE, placement, proposal.dispatch_weights_LER, dispatch=mode.name
             ),
-            "balancedness_on_window_before": served_balancedness(
-                load_LE, start, static_dispatch=mode.static_maps
-            ),
+            "balancedness_on_window_before": served_balancedness(load_LE, start, dispatch=mode.name),
             "solver_predicted_balancedness": proposal.predicted_balancedness,
             "solver_says_apply": proposal.apply,
             "solver_reason": proposal.reason,

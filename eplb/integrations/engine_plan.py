@@ -25,7 +25,7 @@ from eplb.placement.model import Placement
 from eplb.policy import check_policy_name
 from eplb.solver.planner import SolverPlanner
 from eplb.solver.solve import solve
-from eplb.solver.types import Topology, as_load_array
+from eplb.solver.types import SolveOptions, Topology, as_load_array
 
 SOLVER_OPTIONS_ENV = "EPLB_SOLVER_OPTIONS"
 """Environment variable: a JSON object of ``SolveOptions`` fields for the engine adapters."""
@@ -79,7 +79,9 @@ def make_planner(algorithm: str, flag: str, defaults: Mapping[str, Any] | None =
     start-up instead of at its first rebalance.
     """
     check_policy_name(algorithm, flag)
-    return SolverPlanner(algorithm=algorithm, extra_options=solver_options_from_env(defaults))
+    return SolverPlanner(
+        options=SolveOptions.from_mapping(solver_options_from_env(defaults), algorithm=algorithm)
+    )
 
 
 def engine_placement(phy2log: Any, load_LE: np.ndarray, num_gpus: int, num_nodes: int) -> Placement | None:
@@ -152,7 +154,7 @@ def plan_for_engine(
     planner = dataclasses.replace(planner, num_groups=groups)
     if current is None:
         topology = Topology(num_gpus=num_gpus, num_nodes=nodes, num_physical=num_physical, num_groups=groups)
-        fresh = solve(window_WLE, topology, None, planner.options())
+        fresh = solve(window_WLE, topology, None, planner.options)
         return EnginePlan(placement=fresh.placement, applied=True, reason=fresh.reason)
     plan = planner(window_WLE, current)
     if not plan.apply:

@@ -49,8 +49,8 @@ from eplb.placement.balance import gpu_load, model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import PlanLike, Planner
+from eplb.policy.decision import Decider
 from eplb.policy.dispatch import dispatch_mode
-from eplb.policy.schedule import MoveAllowance, is_first_plan, plan_with
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 
 __all__ = [
@@ -122,15 +122,10 @@ class EplbManager:
         )
         self._static_dispatch = dispatch_mode(config.dispatch_algorithm).static_maps
         """Static dispatch: before/after are scored with the static maps' replica shares, as the plans are."""
-        self._fitted = False
-        """A plan was applied since start-up (eplb.policy.schedule: the first one moves unbudgeted)."""
-        budget = config.max_moved_experts
-        self._allowance = (
-            MoveAllowance(budget, config.eplb_shift_burst)
-            if config.continuous and budget is not None
-            else None
-        )
-        """Continuous mode's move budget as a rate, a burst on a shift (eplb.policy.schedule)."""
+        self._decider = Decider(config, fitted=config.init_expert_location != "trivial")
+        """Every rebalance decision, as the simulator takes them (eplb.policy.decision)."""
+        self._planned_at = 0
+        """Counted pass of the rebalance in progress (its window ends there)."""
         self._executor: ThreadPoolExecutor | None = None
         self._preparer: ThreadPoolExecutor | None = None
         self._future: Future[tuple[PlanLike, float]] | None = None
@@ -219,29 +214,25 @@ class EplbManager:
         before = self._served(load_LE, self._placement, self._weights_LER)
         self._windows.append((self._passes, before))
         self.sink.on_window(logical_load_LE=load_LE, gpu_load_LG=gpu_load(load_LE, self._placement))
-        threshold = self.config.eplb_min_rebalancing_utilization_threshold
         if self.rank == 0:
             log.info(
-                "pass %d: window of %d passes, balancedness %.4f", self._passes, load_WLE.shape[0], before
+                "pass %d: window of %d passes, window balancedness %.4f",
+                self._passes,
+                load_WLE.shape[0],
+                before,
             )
-        if load_WLE.shape[0] == 0 or load_LE.sum() == 0:
-            self._finish("skipped", "the window holds no load", before, before, None, 0.0)
-            return
-        if before > threshold:
-            self._finish(
-                "skipped", f"balancedness {before:.4f} above threshold {threshold}", before, before, None, 0.0
-            )
+        self._planned_at = self._counted
+        why_not = self._decider.screen(
+            window_passes=load_WLE.shape[0], window_load=float(load_LE.sum()), window_balancedness=before
+        )
+        if why_not is not None:
+            self._finish("skipped", why_not, before, before, None, 0.0)
             return
         self._load_LE, self._before = load_LE, before
         if self.rank == 0:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb-solve")
-            planner = plan_with(
-                self._planner,
-                initial_full_plan=self.config.initial_full_plan,
-                fitted=self._fitted,
-                allowance=self._allowance,
-            )
+            planner = self._decider.planner(self._planner, counted_pass=self._counted)
             self._future = self._executor.submit(timed_plan, planner, load_WLE, self._placement)
         self._phase = "solving"
 
@@ -380,7 +371,7 @@ class EplbManager:
             return float(model_balancedness(load_LE, placement, weights_LER))
         from eplb.solver.solve import served_balancedness  # SciPy's module only where it is used
 
-        return served_balancedness(load_LE, placement, static_dispatch=True)
+        return served_balancedness(load_LE, placement, dispatch=self.config.dispatch_algorithm)
 
     def _finish(
         self,
@@ -405,11 +396,9 @@ class EplbManager:
             bytes_moved=0 if job is None else job.bytes_moved,
         )
         self._history.append(record)
-        if self._allowance is not None:
-            first = is_first_plan(initial_full_plan=self.config.initial_full_plan, fitted=self._fitted)
-            # The first plan is not counted (eplb.policy.schedule.MoveAllowance).
-            self._allowance.record(record.experts_moved if outcome == "applied" and not first else 0)
-        self._fitted = self._fitted or outcome == "applied"
+        self._decider.record(
+            counted_pass=self._planned_at, applied=outcome == "applied", copies=record.experts_moved
+        )
         self._job = None
         self._phase = "idle"
         if self.rank == 0:

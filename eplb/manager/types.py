@@ -22,7 +22,6 @@ from eplb.manager.pacing import Pacer
 from eplb.metrics.sink import MetricsSink, RebalanceOutcome
 from eplb.placement.model import Placement
 from eplb.policy.base import PlanLike, Planner
-from eplb.policy.dispatch import dispatch_mode
 
 
 class ExpertEngine(Protocol):
@@ -111,18 +110,17 @@ class SwapJob:
 
 
 def default_planner(config: EplbConfig, *, num_groups: int, bytes_per_expert: int) -> Planner:
-    """The solver the flags ask for, with the move budget (``max_moved_experts``) when there is one."""
+    """The solver the flags ask for (algorithm, dispatch mode, move budget)."""
     from eplb.solver.planner import SolverPlanner  # SciPy only where the default planner is used
+    from eplb.solver.types import SolveOptions
 
-    budget = config.max_moved_experts
-    return SolverPlanner(
+    options = SolveOptions(
         algorithm=config.eplb_algorithm,
-        num_groups=num_groups,
+        dispatch=config.dispatch_algorithm,
         bytes_per_expert=bytes_per_expert,
-        weighted=dispatch_mode(config.dispatch_algorithm).needs_weights,
-        static_dispatch=dispatch_mode(config.dispatch_algorithm).static_maps,
-        extra_options={} if budget is None else {"max_moved_experts": budget},
+        max_moved_experts=config.max_moved_experts,
     )
+    return SolverPlanner(options=options, num_groups=num_groups)
 
 
 def chunk_steps(

@@ -143,3 +143,73 @@ def swap_beside_passes(link_seconds: float, pass_us_n: np.ndarray, slowdown: flo
         return SwapProgress(len(wall_n), max(link_seconds - spent, 0.0), spent * slowdown / (1.0 + slowdown))
     # Of the link time spent beside passes, the share slowdown / (1 + slowdown) is time they lost.
     return SwapProgress(arrive + 1, 0.0, link_seconds * slowdown / (1.0 + slowdown))
+
+
+@dataclass(frozen=True)
+class PassTimes:
+    """The pass-time model on a window's passes: MoE seconds of a pass at a given balancedness."""
+
+    tokens_WL: np.ndarray
+    """float64 [W, L]: routed tokens per GPU (the layer's mean)."""
+    active_WL: np.ndarray
+    """float64 [W, L]: active expert replicas per GPU (the layer's mean)."""
+    weight_W: np.ndarray
+    """float64 [W]: each pass's weight in the mean (1 / W each)."""
+    cost: CostModel
+
+    @classmethod
+    def of(cls, load_WLE: np.ndarray, num_gpus: int, num_physical: int, cost: CostModel) -> PassTimes:
+        W, _, E = load_WLE.shape
+        tokens_WL = load_WLE.sum(axis=-1) / num_gpus
+        # Every loaded expert's replicas receive tokens; replicas spread over the GPUs.
+        active_WL = (load_WLE > 0).sum(axis=-1) * (num_physical / E) / num_gpus
+        return cls(tokens_WL, active_WL, np.full(W, 1.0 / max(W, 1)), cost)
+
+    def seconds(self, balancedness: float) -> float:
+        """Mean MoE seconds of one pass when every layer's busiest GPU carries mean / balancedness."""
+        c = self.cost
+        peak_WL = self.tokens_WL / max(balancedness, 1e-6)
+        per_WL = c.base_us + np.maximum(c.per_expert_us * self.active_WL, c.per_token_us * peak_WL)
+        return float(self.weight_W @ per_WL.sum(axis=1)) * 1e-6
+
+    def seconds_per_balancedness(self, balancedness: float) -> float:
+        """Seconds one pass saves per unit of model balancedness gained near ``balancedness``."""
+        step = 1e-3
+        low = max(balancedness - step, 1e-3)
+        high = min(low + 2 * step, 1.0)
+        return (self.seconds(low) - self.seconds(high)) / (high - low)
+
+
+@dataclass(frozen=True)
+class TransferCost:
+    """What moving a plan costs, as the simulator charges it."""
+
+    seconds: float
+    """Stall plus the time the passes lose to a swap beside them."""
+    delay_passes: int
+    """Passes served on the old placement before the new one takes over (beside the passes)."""
+
+
+def transfer_cost(
+    cost: CostModel,
+    diff: PlacementDiff,
+    *,
+    beside_passes: bool,
+    gbps: float | None,
+    horizon: int,
+    pass_seconds: float,
+) -> TransferCost:
+    """The cost of ``diff``: a stall for its whole link time (periodic), or, sent ``beside_passes``
+    at ``gbps`` during the ``horizon`` passes of ``pass_seconds`` before the next rebalance, the
+    time those passes lose to it and a stall for the part they do not cover (as
+    :func:`swap_beside_passes` charges it)."""
+    if not beside_passes:
+        return TransferCost(cost.transfer_seconds(diff, None), 0)
+    link = cost.transfer_seconds(diff, gbps)
+    slowdown = cost.interference_slowdown(gbps)
+    wall = max(pass_seconds, 1e-9) * (1.0 + slowdown)
+    delay = int(np.ceil(link / wall)) if link > 0 else 0
+    if delay <= horizon:  # it arrives beside the passes: they lose the slowdown's share of its time
+        return TransferCost(link * slowdown / (1.0 + slowdown), delay)
+    covered = horizon * wall
+    return TransferCost(covered * slowdown / (1.0 + slowdown) + (link - covered), horizon)

@@ -24,7 +24,7 @@ from typing import Any
 from eplb.config import REBALANCE_MODES, EplbConfig
 from eplb.placement.model import Placement
 from eplb.policy.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, TRANSFER_KINDS, CostModel
-from eplb.policy.schedule import SHIFT_BURST
+from eplb.policy.decision import SHIFT_BURST
 from eplb.simulate.config import SimulationConfig
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.simulate.planners import parse_solver_options

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from eplb.policy import Planner, dispatch_mode, policy_names
+from eplb.policy import Planner, policy_names
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.traces import Trace
 
@@ -117,13 +117,13 @@ def make_planner(
     if run.algorithm == "none":
         return None
     from eplb.solver.planner import SolverPlanner
+    from eplb.solver.types import SolveOptions
 
-    return SolverPlanner(
+    options = SolveOptions.from_mapping(
+        solver_options or {},
         algorithm=run.algorithm,
-        num_groups=num_groups,
+        dispatch=run.dispatch,
         bytes_per_expert=bytes_per_expert,
-        weighted=dispatch_mode(run.dispatch).needs_weights,
-        static_dispatch=dispatch_mode(run.dispatch).static_maps,
         seed=seed,
-        extra_options=dict(solver_options or {}),
     )
+    return SolverPlanner(options=options, num_groups=num_groups)

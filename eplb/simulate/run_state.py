@@ -24,7 +24,7 @@ from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import PlanLike, Planner
 from eplb.policy.cost_model import swap_beside_passes
-from eplb.policy.schedule import MoveAllowance, is_first_plan, plan_with
+from eplb.policy.decision import Decider
 from eplb.simulate.config import SimulationConfig
 from eplb.simulate.dispatch import DispatchMatrices, dispatch_matrices, fake_gpu_load
 from eplb.simulate.planners import PastView, RunSpec
@@ -63,8 +63,8 @@ class RunState:
         fitted: bool = False,
     ) -> None:
         self.spec, self.planner, self.trace, self.config = spec, planner, trace, config
-        self.fitted = fitted
-        """A plan was applied, or the run started from a given placement (eplb.policy.schedule)."""
+        self.decider = Decider(config.eplb, fitted=fitted, cost=config.cost)
+        """The run's rebalance decisions, as a server's (eplb.policy.decision)."""
         self.placement = initial
         self.weights_LER: np.ndarray | None = None
         self.matrices = dispatch_matrices(initial, spec.dispatch)
@@ -85,12 +85,8 @@ class RunState:
         self.served_load = 0.0
         self.eval_seconds = 0.0
         self.apply_seconds = 0.0
-        flags = config.eplb
-        budget = flags.max_moved_experts
-        self.allowance = (
-            MoveAllowance(budget, flags.eplb_shift_burst) if flags.continuous and budget is not None else None
-        )
-        """Continuous mode's move budget as a rate (eplb.policy.schedule)."""
+        self.counted_T = np.cumsum(recorded_T) - recorded_T
+        """int [T]: recorded steps before each step (the recorder's count of passes)."""
 
     # ---- rebalancing ----------------------------------------------------------------------------
     def rebalance(self, step: int) -> None:
@@ -103,42 +99,40 @@ class RunState:
             )
             self._switch(step)
         self._close_realized()
-        copies = self._plan(step)
-        if self.allowance is not None:
-            self.allowance.record(copies)
+        counted = int(self.counted_T[step]) if step < self.counted_T.size else int(self.recorded_T.sum())
+        copies = self._plan(step, counted)
+        self.decider.record(counted_pass=counted, applied=copies is not None, copies=copies or 0.0)
 
-    def _plan(self, step: int) -> float:
-        """Plan at ``step`` (and apply the plan if it passes); the copies that count against the
-        move allowance (0 when skipped, and for the first plan)."""
+    def _plan(self, step: int, counted: int) -> float | None:
+        """Plan at ``step`` (the ``counted``-th recorded pass) and apply the plan if it passes;
+        the expert copies across GPUs it moves (None: no plan applied)."""
         assert self.planner is not None
         self.past.now = step
         window_WLE = self.past.window(self.config.eplb.recorder_buffer_size)
-        if window_WLE.shape[0] == 0:
-            self.events.append(
-                RebalanceEvent(
-                    step=step, window_steps=0, applied=False, reason="empty window", solve_seconds=0.0
-                )
-            )
-            return 0.0
-        window_bal = model_balancedness(window_WLE.sum(axis=0, dtype=np.float64), self.matrices)
-        threshold = self.config.eplb.eplb_min_rebalancing_utilization_threshold
-        if window_bal > threshold:
-            reason = f"window balancedness {window_bal:.3f} above threshold {threshold}"
+        window_bal = (
+            model_balancedness(window_WLE.sum(axis=0, dtype=np.float64), self.matrices)
+            if window_WLE.shape[0]
+            else float("nan")
+        )
+        why_not = self.decider.screen(
+            window_passes=window_WLE.shape[0],
+            window_load=float(window_WLE.sum(dtype=np.float64)),
+            window_balancedness=window_bal,
+        )
+        if why_not is not None:
             self.events.append(
                 RebalanceEvent(
                     step=step,
                     window_steps=len(window_WLE),
                     applied=False,
-                    reason=reason,
+                    reason=why_not,
                     solve_seconds=0.0,
                     window_balancedness=window_bal,
                 )
             )
-            return 0.0
+            return None
         started = time.perf_counter()
-        on = self.config.eplb.initial_full_plan
-        first = is_first_plan(initial_full_plan=on, fitted=self.fitted)
-        planner = plan_with(self.planner, initial_full_plan=on, fitted=self.fitted, allowance=self.allowance)
+        planner = self.decider.planner(self.planner, counted_pass=counted)
         proposal: PlanLike = planner(window_WLE, self.placement, self.past)
         skipped = RebalanceEvent(
             step=step,
@@ -151,8 +145,7 @@ class RunState:
         )
         if not proposal.apply:
             self.events.append(skipped)
-            return 0.0
-        self.fitted = True
+            return None
         diff = diff_placements(self.placement, proposal.placement, self.config.bytes_per_expert)
         cost, gbps = self.config.cost, self.config.eplb.eplb_transfer_gbps
         continuous = self.config.eplb.continuous
@@ -180,7 +173,7 @@ class RunState:
         if not continuous or link_seconds == 0:
             self._switch(step)
         # Counted as the manager counts them: the plan's expert copies across GPUs.
-        return 0.0 if first else float(diff.experts_moved_across_gpus)
+        return float(diff.experts_moved_across_gpus)
 
     def _switch(self, step: int) -> None:
         """The swap in flight has arrived: its placement serves from ``step``."""

@@ -26,6 +26,7 @@ import numpy as np
 
 from eplb.placement.model import Placement
 from eplb.solver import moves
+from eplb.solver.dispatch import Dispatch
 from eplb.solver.local_search import holds_per_gpu
 from eplb.solver.types import SolveOptions
 
@@ -106,12 +107,12 @@ def budgeted_phy2log(
     current: Placement,
     budget: Budget,
     stats: dict[str, float],
-    static_nodes: int | None = None,
+    dispatch: Dispatch | None = None,
 ) -> np.ndarray:
     """int64 [L, P]: ``current`` changed by the best-paying moves within ``budget``; fills ``stats``.
 
-    ``static_nodes``: the topology's nodes when the server dispatches statically (loads follow
-    the static maps' shares, eplb.solver.static_share); None: an even split over replicas.
+    ``dispatch``: how the server splits an expert's tokens (static: the static maps' shares,
+    eplb.solver.static_share, every move checked exactly); None: an even split over replicas.
     """
     if budget.weighted <= 0 or budget.plain <= 0:
         # A budget of 0 moves nothing, not even slots refilled from a replica on the same GPU.
@@ -126,7 +127,7 @@ def budgeted_phy2log(
         current.num_gpus,
         weighted_LGE,
         plain_LGE if separate_plain else None,
-        static_nodes,
+        dispatch,
     )
     L = current.num_layers
     active_L = (scenarios_KLE.sum(axis=-1) > 0).all(axis=0) & (current.num_gpus > 1)
@@ -137,7 +138,7 @@ def budgeted_phy2log(
     slot_a_L, slot_b_L, expert_L = (np.zeros(L, dtype=np.int64) for _ in range(3))
     left_w, left_p = budget.weighted, budget.plain
     counts = {"swaps": 0, "replica_changes": 0, "rounds": 0, "undone": 0}
-    checked = state.static_nodes is not None
+    checked = state.dispatch.static
     # Static dispatch: layers whose replica change failed its check search swaps only from then on.
     swaps_only_L = np.zeros(L, dtype=bool)
     # Static dispatch: each layer's exact soft balancedness, to check every move against.

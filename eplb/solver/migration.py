@@ -2,13 +2,9 @@
 
 Shape legend: L layers, E logical experts, P physical slots, G GPUs, N nodes, S slots per GPU.
 
-Two tools:
-
-- :func:`relabel`: a fresh placement's GPUs are interchangeable, so map them onto the current GPUs
-  with ``scipy.optimize.linear_sum_assignment`` to copy the fewest experts across nodes, then
-  across GPUs, and give each expert that stays on a GPU its old slot.
-- :func:`retarget_replicas`: change the current placement's replica counts to the target counts
-  with one slot rewrite per change (the incremental path; swaps then polish, see local_search).
+:func:`relabel`: a fresh placement's GPUs are interchangeable, so map them onto the current GPUs
+with ``scipy.optimize.linear_sum_assignment`` to copy the fewest experts across nodes, then across
+GPUs, and give each expert that stays on a GPU its old slot.
 """
 
 from __future__ import annotations
@@ -91,44 +87,4 @@ def _align_slots(new_experts_S: np.ndarray, current_S: np.ndarray) -> np.ndarray
             remaining.remove(expert)
             out[slot] = expert
     out[out < 0] = remaining
-    return out
-
-
-def retarget_replicas(
-    phy2log_LP: np.ndarray, target_cnt_LE: np.ndarray, load_LE: np.ndarray, num_gpus: int
-) -> np.ndarray:
-    """int64 [L, P]: ``phy2log_LP`` rewritten in as few slots as possible to reach ``target_cnt_LE``.
-
-    An expert with surplus replicas gives up those on its busiest GPUs; experts short of replicas
-    take the freed slots, heaviest new replica first onto the least loaded GPU among the free slots.
-    """
-    L, P = phy2log_LP.shape
-    E = target_cnt_LE.shape[1]
-    S = P // num_gpus
-    out = phy2log_LP.astype(np.int64).copy()
-    layer_idx = np.arange(L)[:, None]
-    cur_cnt = np.zeros((L, E), dtype=np.int64)
-    np.add.at(cur_cnt, (np.broadcast_to(layer_idx, (L, P)), out), 1)
-    delta = target_cnt_LE - cur_cnt
-    for layer in np.flatnonzero((delta != 0).any(axis=1)):
-        row = out[layer]
-        item = load_LE[layer, row] / cur_cnt[layer, row]
-        gpu_load = item.reshape(num_gpus, S).sum(axis=1)
-        freed: list[int] = []
-        for expert in np.flatnonzero(delta[layer] < 0):
-            slots = np.flatnonzero(row == expert)
-            busiest = slots[np.argsort(-gpu_load[slots // S], kind="stable")]
-            freed.extend(busiest[: -delta[layer, expert]].tolist())
-        for slot in freed:
-            gpu_load[slot // S] -= item[slot]
-        new_cnt = target_cnt_LE[layer]
-        takers = np.repeat(np.flatnonzero(delta[layer] > 0), delta[layer][delta[layer] > 0])
-        takers = takers[np.argsort(-load_LE[layer, takers] / new_cnt[takers], kind="stable")]
-        free = np.array(freed, dtype=np.int64)
-        open_ = np.ones(free.size, dtype=bool)
-        for expert in takers:
-            choice = np.flatnonzero(open_)[np.argmin(gpu_load[free[open_] // S])]
-            row[free[choice]] = expert
-            gpu_load[free[choice] // S] += load_LE[layer, expert] / new_cnt[expert]
-            open_[choice] = False
     return out

@@ -18,12 +18,13 @@ loads as they are); the state after the move is exact, so the next proposals sta
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from eplb.solver.dispatch import Dispatch
 from eplb.solver.local_search import holds_per_gpu, swap_slots
-from eplb.solver.static_share import expert_static_shares, static_share_LP
+from eplb.solver.static_share import expert_static_shares
 
 GIVER_SLOTS = 8
 """Replica changes: candidate slots to take from, per layer (light GPUs, cheap givers first)."""
@@ -75,8 +76,9 @@ class MoveState:
     plain: CopyPrices | None
     """Plain copies; None when only the weighted count is limited (or they coincide)."""
     num_gpus: int
-    static_nodes: int | None = None
-    """Static dispatch: the topology's nodes (slot shares follow the static maps); None: even split."""
+    dispatch: Dispatch = field(default_factory=lambda: Dispatch("dynamic"))
+    """How the server splits an expert's tokens: static maps' shares (recomputed after each move
+    of a replicated expert) or an even split."""
 
     @property
     def slots_per_gpu(self) -> int:
@@ -90,11 +92,11 @@ def make_state(
     num_gpus: int,
     weighted_LGE: np.ndarray,
     plain_LGE: np.ndarray | None,
-    static_nodes: int | None = None,
+    dispatch: Dispatch | None = None,
 ) -> MoveState:
     """The search state of placement ``phy2log_LP`` with arrival costs from the plan's start.
 
-    ``static_nodes``: the topology's nodes when the server dispatches statically (None: even split).
+    ``dispatch``: how the server splits an expert's tokens (None: evenly over its replicas).
     """
     G = num_gpus
     p2l = phy2log_LP.astype(np.int64)
@@ -103,10 +105,8 @@ def make_state(
     norm_KLE = scenarios_KLE / np.where(mean_KL > 0, mean_KL, 1.0)[..., None]
     L, P = p2l.shape
     layer = np.arange(L)[:, None]
-    if static_nodes is None:
-        item_KLP = norm_KLE[:, layer, p2l] / cnt[layer, p2l]
-    else:
-        item_KLP = norm_KLE[:, layer, p2l] * static_share_LP(p2l, cnt.shape[1], G, static_nodes)
+    dispatch = dispatch or Dispatch("dynamic")
+    item_KLP = norm_KLE[:, layer, p2l] * dispatch.share_LP(p2l, cnt, G)
     gpu_KLG = item_KLP.reshape(-1, L, G, P // G).sum(axis=-1)
     holds = holds_per_gpu(p2l, G, cnt.shape[1])
     plain = None if plain_LGE is None else CopyPrices.of(plain_LGE, holds)
@@ -120,7 +120,7 @@ def make_state(
         CopyPrices.of(weighted_LGE, holds),
         plain,
         G,
-        static_nodes,
+        dispatch,
     )
 
 
@@ -187,10 +187,10 @@ def propose(
     light_lG[rows, hot_l] = np.inf
     num_partners = max(1, min(G - 1, max(4, G // 4)))
     partners_lB = np.argsort(light_lG, axis=1, kind="stable")[:, :num_partners]
-    if state.static_nodes is not None and state.static_nodes > 1:
+    if state.dispatch.static and state.dispatch.num_nodes > 1:
         # Replicated experts move only within their node here (_keeps_static_shares): add the
         # hot GPU's node's other GPUs, which need not be among the lightest of all.
-        gpn = G // state.static_nodes
+        gpn = G // state.dispatch.num_nodes
         node_lB = (hot_l // gpn)[:, None] * gpn + np.arange(gpn)
         mates_lB = np.where(node_lB == hot_l[:, None], partners_lB[:, :1], node_lB)
         partners_lB = np.concatenate([partners_lB, mates_lB], axis=1)
@@ -302,7 +302,7 @@ def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> Proposal:
         else _copy_terms(st.plain, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ).reshape(nl, -1)
     )
     ok_lSQ = ea_lS[:, :, None] != eb_lQ[:, None, :]
-    if st.static_nodes is not None:
+    if st.dispatch.static:
         ok_lSQ &= _keeps_static_shares(st, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ)
     ok_lC = ok_lSQ.reshape(nl, -1)
     slot_a_lC = np.repeat(hot_slots_lS, Q, axis=1)
@@ -326,13 +326,13 @@ def _keeps_static_shares(
     Its node's ranks still reach it there; across nodes its share would follow the new node set
     (eplb.solver.static_share), which the proposal does not price. Single replicas move freely.
     """
-    gpn = st.num_gpus // st.static_nodes if st.static_nodes else st.num_gpus
+    N = st.dispatch.num_nodes
+    gpn = st.num_gpus // N
     same_node_lQ = (gpu_lQ // gpn) == (hot_l1 // gpn)
     multi_a_lS = st.cnt_LE[lay_l1, ea_lS] > 1
     multi_b_lQ = st.cnt_LE[lay_l1, eb_lQ] > 1
     a_at_partner_lSQ = st.holds_LGE[lay_l1[:, :, None], gpu_lQ[:, None, :], ea_lS[:, :, None]] > 0
     b_at_hot_lQ = st.holds_LGE[lay_l1, hot_l1, eb_lQ] > 0
-    N = st.static_nodes or 1
     node_has_LNE = st.holds_LGE.reshape(st.holds_LGE.shape[0], N, gpn, -1).sum(axis=2) > 0
     a_to_new_node_lSQ = ~node_has_LNE[lay_l1[:, :, None], (gpu_lQ // gpn)[:, None, :], ea_lS[:, :, None]]
     b_to_new_node_lQ = ~node_has_LNE[lay_l1, hot_l1 // gpn, eb_lQ]
@@ -409,7 +409,7 @@ def apply_swap(state: MoveState, layer: int, a: int, b: int) -> None:
     ea, eb, ga, gb = swap_slots(
         state.phy2log_LP[layer], items, state.holds_LGE[layer], a, b, state.slots_per_gpu
     )
-    if state.static_nodes is not None and max(state.cnt_LE[layer, ea], state.cnt_LE[layer, eb]) > 1:
+    if state.dispatch.static and max(state.cnt_LE[layer, ea], state.cnt_LE[layer, eb]) > 1:
         _reshare(state, layer, (ea, eb))  # a replicated expert moved: its shares follow its replicas
     else:  # single replicas take all their expert's tokens wherever they sit
         delta_K = items[:, a] - items[:, b]
@@ -427,7 +427,7 @@ def apply_replica_change(state: MoveState, layer: int, slot: int, expert: int) -
     cnt = state.cnt_LE[layer]
     cnt[expert] += 1
     cnt[giver] -= 1
-    if state.static_nodes is not None:
+    if state.dispatch.static:
         _reshare(state, layer, (giver, expert))
     else:
         touched = np.flatnonzero((p2l == expert) | (p2l == giver))
@@ -447,7 +447,7 @@ def soft_balancedness(state: MoveState, layer: int, weights_K: np.ndarray) -> fl
 
 def _reshare(state: MoveState, layer: int, experts: tuple[int, int]) -> None:
     """Static dispatch: recompute the shares of ``experts`` in ``layer``, their slots' and GPUs' loads."""
-    assert state.static_nodes is not None
+    assert state.dispatch.static
     p2l = state.phy2log_LP[layer]
     E, G, S = state.cnt_LE.shape[1], state.num_gpus, state.slots_per_gpu
     for e in set(experts):
@@ -455,7 +455,7 @@ def _reshare(state: MoveState, layer: int, experts: tuple[int, int]) -> None:
         if slots.size == 1:  # a single replica takes all its expert's tokens
             state.item_KLP[:, layer, slots[0]] = state.norm_KLE[:, layer, e]
             continue
-        shares = expert_static_shares(slots.tolist(), layer * E + e, G, S, state.static_nodes)
+        shares = expert_static_shares(slots.tolist(), layer * E + e, G, S, state.dispatch.num_nodes)
         state.item_KLP[:, layer, slots] = state.norm_KLE[:, layer, e, None] * np.asarray(shares)
     state.gpu_KLG[:, layer] = state.item_KLP[:, layer].reshape(-1, G, S).sum(axis=-1)
 

@@ -34,10 +34,27 @@ class PlacementRequest:
 
 
 class Policy(Protocol):
-    """A placement algorithm that the registry (eplb.policy) can name."""
+    """A placement algorithm that the registry (eplb.policy) can name, and what it can do."""
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def migration_aware(self) -> bool:
+        """It plans from the live placement and keeps what still serves (else it repacks)."""
+        ...
+
+    @property
+    def budget_aware(self) -> bool:
+        """It searches within ``max_moved_experts`` itself (else ``solve`` keeps the whole layers
+        of its plan that pay best per copy, within the budget)."""
+        ...
+
+    @property
+    def priced(self) -> bool:
+        """Its plans pass the gate in seconds (eplb.policy.decision.gate); else they are applied
+        whenever they change something, as SGLang applies DeepSeek's."""
+        ...
 
     def prediction(self, options: SolveOptions, num_passes: int) -> str:
         """The forecast method (``sum`` | ``decay`` | ``recent`` | ``robust``) this policy plans on."""
@@ -60,6 +77,9 @@ class DeepSeekPolicy:
 
     name: str
     hierarchical: bool
+    migration_aware: bool = False
+    budget_aware: bool = False
+    priced: bool = False
 
     def prediction(self, options: SolveOptions, num_passes: int) -> str:
         # SGLang runs DeepSeek's algorithm on the plain sum of the window.
@@ -88,6 +108,9 @@ class ScipyPolicy:
     """Forecast, greedy packing refined by swap search and MILP, incremental migration-aware plans."""
 
     name: str = "scipy"
+    migration_aware: bool = True
+    budget_aware: bool = True
+    priced: bool = True
 
     def prediction(self, options: SolveOptions, num_passes: int) -> str:
         if options.prediction != "auto":

@@ -1,13 +1,17 @@
-"""``solve``: one entry point from a recorded window to a checked plan.
+"""``solve``: one entry point from a recorded window to a checked, priced plan.
 
 Shape legend: W window (passes), L layers, E logical experts, P physical slots, G GPUs, N nodes,
 R max replicas.
 
-Steps: check the input, forecast the load (eplb.solver.predict), place replicas with the chosen
-policy (eplb.policy registry) within the move budget, optionally split each expert's load over
-its replicas (eplb.solver.split); then predict what the plan and the current placement will get
-on the next window from held-out passes (eplb.solver.holdout) and decide whether the predicted
-gain pays for the transfer.
+Steps: check the input; forecast the load (eplb.solver.predict); score the current placement on
+every pass as the server dispatches (eplb.solver.dispatch) and look for a domain shift in the
+window (eplb.solver.horizon.find_shift: a shift may spend the burst budget, and calibration
+starts after it); price one expert copy in balancedness from the pass-time model
+(eplb.policy.decision.copy_price) unless ``copy_cost`` is given; place replicas with the policy
+(eplb.policy registry), within the move budget; optionally split each expert's load over its
+replicas (eplb.solver.split); predict what the plan and the current placement will get over the
+passes the plan serves (eplb.solver.horizon.calibrate); apply it when the time it saves pays for
+its transfer (eplb.policy.decision.gate).
 """
 
 from __future__ import annotations
@@ -19,19 +23,18 @@ from typing import Any
 import numpy as np
 
 from eplb.placement.balance import balancedness, slot_share_LP
-from eplb.placement.diff import PlacementDiff, diff_placements
+from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
-from eplb.solver import holdout as ho
+from eplb.policy.cost_model import PassTimes
+from eplb.policy.decision import copy_price, gate, value_horizon
 from eplb.solver.budget import budget_of, fit_layers
+from eplb.solver.dispatch import Dispatch
+from eplb.solver.horizon import Cuts, PassScores, Scored, calibrate, find_shift
 from eplb.solver.local_search import layer_scores
 from eplb.solver.policies import PlacementRequest, Policy, load_policy
 from eplb.solver.predict import Prediction, predict
 from eplb.solver.split import lp_split
-from eplb.solver.static_share import static_share_LP
 from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check_shapes
-
-MIN_SHIFT_CALIBRATION = 4
-"""Passes after a detected shift needed to calibrate the prediction on them (two blocks of two)."""
 
 
 def solve(
@@ -57,55 +60,118 @@ def solve(
     start = time.perf_counter()
     load_WLE = as_load_array(load)
     W, L, E = load_WLE.shape
+    G = topology.num_gpus
     check_shapes(L, E, topology, current)
     policy = load_policy(options.algorithm)
     method = policy.prediction(options, W)
-    stats: dict[str, float] = {}
+    dispatch = Dispatch(options.dispatch, topology.num_nodes)
+    pricing = options.pricing
+    horizon = pricing.horizon_passes or W
+    stats: dict[str, float] = {"horizon_passes": float(horizon)}
     prediction = predict(load_WLE, options, method)
-    base = None if current is None else _scored(current, None, options)
-    held = ho.holdout_size(W, options.holdout_passes)
-    blocks = ho.Blocks.of(load_WLE, held, base, topology.num_gpus) if held else None
-    options = _shift_budget(options, blocks, stats)
-    if stats.get("shift"):
-        # The held-out correction assumes the load moves on as it did between the last two
-        # hold-out blocks; across a shift it jumped once, and the correction would charge the jump
-        # again (burst plans read 0.52 against 0.79 realized on the drifting workload). Calibrate
-        # on the passes after the shift (halves of them), or not at all when they are too few.
-        assert base is not None
-        recent = min(2 * held, W)
-        after = recent - ho.shift_start(load_WLE[W - recent :], base, topology.num_gpus)
-        held = after // 2 if after >= MIN_SHIFT_CALIBRATION else 0
-        blocks = ho.Blocks.of(load_WLE, held, base, topology.num_gpus) if held else None
-        stats["passes_since_shift"] = float(after)
-    stats["holdout_passes"] = float(held)
+    passes = PassScores(load_WLE, dispatch, G)
+    times = PassTimes.of(load_WLE, G, topology.num_physical, pricing.cost)
+    base = None if current is None else _scored(current, None, dispatch)
+    base_LW = None if base is None else passes.layer_pass(base, np.arange(L), 0, W)
+    shift_at = None
+    if base_LW is not None:
+        shift = find_shift(base_LW.mean(axis=0), passes, W // 2)
+        shifted = shift is not None and shift.drop > options.shift_decline
+        stats["shift"] = float(shifted)
+        if shift is not None:
+            stats["shift_drop"] = shift.drop
+        if shifted:
+            assert shift is not None
+            # Calibrate on the passes after the jump: across it the decline would charge the
+            # jump again to the plans made after it.
+            shift_at = shift.at
+            stats["passes_since_shift"] = float(W - shift_at)
+            if options.shift_max_moved_experts is not None and options.max_moved_experts is not None:
+                options = replace(
+                    options, max_moved_experts=max(options.max_moved_experts, options.shift_max_moved_experts)
+                )
+    valued = value_horizon(horizon, policy.migration_aware)
+    level = passes.mean(base_LW.mean(axis=0), 0, W) if base_LW is not None else 1.0
+    if options.copy_cost is None:
+        price = copy_price(
+            times,
+            pricing,
+            balancedness=level,
+            num_layers=L,
+            bytes_per_expert=options.bytes_per_expert,
+            num_gpus=G,
+            num_nodes=topology.num_nodes,
+            horizon=valued,
+        )
+        options = replace(options, copy_cost=price)
+    stats["copy_price"] = float(options.copy_cost or 0.0)
+    cuts = Cuts.of(W, shift_at, options.holdout_passes)
+    stats["calibration_passes"] = 0.0 if cuts is None else float(cuts.stop - cuts.cut)
     placement, weights_LER = _plan(policy, prediction, topology, current, options, stats)
-    scored = _scored(placement, weights_LER, options, base)
-    forecast = _balancedness(prediction.point_LE, scored, topology.num_gpus)
+    scored = _scored(placement, weights_LER, dispatch, base)
+    forecast = _balancedness(prediction.point_LE, scored, G)
     stats["forecast_balancedness"] = forecast
-    if blocks is not None:
+    diff = None if current is None else diff_placements(current, placement, options.bytes_per_expert)
+    delay = (
+        0
+        if diff is None
+        else pricing.transfer(diff, horizon=horizon, pass_seconds=times.seconds(level)).delay_passes
+    )
+    if cuts is not None:
         # The older plan only calibrates: its MILP polish would change the scores by < 0.001.
         older_options = replace(options, milp_max_solves=0)
-        older_prediction = predict(load_WLE[: W - held], older_options, method)
+        older_prediction = predict(load_WLE[: cuts.cut], older_options, method)
         older, older_weights = _plan(policy, older_prediction, topology, current, older_options, {})
-        scores = ho.held_out_scores(
-            blocks,
-            scored,
-            _scored(older, older_weights, options, base),
-            base,
-            topology.num_gpus,
-        )
-        # Balancedness lies in (0, 1]; the held-out correction can step past 1 on tiny windows.
-        predicted = min(scores["predicted"], 1.0)
-        now = None if current is None else min(scores["current"], 1.0)
-        stats.update({k: v for k, v in scores.items() if k not in ("predicted", "current", "gain")})
+        older_scored = _scored(older, older_weights, dispatch, base)
+        calibrated = calibrate(passes, scored, older_scored, base, base_LW, cuts, pricing.current_age_passes)
+        stats.update(calibrated.stats())
+        predicted, now = calibrated.plan(delay, horizon), calibrated.current(delay, horizon)
+        predicted_valued, now_valued = calibrated.plan(delay, valued), calibrated.current(delay, valued)
     else:
-        predicted = forecast
-        now = None if base is None else _balancedness(prediction.point_LE, base, topology.num_gpus)
-    diff = None if current is None else diff_placements(current, placement, options.bytes_per_expert)
-    apply, reason = _decide(policy, predicted, now, current, diff, options, stats)
-    stats["solve_seconds"] = time.perf_counter() - start
+        predicted = predicted_valued = forecast
+        now = now_valued = None if base is None else _balancedness(prediction.point_LE, base, G)
     stats["algorithm_scipy"] = float(policy.name == "scipy")
     stats["prediction_robust"] = float(method == "robust")
+    if current is None or diff is None or now is None or now_valued is None:
+        apply, reason = True, "no current placement"
+    else:
+        copies = diff.experts_moved_across_gpus
+        across_nodes = diff.experts_moved_across_nodes
+        weighted = (copies - across_nodes) + options.cross_node_weight * across_nodes
+        stats.update(
+            current_balancedness=now,
+            predicted_gain=predicted - now,
+            copies_moved=float(copies),
+            weighted_copies_moved=float(weighted),
+            changed_slots=float(diff.num_changed_slots),
+        )
+        budget = budget_of(options)
+        assert weighted <= budget.weighted + 1e-6 and copies <= budget.plain, "a plan over its move budget"
+        if diff.num_changed_slots == 0 and stats.get("budget_dropped_layers", 0) > 0:
+            apply, reason = (
+                False,
+                (
+                    f"no changed layer of the {policy.name} plan fits within the budget "
+                    f"(max_moved_experts={options.max_moved_experts}, max_bytes_moved={options.max_bytes_moved})"
+                ),
+            )
+        else:
+            verdict = gate(
+                predicted=predicted,
+                current=now,
+                gain_passes=valued,
+                predicted_valued=predicted_valued,
+                current_valued=now_valued,
+                diff=diff,
+                pricing=replace(pricing, horizon_passes=horizon),
+                times=times,
+                priced=policy.priced,
+                min_gain=options.min_gain,
+            )
+            stats["saved_seconds"] = verdict.saved_seconds
+            stats["transfer_seconds"] = verdict.cost_seconds
+            apply, reason = verdict.apply, verdict.reason
+    stats["solve_seconds"] = time.perf_counter() - start
     return Plan(
         placement=placement,
         dispatch_weights_LER=weights_LER,
@@ -115,24 +181,6 @@ def solve(
         reason=reason,
         stats=stats,
     )
-
-
-def _shift_budget(options: SolveOptions, blocks: ho.Blocks | None, stats: dict[str, float]) -> SolveOptions:
-    """``options`` with ``shift_max_moved_experts`` as the move budget when the window shows a
-    domain shift: the current placement's score on the newest hold-out block fell by more than
-    ``shift_decline`` from the block before it (its decline of the held-out scores)."""
-    shift_budget = options.shift_max_moved_experts
-    if blocks is None or blocks.current_held_L is None or shift_budget is None:
-        return options
-    if options.max_moved_experts is None:
-        return options
-    decline = blocks.current_decline()
-    stats["current_decline"] = decline
-    shifted = decline > options.shift_decline
-    stats["shift"] = float(shifted)
-    if not shifted:
-        return options
-    return replace(options, max_moved_experts=max(options.max_moved_experts, shift_budget))
 
 
 def _plan(
@@ -145,14 +193,13 @@ def _plan(
 ) -> tuple[Placement, np.ndarray | None]:
     """The policy's placement for ``prediction``, cut to the move budget, and its dispatch weights."""
     phy2log_LP = policy.place(PlacementRequest(prediction, topology, current, options, stats))
-    searched_within_budget = policy.name == "scipy" and options.incremental
-    if current is not None and options.budgeted and not searched_within_budget:
+    if current is not None and options.budgeted and not (policy.budget_aware and options.incremental):
         # Plans that did not search within the budget keep the whole layers that pay best per copy.
+        dispatch = Dispatch(options.dispatch, topology.num_nodes)
         scenarios_KLE, weights_K = prediction.scenarios_KLE, prediction.scenario_weights_K
-        static_nodes = topology.num_nodes if options.static_dispatch else None
 
         def score_L(p2l_LP: np.ndarray) -> np.ndarray:
-            return layer_scores(p2l_LP, scenarios_KLE, weights_K, topology.num_gpus, static_nodes)
+            return layer_scores(p2l_LP, scenarios_KLE, weights_K, topology.num_gpus, dispatch)
 
         gain_L = score_L(phy2log_LP) - score_L(current.phy2log_LP)
         fitted_LP = fit_layers(phy2log_LP, current, gain_L, budget_of(options))
@@ -169,27 +216,23 @@ def _plan(
 def _scored(
     placement: Placement,
     weights_LER: np.ndarray | None,
-    options: SolveOptions,
-    base: ho.Scored | None = None,
-) -> ho.Scored:
+    dispatch: Dispatch,
+    base: Scored | None = None,
+) -> Scored:
     """``placement`` with the share of its expert's tokens each slot gets as the server dispatches.
 
-    ``base``: the current placement scored; static shares are computed again only for the layers
-    that differ from it.
+    ``base``: the current placement scored; shares are computed again only for the layers that
+    differ from it.
     """
     if weights_LER is not None:
-        share_LP = slot_share_LP(placement, weights_LER)
-    elif options.static_dispatch:
-        E, G, N = placement.num_logical, placement.num_gpus, placement.num_nodes
-        if base is None:
-            share_LP = static_share_LP(placement.phy2log_LP, E, G, N)
-        else:
-            changed = np.flatnonzero((placement.phy2log_LP != base.phy2log_LP).any(axis=1))
-            share_LP = base.share_LP.copy()
-            share_LP[changed] = static_share_LP(placement.phy2log_LP, E, G, N, changed)
-    else:
-        share_LP = ho.even_share_LP(placement.phy2log_LP, placement.logcnt_LE)
-    return ho.Scored(placement.phy2log_LP, share_LP)
+        return Scored(placement.phy2log_LP, slot_share_LP(placement, weights_LER))
+    p2l_LP, cnt_LE, G = placement.phy2log_LP, placement.logcnt_LE, placement.num_gpus
+    if base is None:
+        return Scored(p2l_LP, dispatch.share_LP(p2l_LP, cnt_LE, G))
+    changed = np.flatnonzero((p2l_LP != base.phy2log_LP).any(axis=1))
+    share_LP = base.share_LP.copy()
+    share_LP[changed] = dispatch.share_LP(p2l_LP, cnt_LE, G, changed)
+    return Scored(p2l_LP, share_LP)
 
 
 def served_balancedness(
@@ -197,62 +240,17 @@ def served_balancedness(
     placement: Placement,
     weights_LER: np.ndarray | None = None,
     *,
-    static_dispatch: bool = False,
+    dispatch: str = "dynamic",
 ) -> float:
     """Model balancedness of logical load [L, E] on ``placement`` as the server splits an expert's
-    tokens: by ``weights_LER`` where given, by the static maps' shares with ``static_dispatch``,
-    else evenly over its replicas (the score the solver's plans are made for; the manager reports
-    its before/after with it)."""
-    options = SolveOptions(static_dispatch=static_dispatch and weights_LER is None)
-    return _balancedness(
-        np.asarray(load_LE, dtype=np.float64), _scored(placement, weights_LER, options), placement.num_gpus
-    )
+    tokens (``dispatch``, a dispatch mode name; ``weights_LER`` where given): the score the
+    solver's plans are made for; the manager reports its before/after with it."""
+    scored = _scored(placement, weights_LER, Dispatch(dispatch, placement.num_nodes))
+    return _balancedness(np.asarray(load_LE, dtype=np.float64), scored, placement.num_gpus)
 
 
-def _balancedness(load_LE: np.ndarray, scored: ho.Scored, num_gpus: int) -> float:
+def _balancedness(load_LE: np.ndarray, scored: Scored, num_gpus: int) -> float:
     """Model balancedness of summed load [L, E] under ``scored``'s placement and shares."""
     layer_LP = np.arange(load_LE.shape[0])[:, None]
     slot_LP = load_LE[layer_LP, scored.phy2log_LP] * scored.share_LP
     return float(balancedness(slot_LP.reshape(slot_LP.shape[0], num_gpus, -1).sum(axis=-1)).mean())
-
-
-def _decide(
-    policy: Policy,
-    predicted: float,
-    now: float | None,
-    current: Placement | None,
-    diff: PlacementDiff | None,
-    options: SolveOptions,
-    stats: dict[str, float],
-) -> tuple[bool, str]:
-    """Whether to apply the plan, and why."""
-    if current is None or diff is None or now is None:
-        return True, "no current placement"
-    copies = diff.experts_moved_across_gpus
-    across_nodes = diff.experts_moved_across_nodes
-    weighted = (copies - across_nodes) + options.cross_node_weight * across_nodes
-    stats["current_balancedness"] = now
-    stats["predicted_gain"] = predicted - now
-    stats["copies_moved"] = float(copies)
-    stats["weighted_copies_moved"] = float(weighted)
-    stats["changed_slots"] = float(diff.num_changed_slots)
-    budget = budget_of(options)
-    assert weighted <= budget.weighted + 1e-6 and copies <= budget.plain, "a plan over its move budget"
-    if diff.num_changed_slots == 0:
-        if stats.get("budget_dropped_layers", 0) > 0:
-            return False, (
-                f"no changed layer of the {policy.name} plan fits within the budget "
-                f"(max_moved_experts={options.max_moved_experts}, max_bytes_moved={options.max_bytes_moved})"
-            )
-        return False, "the plan equals the current placement"
-    # copy_cost prices the transfer for the migration-aware policy only: DeepSeek's repacks move
-    # most slots every time and are applied as SGLang applies them, on min_gain alone.
-    price = options.copy_cost * weighted / current.num_layers if policy.name == "scipy" else 0.0
-    stats["transfer_price"] = price
-    gain = predicted - now
-    if gain < options.min_gain + price:
-        return False, (
-            f"predicted balancedness gain {gain:+.4f} ({now:.4f} -> {predicted:.4f}) < min_gain "
-            f"{options.min_gain} + transfer price {price:.4f} ({weighted:g} copies x copy_cost / layers)"
-        )
-    return True, f"predicted balancedness {now:.4f} -> {predicted:.4f} for {copies} expert copies"

@@ -6,6 +6,8 @@ R max replicas.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,6 +15,8 @@ import numpy as np
 
 from eplb.placement.diff import PlacementDiff
 from eplb.placement.model import Placement
+from eplb.policy.decision import Pricing
+from eplb.policy.dispatch import dispatch_mode
 from eplb.policy.registry import check_policy_name, get_policy
 
 PREDICTIONS = ("auto", "sum", "decay", "recent", "robust")
@@ -74,13 +78,11 @@ class SolveOptions:
     """recent: plan on the sum of this last fraction of the window."""
     num_scenarios: int = 4
     """robust: sub-windows of the window used as scenarios of the next window's load shape."""
-    weighted: bool = False
-    """Also return LP per-replica dispatch weights [L, E, R] (for weighted dispatch)."""
-    static_dispatch: bool = False
-    """The server dispatches statically (each rank sends an expert's tokens to the one replica its
-    map picks, eplb.placement.dispatch_map): the budgeted search and the held-out prediction score
-    placements with the shares those maps give (eplb.solver.static_share) instead of an even split
-    over replicas. Not with ``weighted``."""
+    dispatch: str = "dynamic"
+    """How the server splits an expert's tokens over its replicas (``--ep-dispatch-algorithm``,
+    eplb.solver.dispatch): ``static`` scores placements with the static maps' shares (and packs
+    fresh plans for them), ``weighted`` also returns LP per-replica weights [L, E, R], ``lp``
+    predicts with the per-batch rule; the others split evenly."""
     milp_max_solves: int = 8
     """MILP repacking (fresh scipy plans): subproblem solves for the whole model (0 disables it).
     A count, not seconds, so every rank and every run computes the same plan."""
@@ -89,9 +91,13 @@ class SolveOptions:
     only ``milp_max_solves`` limits it; a wall-clock cap makes plans depend on the machine's speed."""
     incremental: bool = True
     """scipy with ``current``: change the current placement only where it pays, instead of repacking."""
-    copy_cost: float = 0.002
-    """scipy with ``current``: predicted balancedness of its layer that one expert copy across GPUs
-    must buy (0: move freely; larger: fewer moves, see docs/benchmarks.md)."""
+    copy_cost: float | None = None
+    """scipy with ``current``: balancedness of its layer that one expert copy across GPUs must buy
+    (0: move freely). None: priced in seconds by ``pricing`` (eplb.policy.decision.copy_price: an
+    expert's transfer time against what the layer's balancedness saves over the horizon)."""
+    pricing: Pricing = field(default_factory=Pricing)
+    """The horizon the plan serves, the current placement's age and the transfer model: the
+    prediction's horizon, the copy price and the apply/skip gate (eplb.policy.decision)."""
     bytes_per_expert: int = 0
     """Bytes of one expert's weights in one layer, for byte counts and ``max_bytes_moved``."""
     max_bytes_moved: int | None = None
@@ -104,21 +110,22 @@ class SolveOptions:
     shift_max_moved_experts: int | None = None
     """Budget per plan when the window shows a domain shift (``shift_decline``), counted as
     ``max_moved_experts`` is; None: no separate budget. Continuous mode sets it from its move
-    allowance (eplb.policy.schedule.MoveAllowance), whose later budgets repay what it spends."""
+    allowance (eplb.policy.decision.MoveAllowance), whose later budgets repay what it spends."""
     shift_decline: float = 0.1
-    """A shift: the current placement's balancedness fell by more than this from the window's
-    older hold-out block to its newest (the held-out scores, eplb.solver.holdout). Drift moves it
-    by at most 0.03 per 50 passes on the presets; the shifts there by 0.2-0.3."""
+    """A shift: the current placement's load-weighted balancedness fell by more than this from
+    the passes just before some pass to those from it (eplb.solver.horizon.find_shift, blocks of
+    up to 25 passes, in the newer half of the window). Drift moves it by a few hundredths per
+    block on the presets; the shifts there by 0.2-0.3."""
     cross_node_weight: float = 1.0
-    """What one expert copy across nodes counts against ``max_moved_experts`` (and in the transfer
-    price of the apply/skip gate): the slower link's cost relative to a copy inside a node."""
+    """What one expert copy across nodes counts against ``max_moved_experts``: the slower link's
+    cost relative to a copy inside a node."""
     holdout_passes: int | None = None
-    """Passes held out at the end of the window to calibrate the prediction: the plan made without
-    them is scored on them (see eplb.solver.holdout). None: a quarter of the window; 0 (or a
-    window of one pass): score on the forecast itself (optimistic)."""
-    min_gain: float = 0.002
-    """Skip (apply=False) when the predicted model balancedness gain over ``current`` is below this
-    (plus, for scipy, the transfer's price: ``copy_cost`` per weighted copy, per layer)."""
+    """Passes after the older plan's cut that calibrate the prediction (eplb.solver.horizon). None:
+    half of the passes since the last domain shift in the window (of the whole window without
+    one); 0 (or a window of one pass): score the forecast itself (optimistic)."""
+    min_gain: float = 0.0
+    """Skip (apply=False) a priced policy's plan whose predicted balancedness gain over ``current``
+    is below this, whatever it saves (0: only the gate in seconds decides)."""
     seed: int = 0
     """Seed for randomised steps. Every algorithm here is deterministic today, so the same input
     gives the same plan whatever the seed; the field keeps callers stable if one is added."""
@@ -151,16 +158,28 @@ class SolveOptions:
             raise ValueError(f"cross_node_weight must be finite and > 0, got {self.cross_node_weight}")
         if self.holdout_passes is not None and self.holdout_passes < 0:
             raise ValueError(f"holdout_passes must be None or >= 0, got {self.holdout_passes}")
-        if not self.copy_cost >= 0:
-            raise ValueError(f"copy_cost must be >= 0, got {self.copy_cost}")
+        if self.copy_cost is not None and not self.copy_cost >= 0:
+            raise ValueError(f"copy_cost must be None or >= 0, got {self.copy_cost}")
         if self.bytes_per_expert < 0:
             raise ValueError(f"bytes_per_expert must be >= 0, got {self.bytes_per_expert}")
         if self.max_bytes_moved is not None and (self.max_bytes_moved < 0 or self.bytes_per_expert <= 0):
             raise ValueError("max_bytes_moved needs bytes_per_expert > 0 and must be >= 0")
-        if self.static_dispatch and self.weighted:
-            raise ValueError("static_dispatch and weighted exclude each other: a server dispatches one way")
+        dispatch_mode(self.dispatch)  # ValueError listing the modes
         if not np.isfinite(self.min_gain):
             raise ValueError(f"min_gain must be finite, got {self.min_gain}")
+
+    @classmethod
+    def from_mapping(cls, fields: Mapping[str, Any], **given: Any) -> SolveOptions:
+        """Options from string-keyed ``fields`` (``EPLB_SOLVER_OPTIONS``, ``--solver-option``) over
+        ``given``; an unknown field or a bad value raises ValueError naming it."""
+        known = {f.name for f in dataclasses.fields(cls)} - {"pricing"}
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise ValueError(f"solver option: unknown field(s) {unknown}; choose from {sorted(known)}")
+        try:
+            return cls(**{**given, **dict(fields)})
+        except TypeError as exc:
+            raise ValueError(f"solver option: {exc}") from None
 
     def resolved_prediction(self, algorithm: str, num_passes: int) -> str:
         """The forecast ``prediction`` stands for with policy ``algorithm`` and a window of ``num_passes``."""
@@ -172,6 +191,11 @@ class SolveOptions:
         if self.max_bytes_moved is None:
             return None
         return self.max_bytes_moved // self.bytes_per_expert
+
+    @property
+    def weighted(self) -> bool:
+        """Whether plans carry per-replica dispatch weights (``weighted`` dispatch)."""
+        return dispatch_mode(self.dispatch).needs_weights
 
     @property
     def budgeted(self) -> bool:
@@ -190,22 +214,24 @@ class Plan:
     diff: PlacementDiff | None
     """The transfer from ``current`` (None without one)."""
     predicted_balancedness: float
-    """What ``placement`` will get on the next window: the mean over its passes (weighted by load)
-    of the model balancedness, predicted from held-out passes (eplb.solver.holdout); on a window of
-    one pass (or ``holdout_passes=0``), the balancedness of the forecast load under ``placement``."""
+    """What ``placement`` will get over the passes it serves (``pricing.horizon_passes``): the mean
+    over them (weighted by load) of the model balancedness as the server dispatches, calibrated on
+    the window (eplb.solver.horizon); on a window too short to calibrate (or ``holdout_passes=0``),
+    its per-pass balancedness on the newest passes it was fitted to."""
     apply: bool
-    """False when the predicted gain does not pay for the transfer (keep ``current``)."""
+    """False when the modeled time the plan saves does not pay for its transfer (keep ``current``;
+    eplb.policy.decision.gate)."""
     reason: str
     """Why the plan is applied or skipped, in words."""
     stats: dict[str, float] = field(default_factory=dict)
     """Numbers about the solve. Always: solve_seconds, algorithm_scipy (1.0 or 0.0),
-    forecast_balancedness (the plan scored on the load it was fitted to), holdout_passes. With
-    current: current_balancedness (predicted, under current), predicted_gain (predicted_balancedness
-    minus current_balancedness), transfer_price, copies_moved, weighted_copies_moved, changed_slots.
-    Held out: held_plan, held_older, tail_older (raw scores, see eplb.solver.holdout). scipy:
-    fresh_swaps, milp_improved_layers / milp_solves / milp_seconds; incremental also retarget_copies,
-    swaps, fresh_layers (layers where the fresh plan won); budgeted: budget_swaps,
-    budget_replica_changes, budget_rounds."""
+    forecast_balancedness (the plan scored on the load it was fitted to), calibration_passes,
+    horizon_passes, copy_price. With current: current_balancedness (predicted over the horizon,
+    under current), predicted_gain, saved_seconds and transfer_seconds (the gate's), copies_moved,
+    weighted_copies_moved, changed_slots, shift / shift_drop / passes_since_shift. Calibrated:
+    decline_level, decline_slope, plan_recent, older_recent, current_recent (eplb.solver.horizon).
+    scipy: fresh_swaps, milp_improved_layers / milp_solves / milp_seconds, fresh_layers (layers
+    where the fresh plan won); searched: budget_swaps, budget_replica_changes, budget_rounds."""
 
 
 def as_load_array(load: Any) -> np.ndarray:
