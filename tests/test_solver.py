@@ -13,6 +13,7 @@ from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import policy_names
 from eplb.solver import PREDICTIONS, Plan, SolveOptions, Topology, solve
+from tests.helpers.horizon_reference import horizon_reference
 
 ALGORITHMS = policy_names()
 
@@ -33,25 +34,6 @@ def _loads(rng: np.random.Generator, W: int, L: int, E: int) -> dict[str, np.nda
         "zeros": np.zeros((W, L, E)),
         "one expert takes everything": one_hot,
     }
-
-
-def _pass_score(load_WLE: np.ndarray, placement: Placement, weights: np.ndarray | None) -> float:
-    """Mean over passes of the model balancedness, each pass weighted by its total load."""
-    per_pass = [float(model_balancedness(p, placement, weights)) for p in load_WLE]
-    total = load_WLE.sum(axis=(1, 2))
-    return float(np.average(per_pass, weights=total if total.sum() > 0 else None))
-
-
-def _held_out_reference(load_WLE: np.ndarray, topology: Topology, options: SolveOptions, plan: Plan) -> float:
-    """The plan's score on the newest quarter, less the decline of the plan made without it (no MILP)."""
-    W = load_WLE.shape[0]
-    held = max(W // 4, 1)
-    older = solve(load_WLE[: W - held], topology, None, replace(options, holdout_passes=0, milp_max_solves=0))
-    tail, newest = load_WLE[max(W - 2 * held, 0) : W - held], load_WLE[W - held :]
-    decline = _pass_score(tail, older.placement, older.dispatch_weights_LER) - _pass_score(
-        newest, older.placement, older.dispatch_weights_LER
-    )
-    return min(_pass_score(newest, plan.placement, plan.dispatch_weights_LER) - decline, 1.0)
 
 
 def _check_plan(plan: Plan, load_LE: np.ndarray, topology: Topology, E: int) -> None:
@@ -83,8 +65,8 @@ def test_every_plan_validates(topology: Topology, algorithm: str) -> None:
     rng = np.random.default_rng(topology.num_physical)
     E = 16
     for name, load in _loads(rng, 6, 3, E).items():
-        for weighted in (False, True):
-            options = SolveOptions(algorithm=algorithm, weighted=weighted, milp_max_solves=2)
+        for dispatch in ("dynamic", "weighted"):
+            options = SolveOptions(algorithm=algorithm, dispatch=dispatch, milp_max_solves=2)
             plan = solve(load, topology, None, options)
             # The deepseek planners plan on the plain sum; scipy on the forecast.
             forecast = load.sum(axis=0) if algorithm.startswith("deepseek") else None
@@ -92,8 +74,8 @@ def test_every_plan_validates(topology: Topology, algorithm: str) -> None:
                 _check_plan(plan, forecast, topology, E)
             else:
                 plan.placement.validate()
-            # Calibrated: scored on held-out passes (float32 products inside solve).
-            reference = _held_out_reference(np.asarray(load, dtype=np.float64), topology, options, plan)
+            # Calibrated on the window's newer half (float32 products inside solve).
+            reference = horizon_reference(np.asarray(load, dtype=np.float64), topology, options, plan)
             assert plan.predicted_balancedness == pytest.approx(reference, abs=1e-5), name
             assert plan.apply and plan.diff is None
 
@@ -105,7 +87,7 @@ def test_plans_validate_for_every_prediction_with_current(prediction: str) -> No
     load = rng.lognormal(0.0, 1.0, size=(20, 3, 32))
     current = Placement.trivial(3, 32, 8, 8, num_nodes=2)
     plan = solve(
-        load, topology, current, SolveOptions(prediction=prediction, weighted=True, bytes_per_expert=10)
+        load, topology, current, SolveOptions(prediction=prediction, dispatch="weighted", bytes_per_expert=10)
     )
     plan.placement.validate()
     assert plan.diff is not None
@@ -130,7 +112,7 @@ def test_aggregated_and_window_input_agree_for_sum() -> None:
 def test_all_zero_load_gives_a_valid_placement() -> None:
     topology = Topology(num_gpus=4, num_nodes=2, num_physical=24, num_groups=2)
     for algorithm in ALGORITHMS:
-        plan = solve(np.zeros((2, 16)), topology, None, SolveOptions(algorithm=algorithm, weighted=True))
+        plan = solve(np.zeros((2, 16)), topology, None, SolveOptions(algorithm=algorithm, dispatch="weighted"))
         plan.placement.validate()
         assert plan.predicted_balancedness == 1.0
 

@@ -20,16 +20,13 @@ gate agree on what pays. Every input is a count every rank agrees on: the ranks 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import numpy as np
 
+from eplb.config import SHIFT_BURST, EplbConfig
 from eplb.placement.diff import PlacementDiff
 from eplb.policy.base import Planner
 from eplb.policy.cost_model import CostModel, PassTimes, TransferCost, transfer_cost
-
-if TYPE_CHECKING:
-    from eplb.config import EplbConfig
 
 PERSISTENCE_PASSES = 1000
 """Passes a migration-aware plan's moves are valued over, when the interval is shorter: the next
@@ -140,8 +137,6 @@ def gate(
     predicted: float,
     current: float,
     gain_passes: int,
-    predicted_valued: float,
-    current_valued: float,
     diff: PlacementDiff,
     pricing: Pricing,
     times: PassTimes,
@@ -151,25 +146,22 @@ def gate(
     """Apply or skip, by the net modeled seconds (``priced``) or whenever it changes something.
 
     ``predicted`` and ``current``: the calibrated predictions (eplb.solver.horizon) of the plan
-    and of the current placement over the next ``pricing.horizon_passes``, for the reason line;
-    ``predicted_valued`` and ``current_valued``: the same over the ``gain_passes`` the gain is
-    counted over (:func:`value_horizon`). The plan saves what the pass-time model gives for that
-    difference over those passes, less the passes served on the old placement while its swap
+    and of the current placement over the next ``pricing.horizon_passes``. The plan saves what
+    the pass-time model gives for that difference on each of the ``gain_passes`` it is counted
+    over (:func:`value_horizon`), less the passes served on the old placement while its swap
     runs beside them. An unpriced policy (DeepSeek's, applied as SGLang applies it) is applied
     whenever it changes something.
     """
     gain = predicted - current
     if diff.num_changed_slots == 0:
         return Verdict(False, "the plan equals the current placement", 0.0, 0.0)
-    pass_s = times.seconds(current_valued)
-    move = pricing.transfer(diff, horizon=pricing.horizon_passes or 1, pass_seconds=pass_s)
+    move = pricing.transfer(diff, horizon=pricing.horizon_passes or 1, pass_seconds=times.pass_seconds(current))
     served = max(gain_passes - move.delay_passes, 0)
-    saved = served * (pass_s - times.seconds(predicted_valued))
-    horizon = pricing.horizon_passes
+    saved = served * (times.token_seconds(current) - times.token_seconds(predicted))
     words = (
-        f"predicted next {horizon} passes {current:.4f} -> {predicted:.4f} ({gain:+.4f}); over {gain_passes} "
-        f"passes it saves {saved * 1e3:.1f} ms of MoE time, moving {diff.experts_moved_across_gpus} expert "
-        f"copies costs {move.seconds * 1e3:.1f} ms"
+        f"predicted next {pricing.horizon_passes} passes {current:.4f} -> {predicted:.4f} ({gain:+.4f}); "
+        f"over {served} passes it saves {saved * 1e3:.1f} ms of MoE time, moving "
+        f"{diff.experts_moved_across_gpus} expert copies costs {move.seconds * 1e3:.1f} ms"
     )
     if not priced:
         return Verdict(True, words + " (the policy's plans are applied unpriced)", saved, move.seconds)
@@ -181,24 +173,6 @@ def gate(
 
 
 # ---- when to plan, the first plan, the move allowance --------------------------------------------
-
-SHIFT_BURST = 8
-"""Default of ``--eplb-shift-burst``: a domain shift may spend up to 8 rebalances' budgets at once."""
-
-
-def initial_full_plan_on(*, continuous: bool, enabled: bool, budget: int | None) -> bool:
-    """Whether the first plan since start-up moves without the budget: continuous mode,
-    ``--eplb-initial-full-plan``, and a move budget above 0 (a budget of 0 means nothing moves,
-    the first plan included).
-
-    A server starts on a placement nobody fitted to its load (SGLang's trivial one, unless
-    ``--init-expert-location`` gives one). Budgeted plans then need dozens of rebalances to get
-    anywhere good, and the placement they reach is worse than one unbudgeted plan gives (on the
-    deepseek-v3 preset at EP32, 0.873 against 0.881 prefill balancedness over passes 1000-3999,
-    docs/benchmarks.md, "Continuous rebalancing"); the gate still judges that plan.
-    """
-    return continuous and enabled and budget is not None and budget > 0
-
 
 class MoveAllowance:
     """Continuous mode's move budget as a rate: ``rate`` copies per rebalance on average.
@@ -258,7 +232,7 @@ class Decider:
 
     @property
     def first_plan(self) -> bool:
-        """Whether the next plan is the unbudgeted first one (:func:`initial_full_plan_on`)."""
+        """Whether the next plan is the unbudgeted first one (eplb.config.initial_full_plan_on)."""
         return self.config.initial_full_plan and not self.fitted
 
     def screen(self, *, window_passes: int, window_load: float, window_balancedness: float) -> str | None:
@@ -284,15 +258,17 @@ class Decider:
         )
 
     def planner(self, base: Planner, *, counted_pass: int) -> Planner:
-        """The planner of the rebalance at ``counted_pass``: ``base`` without its move budget for
-        the first plan (its ``for_unfitted_placement``), else with the allowance's budgets (its
-        ``with_move_budget``), and with this rebalance's :class:`Pricing` (its ``with_pricing``).
-        Planners without those methods are used as they are."""
+        """The planner of the rebalance at ``counted_pass``: from a placement nobody fitted, a
+        fresh plan (``base``'s ``for_unfitted_placement``, without the move budget for the first
+        plan of :attr:`first_plan`); else with the allowance's budgets (its ``with_move_budget``);
+        and with this rebalance's :class:`Pricing` (its ``with_pricing``). Planners without those
+        methods are used as they are."""
         planner = base
-        if self.first_plan:
-            drop = getattr(planner, "for_unfitted_placement", None)
-            planner = planner if drop is None else drop()
-        elif self.allowance is not None:
+        if not self.fitted:
+            fresh = getattr(planner, "for_unfitted_placement", None)
+            if fresh is not None:
+                planner = fresh(drop_budget=self.first_plan)
+        if not self.first_plan and self.allowance is not None:
             set_budget = getattr(planner, "with_move_budget", None)
             if set_budget is not None:
                 allowance = self.allowance

@@ -21,10 +21,9 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from eplb.config import REBALANCE_MODES, EplbConfig
+from eplb.config import REBALANCE_MODES, SHIFT_BURST, EplbConfig
 from eplb.placement.model import Placement
 from eplb.policy.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, TRANSFER_KINDS, CostModel
-from eplb.policy.decision import SHIFT_BURST
 from eplb.simulate.config import SimulationConfig
 from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.simulate.planners import parse_solver_options

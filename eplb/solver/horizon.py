@@ -106,43 +106,42 @@ class PassScores:
 
 @dataclass(frozen=True)
 class Shift:
-    """The largest jump of the current placement's score in the newer half of the window."""
+    """A jump of the current placement's score in the newer half of the window."""
 
     at: int
-    """Pass index (in the window) of the first pass after the jump."""
+    """Pass index (in the window) where it jumped most: the split of the last half of the window
+    that maximises the difference of the load-weighted mean scores before it and from it."""
     drop: float
-    """Load-weighted mean score over the passes before it minus over those from it (blocks of
-    up to :data:`SHIFT_BLOCK` passes on each side)."""
+    """The load-weighted mean score on the window's third quarter minus that on its last quarter
+    (negative: it rose, the placement was refitted after a shift)."""
 
 
-SHIFT_BLOCK = 50
-"""Passes on each side of a candidate shift (fewer where the window has fewer). Drift moves a
-fitted placement's score by about 0.03 over 50 passes on the presets, a shift by 0.2-0.3; a
-shorter block lets the noise of a few large passes read as a jump."""
-SHIFT_AFTER = 8
-"""Fewest passes after a candidate shift: a jump seen on fewer may be noise."""
+def find_shift(score_W: np.ndarray, passes: PassScores) -> Shift | None:
+    """The current placement's score change between the window's last two quarters, and where in
+    them it jumped most; None for a window of fewer than 4 passes.
 
-
-def find_shift(score_W: np.ndarray, passes: PassScores, search_from: int) -> Shift | None:
-    """The split in [search_from, W - SHIFT_AFTER] where ``score_W`` drops most between the
-    blocks of passes before and after it; None for a window too short to tell."""
+    A domain shift is a jump: drift moves a placement's score by a few hundredths per quarter of
+    the window on the presets, a shift by 0.2-0.3 (down for a placement fitted before it, up for
+    one refitted after it). Two fixed blocks tell the two apart (scanning every split for the
+    largest jump reads the noise of a few large passes as a jump); the scan only places the jump
+    once the blocks show one.
+    """
     W = score_W.size
-    block = max(SHIFT_AFTER, min(W // 4, SHIFT_BLOCK))
-    cw = np.concatenate([[0.0], np.cumsum(passes.weight_W)])
-    cs = np.concatenate([[0.0], np.cumsum(passes.weight_W * score_W)])
-    t_n = np.arange(max(search_from, 2), W - SHIFT_AFTER + 1)
-    if t_n.size == 0:
+    quarter = W // 4
+    if quarter < 1:
         return None
-    a_n, b_n = np.maximum(t_n - block, 0), np.minimum(t_n + block, W)
-    before_n, after_n = cw[t_n] - cw[a_n], cw[b_n] - cw[t_n]
-    ok_n = (before_n > 0) & (after_n > 0)
-    if not ok_n.any():
-        return None
-    with np.errstate(invalid="ignore", divide="ignore"):
-        drop_n = (cs[t_n] - cs[a_n]) / before_n - (cs[b_n] - cs[t_n]) / after_n
-    drop_n = np.where(ok_n, drop_n, -np.inf)
-    best = int(np.argmax(drop_n))
-    return Shift(int(t_n[best]), float(drop_n[best]))
+    w_W = np.maximum(passes.weight_W, 1e-300)
+    tail = slice(W - 2 * quarter, W - quarter)
+    held = slice(W - quarter, W)
+    drop = float(
+        (w_W[tail] @ score_W[tail]) / w_W[tail].sum() - (w_W[held] @ score_W[held]) / w_W[held].sum()
+    )
+    start = W - 2 * quarter
+    w_n, s_n = w_W[start:], w_W[start:] * score_W[start:]
+    before_w, before_s = np.cumsum(w_n)[:-1], np.cumsum(s_n)[:-1]
+    after_w, after_s = w_n.sum() - before_w, s_n.sum() - before_s
+    jump_n = (before_s / before_w - after_s / after_w) * np.sign(drop)
+    return Shift(start + int(np.argmax(jump_n)) + 1, drop)
 
 
 RECENT_PASSES = 32
@@ -231,9 +230,10 @@ class Calibrated:
     current_age: int | None
 
     def plan(self, delay: int, horizon: int) -> float:
-        """The plan's mean score over lags [delay, delay + horizon) after the window."""
+        """The plan's mean score over lags [delay, delay + horizon) after the window: no better than
+        on the newest passes, which it was fitted to."""
         level = self.decline.level + (self.plan_recent - self.older_recent)
-        return min(level + self.decline.mean_drop(delay, horizon), 1.0)
+        return min(level + self.decline.mean_drop(delay, horizon), self.plan_recent, 1.0)
 
     def current(self, delay: int, horizon: int) -> float | None:
         """The current placement's mean score over the same passes (it ages on from its age)."""

@@ -28,15 +28,17 @@ class SolverPlanner:
     num_groups: int = 1
     """Expert groups, for the hierarchical policy."""
 
-    def for_unfitted_placement(self) -> SolverPlanner:
-        """This planner with no move budget (``max_moved_experts``, ``max_bytes_moved``,
-        ``shift_max_moved_experts``): the first plan from a placement nobody fitted
-        (eplb.policy.decision). The budget exists to keep a fitted placement's traffic small;
-        from an unfitted one every layer gains far more than its copies cost, and the gate in
-        seconds still decides whether it pays."""
-        options = replace(
-            self.options, max_moved_experts=None, max_bytes_moved=None, shift_max_moved_experts=None
-        )
+    def for_unfitted_placement(self, *, drop_budget: bool = True) -> SolverPlanner:
+        """This planner for a placement nobody fitted (eplb.policy.decision): a fresh plan where
+        it beats the current layer (``incremental=False``: a search from an unfitted placement
+        fits the forecast's noise, the fresh packing its structure; on the deepseek-v3 preset in
+        continuous mode the first plan then reaches 0.90 prefill balancedness against 0.87-0.88
+        when searched), with no noise price, and with ``drop_budget`` no move budget either
+        (``max_moved_experts``, ``max_bytes_moved``, ``shift_max_moved_experts``): both exist to
+        keep a fitted placement's traffic small, and the gate in seconds still decides."""
+        options = replace(self.options, incremental=False, noise_price_passes=0.0)
+        if drop_budget:
+            options = replace(options, max_moved_experts=None, max_bytes_moved=None, shift_max_moved_experts=None)
         return replace(self, options=options)
 
     def with_move_budget(self, budget: int, shift_budget: int | None) -> SolverPlanner:

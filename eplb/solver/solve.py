@@ -37,6 +37,10 @@ from eplb.solver.split import lp_split
 from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check_shapes
 
 
+NOISE_HORIZON_FLOOR = 50
+"""Passes below which the noise price stops growing (continuous mode's default interval)."""
+
+
 def solve(
     load: Any,
     topology: Topology,
@@ -75,21 +79,21 @@ def solve(
     base_LW = None if base is None else passes.layer_pass(base, np.arange(L), 0, W)
     shift_at = None
     if base_LW is not None:
-        shift = find_shift(base_LW.mean(axis=0), passes, W // 2)
-        shifted = shift is not None and shift.drop > options.shift_decline
-        stats["shift"] = float(shifted)
+        shift = find_shift(base_LW.mean(axis=0), passes)
         if shift is not None:
             stats["shift_drop"] = shift.drop
-        if shifted:
-            assert shift is not None
-            # Calibrate on the passes after the jump: across it the decline would charge the
-            # jump again to the plans made after it.
-            shift_at = shift.at
-            stats["passes_since_shift"] = float(W - shift_at)
-            if options.shift_max_moved_experts is not None and options.max_moved_experts is not None:
-                options = replace(
-                    options, max_moved_experts=max(options.max_moved_experts, options.shift_max_moved_experts)
-                )
+            if abs(shift.drop) > options.shift_decline:
+                # A jump (down: a shift the placement has not seen; up: one it was refitted
+                # after): calibrate on the passes after it, across it the decline would charge
+                # the jump to the plans made after it.
+                shift_at = shift.at
+                stats["passes_since_shift"] = float(W - shift_at)
+        shifted = shift is not None and shift.drop > options.shift_decline
+        stats["shift"] = float(shifted)
+        if shifted and options.shift_max_moved_experts is not None and options.max_moved_experts is not None:
+            options = replace(
+                options, max_moved_experts=max(options.max_moved_experts, options.shift_max_moved_experts)
+            )
     valued = value_horizon(horizon, policy.migration_aware)
     level = passes.mean(base_LW.mean(axis=0), 0, W) if base_LW is not None else 1.0
     if options.copy_cost is None:
@@ -103,7 +107,8 @@ def solve(
             num_nodes=topology.num_nodes,
             horizon=valued,
         )
-        options = replace(options, copy_cost=price)
+        noise = options.noise_price_passes / max(horizon, NOISE_HORIZON_FLOOR)
+        options = replace(options, copy_cost=max(price, noise))
     stats["copy_price"] = float(options.copy_cost or 0.0)
     cuts = Cuts.of(W, shift_at, options.holdout_passes)
     stats["calibration_passes"] = 0.0 if cuts is None else float(cuts.stop - cuts.cut)
@@ -115,7 +120,7 @@ def solve(
     delay = (
         0
         if diff is None
-        else pricing.transfer(diff, horizon=horizon, pass_seconds=times.seconds(level)).delay_passes
+        else pricing.transfer(diff, horizon=horizon, pass_seconds=times.pass_seconds(level)).delay_passes
     )
     if cuts is not None:
         # The older plan only calibrates: its MILP polish would change the scores by < 0.001.
@@ -126,13 +131,12 @@ def solve(
         calibrated = calibrate(passes, scored, older_scored, base, base_LW, cuts, pricing.current_age_passes)
         stats.update(calibrated.stats())
         predicted, now = calibrated.plan(delay, horizon), calibrated.current(delay, horizon)
-        predicted_valued, now_valued = calibrated.plan(delay, valued), calibrated.current(delay, valued)
     else:
-        predicted = predicted_valued = forecast
-        now = now_valued = None if base is None else _balancedness(prediction.point_LE, base, G)
+        predicted = forecast
+        now = None if base is None else _balancedness(prediction.point_LE, base, G)
     stats["algorithm_scipy"] = float(policy.name == "scipy")
     stats["prediction_robust"] = float(method == "robust")
-    if current is None or diff is None or now is None or now_valued is None:
+    if current is None or diff is None or now is None:
         apply, reason = True, "no current placement"
     else:
         copies = diff.experts_moved_across_gpus
@@ -160,8 +164,6 @@ def solve(
                 predicted=predicted,
                 current=now,
                 gain_passes=valued,
-                predicted_valued=predicted_valued,
-                current_valued=now_valued,
                 diff=diff,
                 pricing=replace(pricing, horizon_passes=horizon),
                 times=times,

@@ -95,6 +95,14 @@ class SolveOptions:
     """scipy with ``current``: balancedness of its layer that one expert copy across GPUs must buy
     (0: move freely). None: priced in seconds by ``pricing`` (eplb.policy.decision.copy_price: an
     expert's transfer time against what the layer's balancedness saves over the horizon)."""
+    noise_price_passes: float = 0.1
+    """With ``copy_cost`` None, a move must pay for its copies in seconds and also beat the noise of
+    the forecast it was found on (a decayed window of about a dozen passes): at least this many
+    balancedness-passes per copy, divided by the horizon (at least 50 passes). A move that chases
+    noise is moved back at a later rebalance. At continuous mode's 50 passes that is 0.002 per
+    copy, the price the budgeted search was tuned with (deepseek-v3 EP32: 0.877 prefill
+    balancedness, against 0.863 with the price in seconds alone); 0.0005 at 200 passes. The first
+    plan from an unfitted placement drops it (its gains are far above any noise)."""
     pricing: Pricing = field(default_factory=Pricing)
     """The horizon the plan serves, the current placement's age and the transfer model: the
     prediction's horizon, the copy price and the apply/skip gate (eplb.policy.decision)."""
@@ -158,6 +166,8 @@ class SolveOptions:
             raise ValueError(f"cross_node_weight must be finite and > 0, got {self.cross_node_weight}")
         if self.holdout_passes is not None and self.holdout_passes < 0:
             raise ValueError(f"holdout_passes must be None or >= 0, got {self.holdout_passes}")
+        if not (np.isfinite(self.noise_price_passes) and self.noise_price_passes >= 0):
+            raise ValueError(f"noise_price_passes must be finite and >= 0, got {self.noise_price_passes}")
         if self.copy_cost is not None and not self.copy_cost >= 0:
             raise ValueError(f"copy_cost must be None or >= 0, got {self.copy_cost}")
         if self.bytes_per_expert < 0:
