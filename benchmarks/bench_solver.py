@@ -241,7 +241,7 @@ def run_continuous(args: argparse.Namespace) -> list[dict[str, Any]]:
                 max_moved_experts=args.budget,
                 bytes_per_expert=preset.bytes_per_expert,
                 holdout_passes=args.holdout_passes,
-                static_dispatch=args.static_dispatch,
+                dispatch="static" if args.static_dispatch else "dynamic",
             )
 
             def served(load_nLE: np.ndarray, placement: Placement) -> np.ndarray:

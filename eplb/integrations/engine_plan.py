@@ -7,7 +7,8 @@ vLLM and SGLang run their EPLB planner on every rank and trust each rank to reac
 so everything here is a function of its inputs: no clocks, no randomness (the solver's budgets
 are counts). Engine maps arrive as int64 torch tensors and may hold -1 for a slot that holds
 nothing (vLLM's elastic EP); :func:`engine_placement` turns one into a :class:`Placement` the
-solver can plan from, and :func:`plan_for_engine` runs one :class:`SolverPlanner`.
+solver can plan from, :func:`plan_for_engine` runs one :class:`SolverPlanner`, and
+:class:`EngineDecisions` keeps a process's rebalance decisions (eplb.policy.decision).
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from typing import Any
 
 import numpy as np
 
+from eplb.config import EplbConfig
+from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
-from eplb.policy import check_policy_name
+from eplb.policy import Planner, check_policy_name
+from eplb.policy.decision import Decider
 from eplb.solver.planner import SolverPlanner
 from eplb.solver.solve import solve
 from eplb.solver.types import SolveOptions, Topology, as_load_array
@@ -121,6 +125,52 @@ def engine_placement(phy2log: Any, load_LE: np.ndarray, num_gpus: int, num_nodes
         return None
 
 
+class EngineDecisions:
+    """One engine process's rebalance decisions for one model shape (eplb.policy.decision).
+
+    The engine calls its planner on every rank with the same inputs, so a :class:`Decider` kept
+    per process decides alike on every rank: the first plan from an unfitted placement is a
+    fresh one, later plans are migration-aware and priced, and the current placement's age
+    counts in the engine's passes (``passes_per_rebalance`` per call: SGLang's window; for vLLM,
+    whose policy sees one summed window per call, one).
+    """
+
+    def __init__(self, *, num_gpus: int, num_nodes: int, passes_per_rebalance: int) -> None:
+        config = EplbConfig(
+            ep_size=max(num_gpus, 1),
+            nnodes=num_nodes if num_nodes >= 1 and num_gpus % num_nodes == 0 else 1,
+            eplb_rebalance_num_iterations=max(passes_per_rebalance, 1),
+        )
+        self.decider = Decider(config)
+        self.counted = 0
+        """Passes counted so far (one call's window each)."""
+
+    def rebalance(
+        self,
+        window: Any,
+        *,
+        num_physical: int,
+        num_gpus: int,
+        num_nodes: int,
+        num_groups: int | None,
+        planner: SolverPlanner,
+        current: Placement | None,
+    ) -> EnginePlan:
+        """One rebalance (:func:`plan_for_engine`) with this process's decisions."""
+        self.counted += self.decider.config.rebalance_interval
+        return plan_for_engine(
+            window,
+            num_physical=num_physical,
+            num_gpus=num_gpus,
+            num_nodes=num_nodes,
+            num_groups=num_groups,
+            planner=planner,
+            current=current,
+            decider=self.decider,
+            counted_pass=self.counted,
+        )
+
+
 def plan_for_engine(
     window: Any,
     *,
@@ -130,13 +180,16 @@ def plan_for_engine(
     num_groups: int | None,
     planner: SolverPlanner,
     current: Placement | None,
+    decider: Decider | None = None,
+    counted_pass: int = 0,
 ) -> EnginePlan:
     """Plan from ``window`` ([W, L, E] or [L, E]) on the engine's topology.
 
     Nodes that do not divide the GPUs count as one node (vLLM does the same). With ``current``
     the plan is migration-aware and may keep ``current`` (``applied=False``) when moving does not
     pay; without one it is a fresh plan. A window with no load keeps ``current`` (or the trivial
-    placement): there is nothing to plan from.
+    placement): there is nothing to plan from. With a ``decider`` (:class:`EngineDecisions`), the
+    rebalance at ``counted_pass`` goes through it (first plan, pricing, what it moved).
     """
     window_WLE = as_load_array(window)
     _, L, E = window_WLE.shape
@@ -155,8 +208,14 @@ def plan_for_engine(
     if current is None:
         topology = Topology(num_gpus=num_gpus, num_nodes=nodes, num_physical=num_physical, num_groups=groups)
         fresh = solve(window_WLE, topology, None, planner.options)
+        if decider is not None:
+            decider.record(counted_pass=counted_pass, applied=True, copies=0.0)
         return EnginePlan(placement=fresh.placement, applied=True, reason=fresh.reason)
-    plan = planner(window_WLE, current)
+    chosen: Planner = planner if decider is None else decider.planner(planner, counted_pass=counted_pass)
+    plan = chosen(window_WLE, current)
+    if decider is not None:
+        moved = diff_placements(current, plan.placement).experts_moved_across_gpus if plan.apply else 0
+        decider.record(counted_pass=counted_pass, applied=plan.apply, copies=float(moved))
     if not plan.apply:
         return EnginePlan(placement=current, applied=False, reason=plan.reason)
     return EnginePlan(placement=plan.placement, applied=True, reason=plan.reason)

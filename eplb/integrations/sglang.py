@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eplb.integrations.engine_plan import EnginePlan, engine_placement, make_planner, plan_for_engine
+from eplb.integrations.engine_plan import EngineDecisions, EnginePlan, engine_placement, make_planner
 from eplb.policy import check_policy_name, policy_names, resolve_policy_name
 
 if TYPE_CHECKING:
@@ -101,6 +101,9 @@ def sglang_algorithm_name(eplb_name: str) -> str:
 
 
 _PLANNERS: dict[str, SolverPlanner] = {}
+_DECISIONS: dict[tuple[Any, ...], EngineDecisions] = {}
+"""Per algorithm and model shape: this process's rebalance decisions (eplb.policy.decision);
+SGLang passes a window of its ``--expert-distribution-recorder-buffer-size`` passes per call."""
 
 
 def _planner(name: str) -> SolverPlanner:
@@ -141,7 +144,14 @@ def rebalance_with_eplb(
     current: Placement | None = None
     if live is not None:
         current = engine_placement(live, window.sum(axis=0), num_gpus, nodes)
-    plan: EnginePlan = plan_for_engine(
+    key = (algorithm.name, *window.shape[1:], num_physical_experts, num_gpus, nodes)
+    decisions = _DECISIONS.get(key)
+    if decisions is None or decisions.decider.config.rebalance_interval != window.shape[0]:
+        # A window of another length (SGLang's buffer size changed) starts the count afresh.
+        decisions = _DECISIONS[key] = EngineDecisions(
+            num_gpus=num_gpus, num_nodes=nodes, passes_per_rebalance=window.shape[0]
+        )
+    plan: EnginePlan = decisions.rebalance(
         window,
         num_physical=num_physical_experts,
         num_gpus=num_gpus,

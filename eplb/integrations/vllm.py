@@ -26,12 +26,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from eplb.integrations.engine_plan import (
-    EnginePlan,
-    engine_placement,
-    make_planner,
-    plan_for_engine,
-)
+from eplb.integrations.engine_plan import EngineDecisions, EnginePlan, engine_placement, make_planner
 from eplb.policy import check_policy_name
 from eplb.solver.planner import SolverPlanner
 from eplb.traces.window_log import WindowLogs
@@ -106,6 +101,8 @@ class EplbVllmPolicy:
     last_plan: ClassVar[EnginePlan | None] = None
     """The most recent plan, for logs and checks."""
     _history: ClassVar[dict[tuple[int, ...], list[np.ndarray]]] = {}
+    _decisions: ClassVar[dict[tuple[int, ...], EngineDecisions]] = {}
+    """Per model shape: the rebalance decisions (eplb.policy.decision), one window per call."""
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     @classmethod
@@ -122,6 +119,7 @@ class EplbVllmPolicy:
         """Forget every kept window (a fresh process's state)."""
         with cls._lock:
             cls._history.clear()
+            cls._decisions.clear()
             cls.last_plan = None
 
     @classmethod
@@ -149,12 +147,15 @@ class EplbVllmPolicy:
                 del kept[: -cls.history_windows]
                 _WINDOWS.record(load_LE)  # with EPLB_VLLM_DUMP_DIR set (eplb.traces.window_log)
             window_HLE = np.stack(kept) if kept else load_LE[None]
+            decisions = cls._decisions.setdefault(
+                key, EngineDecisions(num_gpus=num_ranks, num_nodes=num_nodes, passes_per_rebalance=1)
+            )
         planner = cls.planner or make_planner(cls.algorithm, POLICY_ENV, SOLVER_DEFAULTS)
         nodes = num_nodes if num_nodes >= 1 and num_ranks % num_nodes == 0 else 1
         current = None
         if old_global_expert_indices is not None:
             current = engine_placement(old_global_expert_indices, window_HLE.sum(axis=0), num_ranks, nodes)
-        plan = plan_for_engine(
+        plan = decisions.rebalance(
             window_HLE,
             num_physical=num_replicas,
             num_gpus=num_ranks,

@@ -59,7 +59,7 @@ def budget_of(options: SolveOptions) -> Budget:
         weighted=weighted,
         plain=plain,
         cross_node_weight=options.cross_node_weight,
-        copy_cost=options.copy_cost,
+        copy_cost=options.copy_cost or 0.0,
     )
 
 
