@@ -68,18 +68,37 @@ class Dispatch:
         return 1.0 / np.take_along_axis(cnt_LE[rows], p2l_lP, axis=1).astype(np.float64)
 
     def gpu_load(
-        self, load_lnE: np.ndarray, phy2log_lP: np.ndarray, share_lP: np.ndarray, num_gpus: int
+        self,
+        load_lnE: np.ndarray,
+        phy2log_lP: np.ndarray,
+        share_lP: np.ndarray,
+        num_gpus: int,
+        batch_n: np.ndarray | None = None,
     ) -> np.ndarray:
         """float32 [l, n, G]: the GPU loads of passes ``load_lnE`` (float32 [l, n, E]) on the rows
-        ``phy2log_lP`` with slot shares ``share_lP`` (``lp``: the per-batch rule instead)."""
-        nl, E = phy2log_lP.shape[0], load_lnE.shape[2]
-        if self.per_batch:
-            return _lp_gpu_load(load_lnE, phy2log_lP, num_gpus, self.num_nodes)
-        gpu_P = np.arange(phy2log_lP.shape[1]) // (phy2log_lP.shape[1] // num_gpus)
-        flat = ((np.arange(nl)[:, None] * E + phy2log_lP) * num_gpus + gpu_P).ravel()
-        share_lEG = np.bincount(flat, share_lP.ravel(), minlength=nl * E * num_gpus)
-        # float32 products are exact enough for a score and several times faster than a gather.
-        return np.matmul(load_lnE, share_lEG.reshape(nl, E, num_gpus).astype(np.float32))
+        ``phy2log_lP`` with slot shares ``share_lP``; ``lp``: the per-batch rule on the passes
+        ``batch_n`` (bool [n], default all) picks, the mean shares on the others."""
+        if self.per_batch and (batch_n is None or batch_n.any()):
+            rule_n = np.ones(load_lnE.shape[1], dtype=bool) if batch_n is None else batch_n
+            out = _share_load(load_lnE, phy2log_lP, share_lP, num_gpus) if not rule_n.all() else None
+            ruled = _lp_gpu_load(load_lnE[:, rule_n], phy2log_lP, num_gpus, self.num_nodes)
+            if out is None:
+                return ruled
+            out[:, rule_n] = ruled
+            return out
+        return _share_load(load_lnE, phy2log_lP, share_lP, num_gpus)
+
+
+def _share_load(
+    load_lnE: np.ndarray, phy2log_lP: np.ndarray, share_lP: np.ndarray, num_gpus: int
+) -> np.ndarray:
+    """float32 [l, n, G]: GPU loads with each slot carrying its expert's load times its share."""
+    nl, E = phy2log_lP.shape[0], load_lnE.shape[2]
+    gpu_P = np.arange(phy2log_lP.shape[1]) // (phy2log_lP.shape[1] // num_gpus)
+    flat = ((np.arange(nl)[:, None] * E + phy2log_lP) * num_gpus + gpu_P).ravel()
+    share_lEG = np.bincount(flat, share_lP.ravel(), minlength=nl * E * num_gpus)
+    # float32 products are exact enough for a score and several times faster than a gather.
+    return np.matmul(load_lnE, share_lEG.reshape(nl, E, num_gpus).astype(np.float32))
 
 
 def _lp_gpu_load(load_lnE: np.ndarray, phy2log_lP: np.ndarray, num_gpus: int, num_nodes: int) -> np.ndarray:

@@ -37,6 +37,9 @@ and extrapolated to all of it, over plans not hit by a domain shift on the prese
 workloads (deepseek-v3 EP32, windows and horizons of 200 and 1000 passes): power 0.3 predicts the
 horizon's mean within 0.002-0.012 on average, a square root within 0.005-0.022 (it keeps falling
 where the drift's correlation time caps the decline), a straight line within 0.009-0.053."""
+BATCH_RULE_SHARE = 0.5
+"""Passes carrying at least this fraction of the mean pass load are scored with a per-batch
+dispatch rule (``lp``); on the presets that keeps the prefill passes (about 95% of the load)."""
 MIN_CALIBRATION = 4
 """Fewest passes a calibration needs: two blocks of two."""
 
@@ -63,6 +66,10 @@ class PassScores:
         """float64 [W]: each pass's share of the window's load."""
         self.dispatch = dispatch
         self.num_gpus = num_gpus
+        self.batch_W = self.weight_W >= BATCH_RULE_SHARE / max(self.weight_W.size, 1)
+        """bool [W]: passes scored with a per-batch rule (``lp``); the others, small passes that
+        weigh little in a load-weighted mean, with the mean shares (the rule costs about 10 ms a
+        pass at DeepSeek-V3's shape)."""
 
     @property
     def num_passes(self) -> int:
