@@ -83,7 +83,7 @@ def test_solver_options_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     assert solver_options_from_env({"copy_cost": 0.01}) == {"copy_cost": 0.01}
     monkeypatch.setenv(SOLVER_OPTIONS_ENV, '{"copy_cost": 0.02, "min_gain": 0.01}')
     assert solver_options_from_env({"copy_cost": 0.01}) == {"copy_cost": 0.02, "min_gain": 0.01}
-    assert make_planner("scipy", "flag").options().min_gain == 0.01
+    assert make_planner("scipy", "flag").options.min_gain == 0.01
     for bad, message in (("[1]", "JSON object"), ("{", "not JSON"), ('{"bogus": 1}', "bogus")):
         monkeypatch.setenv(SOLVER_OPTIONS_ENV, bad)
         with pytest.raises(ValueError, match=message):

@@ -16,7 +16,7 @@ import pytest
 from eplb.integrations.sglang import PREFIX, launch_flags, route_algorithm, sglang_algorithm_name
 from eplb.placement.balance import model_balancedness
 from eplb.placement.model import Placement
-from tests.helpers.engine_checks import E, G, L, P
+from tests.helpers.engine_checks import E, G, L, P, drift_scores
 
 
 def _placement(triple: list[Any]) -> Placement:
@@ -100,3 +100,14 @@ def test_names_and_flags() -> None:
     for text in flags.values():
         assert "--ep-size 4 --ep-num-redundant-experts 4 --init-expert-location plan/init.json" in text
         assert "--nnodes 2" in text
+
+
+def test_drifting_plans_balance_the_next_window_at_least_as_well_as_sglangs(
+    sglang_checks: dict[str, Any],
+) -> None:
+    """Each plan, made from one window of passes through SGLang's own wrapped function, scored on
+    the next window (an even split over replicas), over three drifting inputs: eplb's mean is at
+    least SGLang's deepseek's, and it moves fewer expert copies."""
+    ours, theirs = drift_scores(sglang_checks["drift"])
+    assert ours["next_window"] >= theirs["next_window"], (ours, theirs)
+    assert ours["copies"] < theirs["copies"], (ours, theirs)

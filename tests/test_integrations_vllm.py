@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from eplb.integrations.vllm import (
+    DEFAULT_HISTORY,
     HISTORY_ENV,
     POLICY_ENV,
     history_from_env,
@@ -20,7 +21,7 @@ from eplb.integrations.vllm import (
 )
 from eplb.placement.balance import model_balancedness
 from eplb.placement.model import Placement
-from tests.helpers.engine_checks import G, L, P
+from tests.helpers.engine_checks import G, L, P, drift_scores
 
 
 def _placement(phy2log: list[list[int]]) -> Placement:
@@ -62,7 +63,7 @@ def test_history_gives_every_rank_the_same_plans(vllm_checks: dict[str, Any]) ->
     assert first == second
     for plan in first:
         _placement(plan)
-    assert vllm_checks["history_kept"] == 4  # EPLB_VLLM_HISTORY's default
+    assert vllm_checks["history_kept"] == DEFAULT_HISTORY  # EPLB_VLLM_HISTORY's default
 
 
 def test_env_parsing() -> None:
@@ -72,9 +73,19 @@ def test_env_parsing() -> None:
     assert requested_algorithm({POLICY_ENV: "scipy"}) == "scipy"
     with pytest.raises(ValueError, match=POLICY_ENV):
         requested_algorithm({POLICY_ENV: "magic"})
-    assert history_from_env({}) == 4 and history_from_env({HISTORY_ENV: "2"}) == 2
+    assert history_from_env({}) == DEFAULT_HISTORY and history_from_env({HISTORY_ENV: "2"}) == 2
     for bad in ("0", "two"):
         with pytest.raises(ValueError, match=HISTORY_ENV):
             history_from_env({HISTORY_ENV: bad})
     assert launch_flags(32).startswith(f"{POLICY_ENV}=1 vllm serve")
     assert "--enable-eplb" in launch_flags(32) and '"num_redundant_experts": 32' in launch_flags(32)
+
+
+def test_drifting_plans_balance_the_next_window_as_well_as_vllms(vllm_checks: dict[str, Any]) -> None:
+    """Each plan, made from one summed window through vLLM's policy table, scored on the next
+    window (an even split over replicas), over three drifting inputs: eplb's mean is within 0.005
+    of vLLM's default (the same DeepSeek packing of the same window: a summed window leaves no
+    recency to exploit), and it moves fewer expert copies."""
+    ours, theirs = drift_scores(vllm_checks["drift"])
+    assert ours["next_window"] >= theirs["next_window"] - 0.005, (ours, theirs)
+    assert ours["copies"] < theirs["copies"], (ours, theirs)

@@ -76,15 +76,28 @@ def solver_options_from_env(defaults: Mapping[str, Any] | None = None) -> dict[s
     return {**merged, **user}
 
 
+ENGINE_DEFAULTS: dict[str, Any] = {"copy_cost": 0.0}
+"""Solver options every adapter starts from. An engine's planner is not told what an expert's
+weights weigh, so eplb cannot price a copy in seconds there; with ``copy_cost`` 0 it plans as
+balanced as it can from the live placement, keeping every expert it cannot improve on (on the
+tests' drifting input through vLLM's and SGLang's own code it moves about 60% of the copies their
+DeepSeek repack moves; with the former price of 0.002 a copy, about 25%, at 0.005-0.01 less
+balancedness on the next window). ``EPLB_SOLVER_OPTIONS`` overrides it, e.g.
+``{"bytes_per_expert": 44040192}`` to price copies in seconds, or ``{"copy_cost": 0.002}``."""
+
+
 def make_planner(algorithm: str, flag: str, defaults: Mapping[str, Any] | None = None) -> SolverPlanner:
-    """The planner an adapter runs: ``algorithm`` with the options of ``EPLB_SOLVER_OPTIONS``.
+    """The planner an adapter runs: ``algorithm`` with :data:`ENGINE_DEFAULTS`, then ``defaults``,
+    then the options of ``EPLB_SOLVER_OPTIONS``.
 
     Unknown algorithms or options raise ValueError naming ``flag``, so a typo stops the engine at
     start-up instead of at its first rebalance.
     """
     check_policy_name(algorithm, flag)
     return SolverPlanner(
-        options=SolveOptions.from_mapping(solver_options_from_env(defaults), algorithm=algorithm)
+        options=SolveOptions.from_mapping(
+            solver_options_from_env({**ENGINE_DEFAULTS, **(defaults or {})}), algorithm=algorithm
+        )
     )
 
 

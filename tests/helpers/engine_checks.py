@@ -31,6 +31,54 @@ def skewed_load(seed: int, steps: int = 1) -> np.ndarray:
     return out
 
 
+DRIFT_WINDOWS, DRIFT_PASSES, DRIFT_SEEDS = 14, 40, (5, 6, 7)
+"""Drifting input: windows of passes, each window a rebalance (the tests score plan t on window t+1)."""
+
+
+def drifting_load(seed: int) -> np.ndarray:
+    """int64 [windows, passes, L, E]: log-normal popularity whose log drifts pass by pass (an AR(1)
+    walk keeping 0.97 of itself per window, 0.2 of innovation per window), with the experts'
+    ranks shuffled midway (a domain shift); every pass routes 6000 tokens' choices."""
+    rng = np.random.default_rng(seed)
+    base_LE = 1.1 * rng.standard_normal((L, E))
+    drift_LE = np.zeros((L, E))
+    keep, step = 0.97 ** (1 / DRIFT_PASSES), 0.2 / np.sqrt(DRIFT_PASSES)
+    out = np.empty((DRIFT_WINDOWS, DRIFT_PASSES, L, E), dtype=np.int64)
+    for w in range(DRIFT_WINDOWS):
+        if w == DRIFT_WINDOWS // 2:
+            base_LE = base_LE[:, rng.permutation(E)]
+        for n in range(DRIFT_PASSES):
+            drift_LE = keep * drift_LE + step * rng.standard_normal((L, E))
+            p_LE = np.exp(base_LE + drift_LE)
+            for layer in range(L):
+                out[w, n, layer] = rng.multinomial(6000, p_LE[layer] / p_LE[layer].sum())
+    return out
+
+
+def drift_scores(cases: list[dict[str, Any]]) -> tuple[dict[str, float], dict[str, float]]:
+    """(eplb, engine): mean next-window model balancedness of each plan (an even split) over the
+    drifting cases, and the expert copies across GPUs their plans moved in all."""
+    from eplb.placement.balance import model_balancedness
+    from eplb.placement.diff import diff_placements
+    from eplb.placement.model import Placement
+
+    out = []
+    for side in ("eplb", "engine"):
+        scores, copies = [], 0
+        for case in cases:
+            load_WLE = np.asarray(case["load"], dtype=np.float64)
+            maps = [Placement.from_phy2log(np.asarray(m), G) for m in case[side]]
+            start = Placement.from_phy2log(trivial_map().numpy(), G)
+            for t, placement in enumerate(maps):
+                copies += diff_placements(
+                    start if t == 0 else maps[t - 1], placement
+                ).experts_moved_across_gpus
+                if t + 1 < len(maps):
+                    scores.append(float(model_balancedness(load_WLE[t + 1], placement)))
+        out.append({"next_window": float(np.mean(scores)), "copies": float(copies)})
+    return out[0], out[1]
+
+
 def trivial_map() -> torch.Tensor:
     return torch.arange(P, dtype=torch.int64).remainder(E).expand(L, P).contiguous()
 
@@ -94,6 +142,21 @@ def vllm_checks() -> dict[str, Any]:
         runs.append(plans)
     out["history_runs"] = runs
     out["history_kept"] = len(next(iter(policy._history.values())))
+
+    # Drifting load, one summed window per rebalance: each policy from its own live map.
+    out["drift"] = []
+    for seed in DRIFT_SEEDS:
+        policy.reset()
+        drift = drifting_load(seed)
+        ours, theirs = trivial_map(), trivial_map()
+        case: dict[str, Any] = {"eplb": [], "engine": [], "load": drift.sum(axis=1).tolist()}
+        for window in drift:
+            weight = torch.from_numpy(window.sum(axis=0))
+            ours = policy.rebalance_experts(weight, P, GROUPS, 1, G, ours)
+            theirs = DefaultEplbPolicy.rebalance_experts(weight, P, GROUPS, 1, G, theirs)
+            case["eplb"].append(ours.tolist())
+            case["engine"].append(theirs.tolist())
+        out["drift"].append(case)
     return out
 
 
@@ -110,7 +173,11 @@ def sglang_checks() -> dict[str, Any]:
     import sglang.srt.plugins as plugins
     from sglang.srt.eplb import eplb_algorithms as algorithms
     from sglang.srt.eplb.eplb_algorithms import deepseek
-    from sglang.srt.eplb.expert_location import ExpertLocationMetadata, set_global_expert_location_metadata
+    from sglang.srt.eplb.expert_location import (
+        ExpertLocationMetadata,
+        get_global_expert_location_metadata,
+        set_global_expert_location_metadata,
+    )
     from sglang.srt.eplb.expert_location_dispatch import ExpertLocationDispatchInfo
 
     out: dict[str, Any] = {}
@@ -132,6 +199,7 @@ def sglang_checks() -> dict[str, Any]:
     plugins.load_plugins()
     out["fused_replaced"] = fused_module.eplb_map_and_record_fused is not sglang_fused
 
+    from eplb.integrations import sglang as plugin
     from eplb.integrations.sglang import EplbSolverAlgorithm
 
     choices = {name: algorithms.compute_algorithm(name, GROUPS, 1) for name in
@@ -176,6 +244,26 @@ def sglang_checks() -> dict[str, Any]:
     set_global_expert_location_metadata(metadata)
     out["live_kept"] = [t.tolist() for t in algorithms.rebalance_experts(**kwargs, algorithm=scipy_choice)]
 
+    # Drifting load, one window of passes per rebalance, through SGLang's wrapped function: eplb
+    # from the live placement SGLang holds (its own last plan), SGLang's deepseek from scratch.
+    out["drift"] = []
+    for seed in DRIFT_SEEDS:
+        drift = drifting_load(seed)
+        case = {"eplb": [], "engine": [], "load": drift.sum(axis=1).tolist()}
+        live = trivial_map()
+        plugin._DECISIONS.clear()  # a fresh server process per input
+        for window in drift:
+            # As SGLang installs a plan: the global metadata (set once above) updated in place.
+            get_global_expert_location_metadata().update(
+                _metadata(ExpertLocationMetadata, live), update_layer_ids=list(range(L))
+            )
+            step = dict(kwargs, tokens_per_expert=torch.from_numpy(window))
+            live = algorithms.rebalance_experts(**step, algorithm=scipy_choice)[0]
+            theirs = algorithms.rebalance_experts(**step, algorithm=algorithms.EplbAlgorithm.deepseek)[0]
+            case["eplb"].append(live.tolist())
+            case["engine"].append(theirs.tolist())
+        out["drift"].append(case)
+
     out["fused"] = fused_cases(
         fused_module.eplb_map_and_record_fused, sglang_fused, ExpertLocationDispatchInfo
     )
@@ -186,6 +274,21 @@ def sglang_checks() -> dict[str, Any]:
         ExpertLocationMetadata,
     )
     return out
+
+
+def _metadata(metadata_cls: Any, phy2log: torch.Tensor) -> Any:
+    """SGLang's ExpertLocationMetadata of a map [L, P], as SGLang builds it after a rebalance."""
+    counts = torch.stack([torch.bincount(row, minlength=E) for row in phy2log])
+    log2phy = torch.full((L, E, P), -1, dtype=torch.int64)
+    for layer in range(L):
+        for expert in range(E):
+            slots = torch.nonzero(phy2log[layer] == expert).flatten()
+            log2phy[layer, expert, : slots.numel()] = slots
+    return metadata_cls(
+        physical_to_logical_map=phy2log, physical_to_logical_map_cpu=phy2log, logical_to_all_physical_map=log2phy,
+        logical_to_all_physical_map_cpu=log2phy, logical_to_all_physical_map_num_valid=counts, ep_size=G,
+        logical_to_rank_dispatch_physical_map=None,
+    )  # fmt: skip
 
 
 def _device() -> torch.device:
