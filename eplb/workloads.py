@@ -47,6 +47,12 @@ class ModelPreset:
     """Expert groups (group-limited routing); 1 when the model has none."""
     bytes_per_expert: int
     """Bytes of one expert's weights in one layer, in the serving dtype."""
+    ep_size: int = 32
+    """EP ranks it is served on in the simulator's default run (``eplb simulate --preset``)."""
+    nnodes: int = 4
+    """Nodes those ranks span."""
+    redundant: int = 32
+    """Redundant expert slots there (E + redundant divisible by ``ep_size``)."""
 
 
 PRESETS: dict[str, ModelPreset] = {
@@ -78,9 +84,20 @@ PRESETS: dict[str, ModelPreset] = {
             top_k=2,
             num_groups=1,
             bytes_per_expert=3 * 4096 * 14336 * 2,
+            ep_size=8,
+            nnodes=1,
+            redundant=8,
         ),
         ModelPreset(
-            name="tiny", num_layers=4, num_experts=16, top_k=4, num_groups=4, bytes_per_expert=3 * 64 * 32 * 2
+            name="tiny",
+            num_layers=4,
+            num_experts=16,
+            top_k=4,
+            num_groups=4,
+            bytes_per_expert=3 * 64 * 32 * 2,
+            ep_size=4,
+            nnodes=1,
+            redundant=4,
         ),
     )
 }

@@ -67,13 +67,17 @@ def add_input_arguments(parser: argparse.ArgumentParser, default_steps: int = DE
 
 def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("expert parallelism (SGLang flag names)")
-    g.add_argument("--ep-size", type=int, default=32, help="EP ranks (GPUs) (default: %(default)s)")
-    g.add_argument("--nnodes", type=int, default=4, help="nodes the EP ranks span (default: %(default)s)")
+    g.add_argument(
+        "--ep-size", type=int, default=None, help="EP ranks (GPUs) (default: the preset's; 32 for a trace)"
+    )
+    g.add_argument(
+        "--nnodes", type=int, default=None, help="nodes the EP ranks span (default: the preset's; 4 for a trace)"
+    )
     g.add_argument(
         "--ep-num-redundant-experts",
         type=int,
-        default=32,
-        help="physical slots beyond one per logical expert (default: %(default)s)",
+        default=None,
+        help="physical slots beyond one per logical expert (default: the preset's; 32 for a trace)",
     )
     g.add_argument(
         "--num-groups",
@@ -241,6 +245,21 @@ def load_input(args: argparse.Namespace, quiet: bool = False) -> Trace:
     return generate(cfg)
 
 
+TRACE_TOPOLOGY = {"ep_size": 32, "nnodes": 4, "ep_num_redundant_experts": 32}
+"""EP32 over 4 nodes with 32 redundant experts: the topology a recorded trace is replayed on by default."""
+
+
+def default_topology(args: argparse.Namespace) -> dict[str, int]:
+    """The EP topology flags not given take: the preset's serving topology (eplb.workloads.PRESETS;
+    a preset's experts must spread over its ranks), or :data:`TRACE_TOPOLOGY` for a trace."""
+    if getattr(args, "trace", None) or not hasattr(args, "preset"):
+        return dict(TRACE_TOPOLOGY)
+    from eplb.workloads import PRESETS
+
+    preset = PRESETS[args.preset]
+    return {"ep_size": preset.ep_size, "nnodes": preset.nnodes, "ep_num_redundant_experts": preset.redundant}
+
+
 def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) -> SimulationConfig:
     """The server's flags as an ``EplbConfig`` (checked against ``trace`` as a server would check
     them), with the offline flags, as the simulation config; ``overrides`` replace flags by
@@ -249,6 +268,9 @@ def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) 
     if unknown:
         raise TypeError(f"unknown overrides {sorted(unknown)}")
     values = {**vars(args), **overrides, "enable_eplb": True, "num_experts": trace.num_experts}
+    for name, value in default_topology(args).items():
+        if values.get(name) is None:
+            values[name] = value
     periodic = values.get("eplb_rebalance_mode", DEFAULT_MODE) == "periodic"
     if periodic and values.get("eplb_rebalance_num_iterations") is None:
         values["eplb_rebalance_num_iterations"] = DEFAULT_INTERVAL  # continuous: EplbConfig's default
