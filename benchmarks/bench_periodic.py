@@ -257,9 +257,19 @@ def main() -> int:
     )
     parser.add_argument("--periodic", action="store_true", help="only the periodic cases")
     parser.add_argument("--calibration", action="store_true", help="only the calibration cases")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=("periodic", "continuous"),
+        default=["periodic", "continuous"],
+        help="calibration cases of these modes",
+    )
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--intervals", type=int, nargs="+", default=list(INTERVALS))
-    parser.add_argument("--steps", type=int, default=8000)
+    parser.add_argument("--steps", type=int, default=8000, help="steps of the periodic cases")
+    parser.add_argument(
+        "--continuous-steps", type=int, default=4000, help="steps of the continuous calibration cases"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="cases run in parallel processes")
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/bench_periodic_cpu.json"))
@@ -272,14 +282,16 @@ def main() -> int:
             for w, i in itertools.product(args.workloads, args.intervals)
         ]
     if both or args.calibration:
-        jobs += [
-            ("calibration", (w, "continuous", 50, d, args.steps, args.seed))
-            for w, d in itertools.product(args.workloads, ("static", "dynamic", "lp"))
-        ]
-        jobs += [
-            ("calibration", (w, "periodic", i, d, args.steps, args.seed))
-            for w, i, d in itertools.product(args.workloads, args.intervals, ("dynamic", "lp"))
-        ]
+        if "continuous" in args.modes:
+            jobs += [
+                ("calibration", (w, "continuous", 50, d, args.continuous_steps, args.seed))
+                for w, d in itertools.product(args.workloads, ("static", "dynamic", "lp"))
+            ]
+        if "periodic" in args.modes:
+            jobs += [
+                ("calibration", (w, "periodic", i, d, args.steps, args.seed))
+                for w, i, d in itertools.product(args.workloads, args.intervals, ("dynamic", "lp"))
+            ]
     out: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(sys.argv),

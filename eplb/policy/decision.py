@@ -155,7 +155,9 @@ def gate(
     gain = predicted - current
     if diff.num_changed_slots == 0:
         return Verdict(False, "the plan equals the current placement", 0.0, 0.0)
-    move = pricing.transfer(diff, horizon=pricing.horizon_passes or 1, pass_seconds=times.pass_seconds(current))
+    move = pricing.transfer(
+        diff, horizon=pricing.horizon_passes or 1, pass_seconds=times.pass_seconds(current)
+    )
     served = max(gain_passes - move.delay_passes, 0)
     saved = served * (times.token_seconds(current) - times.token_seconds(predicted))
     words = (
@@ -173,6 +175,7 @@ def gate(
 
 
 # ---- when to plan, the first plan, the move allowance --------------------------------------------
+
 
 class MoveAllowance:
     """Continuous mode's move budget as a rate: ``rate`` copies per rebalance on average.

@@ -71,7 +71,10 @@ def add_topology_arguments(parser: argparse.ArgumentParser) -> None:
         "--ep-size", type=int, default=None, help="EP ranks (GPUs) (default: the preset's; 32 for a trace)"
     )
     g.add_argument(
-        "--nnodes", type=int, default=None, help="nodes the EP ranks span (default: the preset's; 4 for a trace)"
+        "--nnodes",
+        type=int,
+        default=None,
+        help="nodes the EP ranks span (default: the preset's; 4 for a trace)",
     )
     g.add_argument(
         "--ep-num-redundant-experts",

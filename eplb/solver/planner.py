@@ -38,7 +38,9 @@ class SolverPlanner:
         keep a fitted placement's traffic small, and the gate in seconds still decides."""
         options = replace(self.options, incremental=False, noise_price_passes=0.0)
         if drop_budget:
-            options = replace(options, max_moved_experts=None, max_bytes_moved=None, shift_max_moved_experts=None)
+            options = replace(
+                options, max_moved_experts=None, max_bytes_moved=None, shift_max_moved_experts=None
+            )
         return replace(self, options=options)
 
     def with_move_budget(self, budget: int, shift_budget: int | None) -> SolverPlanner:

@@ -98,7 +98,7 @@ class SolveOptions:
     noise_price_passes: float = 0.1
     """With ``copy_cost`` None, a move must pay for its copies in seconds and also beat the noise of
     the forecast it was found on (a decayed window of about a dozen passes): at least this many
-    balancedness-passes per copy, divided by the horizon (at least 50 passes). A move that chases
+    balancedness-passes per copy, divided by the horizon (clamped to 50-250 passes). A move that chases
     noise is moved back at a later rebalance. At continuous mode's 50 passes that is 0.002 per
     copy, the price the budgeted search was tuned with (deepseek-v3 EP32: 0.877 prefill
     balancedness, against 0.863 with the price in seconds alone); 0.0005 at 200 passes. The first
