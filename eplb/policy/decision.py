@@ -142,6 +142,8 @@ def gate(
     times: PassTimes,
     priced: bool,
     min_gain: float = 0.0,
+    noise_price: float = 0.0,
+    num_layers: int = 1,
 ) -> Verdict:
     """Apply or skip, by the net modeled seconds (``priced``) or whenever it changes something.
 
@@ -149,7 +151,11 @@ def gate(
     and of the current placement over the next ``pricing.horizon_passes``. The plan saves what
     the pass-time model gives for that difference on each of the ``gain_passes`` it is counted
     over (:func:`value_horizon`), less the passes served on the old placement while its swap
-    runs beside them. An unpriced policy (DeepSeek's, applied as SGLang applies it) is applied
+    runs beside them. Moving costs its transfer (eplb.policy.cost_model.transfer_cost), or, when
+    larger, the ``noise_price`` the search charged each copy (balancedness of one of the
+    ``num_layers`` layers, eplb.solver.types.SolveOptions.noise_price_passes) in the same seconds:
+    a move that chases the forecast's noise is moved back later, so the gate and the search agree
+    on what pays. An unpriced policy (DeepSeek's, applied as SGLang applies it) is applied
     whenever it changes something.
     """
     gain = predicted - current
@@ -160,18 +166,27 @@ def gate(
     )
     served = max(gain_passes - move.delay_passes, 0)
     saved = served * (times.token_seconds(current) - times.token_seconds(predicted))
+    noise = (
+        diff.experts_moved_across_gpus
+        * noise_price
+        / max(num_layers, 1)
+        * served
+        * times.seconds_per_balancedness(current)
+    )
+    cost = max(move.seconds, noise)
     words = (
         f"predicted next {pricing.horizon_passes} passes {current:.4f} -> {predicted:.4f} ({gain:+.4f}); "
         f"over {served} passes it saves {saved * 1e3:.1f} ms of MoE time, moving "
-        f"{diff.experts_moved_across_gpus} expert copies costs {move.seconds * 1e3:.1f} ms"
+        f"{diff.experts_moved_across_gpus} expert copies costs {cost * 1e3:.1f} ms"
+        + (" (their noise price)" if noise > move.seconds else "")
     )
     if not priced:
-        return Verdict(True, words + " (the policy's plans are applied unpriced)", saved, move.seconds)
+        return Verdict(True, words + " (the policy's plans are applied unpriced)", saved, cost)
     if gain < min_gain:
-        return Verdict(False, words + f"; gain below min_gain {min_gain}", saved, move.seconds)
-    if saved <= move.seconds:
-        return Verdict(False, words + "; it does not pay", saved, move.seconds)
-    return Verdict(True, words, saved, move.seconds)
+        return Verdict(False, words + f"; gain below min_gain {min_gain}", saved, cost)
+    if saved <= cost:
+        return Verdict(False, words + "; it does not pay", saved, cost)
+    return Verdict(True, words, saved, cost)
 
 
 # ---- when to plan, the first plan, the move allowance --------------------------------------------

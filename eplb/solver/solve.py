@@ -99,6 +99,7 @@ def solve(
             )
     valued = value_horizon(horizon, policy.migration_aware)
     level = passes.mean(base_LW.mean(axis=0), 0, W) if base_LW is not None else 1.0
+    noise_price = 0.0
     if options.copy_cost is None:
         price = copy_price(
             times,
@@ -110,8 +111,8 @@ def solve(
             num_nodes=topology.num_nodes,
             horizon=valued,
         )
-        noise = options.noise_price_passes / min(max(horizon, NOISE_HORIZON_FLOOR), NOISE_HORIZON_CEIL)
-        options = replace(options, copy_cost=max(price, noise))
+        noise_price = options.noise_price_passes / min(max(horizon, NOISE_HORIZON_FLOOR), NOISE_HORIZON_CEIL)
+        options = replace(options, copy_cost=max(price, noise_price))
     stats["copy_price"] = float(options.copy_cost or 0.0)
     cuts = Cuts.of(W, shift_at, options.holdout_passes)
     stats["calibration_passes"] = 0.0 if cuts is None else float(cuts.stop - cuts.cut)
@@ -172,6 +173,8 @@ def solve(
                 times=times,
                 priced=policy.priced,
                 min_gain=options.min_gain,
+                noise_price=noise_price,
+                num_layers=L,
             )
             stats["saved_seconds"] = verdict.saved_seconds
             stats["transfer_seconds"] = verdict.cost_seconds
