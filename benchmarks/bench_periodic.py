@@ -292,6 +292,8 @@ def main() -> int:
                 ("calibration", (w, "periodic", i, d, args.steps, args.seed))
                 for w, i, d in itertools.product(args.workloads, args.intervals, ("dynamic", "lp"))
             ]
+    # The per-batch rule makes lp cases the longest: start them first.
+    jobs.sort(key=lambda job: "lp" not in job[1])
     out: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
         "command": " ".join(sys.argv),
