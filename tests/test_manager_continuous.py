@@ -21,6 +21,7 @@ from eplb.moe.model import MoEModel, logical_weights
 from eplb.moe.reference import reference_forward
 from eplb.moe.spawn import RankContext, run_ranks
 from eplb.placement.model import Placement
+from eplb.solver.types import SolveOptions
 from tests.helpers.manager import CFG, CPU, FakePlan, make, other_placement, run_passes, until_idle
 from tests.helpers.placements import random_phy2log
 
@@ -52,17 +53,16 @@ def test_the_move_budget_reaches_the_planner(
     model, placement, _ = make()
     EplbManager(config, model, placement, device=CPU, num_groups=2).close()
     bytes_per_expert = sum(t[0].numel() * t.element_size() for t in model.slot_tensors(0).values())
-    assert made == [
-        {
-            "algorithm": "auto",
-            "num_groups": 2,
-            "bytes_per_expert": bytes_per_expert,
-            "weighted": False,
-            # The server's dispatch (static unless a flag says otherwise): plans scored with its shares.
-            "static_dispatch": config.dispatch_algorithm == "static",
-            "extra_options": extra,
-        }
-    ]
+    # Every other option keeps its default.
+    want = SolveOptions(
+        algorithm="auto",
+        bytes_per_expert=bytes_per_expert,
+        # The server's dispatch (static unless a flag says otherwise): plans scored with its shares.
+        dispatch=config.dispatch_algorithm,
+        **extra,  # type: ignore[arg-type]
+    )
+    assert config.dispatch_algorithm == "static"
+    assert made == [{"options": want, "num_groups": 2}]
 
 
 def test_continuous_mode_rebalances_every_interval_from_a_longer_window() -> None:
@@ -94,18 +94,20 @@ def test_continuous_mode_rebalances_every_interval_from_a_longer_window() -> Non
 
 
 class _BudgetedPlanner:
-    """A planner with a move budget to drop (as SolverPlanner has): records which one planned."""
+    """A planner with a move budget to drop (as SolverPlanner has): records which one planned,
+    ``full`` (unfitted, budget dropped), ``fresh`` (unfitted, budget kept) or ``budgeted``."""
 
     def __init__(
-        self, calls: list[str], targets: list[Placement], budgeted: bool = True, skip_first: bool = False
+        self, calls: list[str], targets: list[Placement], kind: str = "budgeted", skip_first: bool = False
     ) -> None:
-        self.calls, self.targets, self.budgeted, self.skip_first = calls, targets, budgeted, skip_first
+        self.calls, self.targets, self.kind, self.skip_first = calls, targets, kind, skip_first
 
-    def for_unfitted_placement(self) -> _BudgetedPlanner:
-        return _BudgetedPlanner(self.calls, self.targets, budgeted=False, skip_first=self.skip_first)
+    def for_unfitted_placement(self, *, drop_budget: bool = True) -> _BudgetedPlanner:
+        kind = "full" if drop_budget else "fresh"
+        return _BudgetedPlanner(self.calls, self.targets, kind=kind, skip_first=self.skip_first)
 
     def __call__(self, load_WLE: np.ndarray, current: Placement, history: object = None) -> FakePlan:
-        self.calls.append("budgeted" if self.budgeted else "full")
+        self.calls.append(self.kind)
         apply = not (self.skip_first and len(self.calls) == 1)
         return FakePlan(self.targets[len(self.calls) % 2], apply=apply)
 
@@ -137,9 +139,12 @@ def _run_until_plans(manager: EplbManager, model: MoEModel, plans: list[Any], n:
     ("fields", "want"),
     [
         ({}, ["full", "budgeted", "budgeted"]),  # the first plan since start-up moves unbudgeted
-        ({"eplb_initial_full_plan": False}, ["budgeted"] * 3),
-        ({"eplb_max_moved_experts": 0}, ["budgeted"] * 3),  # a budget of 0 moves nothing, ever
-        ({"eplb_rebalance_mode": "periodic", "eplb_max_moved_experts": 5}, ["budgeted"] * 3),
+        # Without the initial full plan, the first plan from the unfitted placement is still a
+        # fresh one (eplb.policy.decision.Decider.planner), within the budget.
+        ({"eplb_initial_full_plan": False}, ["fresh", "budgeted", "budgeted"]),
+        # A budget of 0 moves nothing, ever: no unbudgeted first plan either.
+        ({"eplb_max_moved_experts": 0}, ["fresh", "budgeted", "budgeted"]),
+        ({"eplb_rebalance_mode": "periodic", "eplb_max_moved_experts": 5}, ["fresh", "budgeted", "budgeted"]),
     ],
 )
 def test_the_first_plan_since_start_up_moves_without_the_budget(

@@ -298,9 +298,13 @@ def test_empty_steps_and_one_expert_taking_everything() -> None:
 def test_solver_options_reach_the_solver() -> None:
     trace = _random_trace(seed=4, T=40)
     flags = server(ep_size=4, nnodes=1, ep_num_redundant_experts=4, eplb_rebalance_num_iterations=10)
+    # min_gain binds a priced policy's plans (scipy; DeepSeek's are applied unpriced, as SGLang does).
     config = SimulationConfig(eplb=flags, solver_options={"min_gain": 2.0})
-    events = simulate(trace, parse_runs(["deepseek"], "static"), config).runs[0].events
+    events = simulate(trace, parse_runs(["scipy"], "static"), config).runs[0].events
     assert len(events) == 3 and all(not e.applied and "min_gain" in e.reason for e in events)
+    unknown = SimulationConfig(eplb=flags, solver_options={"static_dispatch": True})
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['static_dispatch'\]"):
+        simulate(trace, parse_runs(["scipy"], "static"), unknown)
 
 
 def test_bad_configurations_are_value_errors() -> None:

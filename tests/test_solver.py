@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 import torch
@@ -112,7 +110,9 @@ def test_aggregated_and_window_input_agree_for_sum() -> None:
 def test_all_zero_load_gives_a_valid_placement() -> None:
     topology = Topology(num_gpus=4, num_nodes=2, num_physical=24, num_groups=2)
     for algorithm in ALGORITHMS:
-        plan = solve(np.zeros((2, 16)), topology, None, SolveOptions(algorithm=algorithm, dispatch="weighted"))
+        plan = solve(
+            np.zeros((2, 16)), topology, None, SolveOptions(algorithm=algorithm, dispatch="weighted")
+        )
         plan.placement.validate()
         assert plan.predicted_balancedness == 1.0
 

@@ -8,7 +8,9 @@ import pytest
 from eplb.placement.balance import model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
-from eplb.solver import SolveOptions, Topology, solve
+from eplb.policy.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
+from eplb.policy.decision import PERSISTENCE_PASSES
+from eplb.solver import Plan, SolveOptions, Topology, solve
 from tests.helpers.placements import random_phy2log
 
 TOPOLOGIES = [
@@ -21,9 +23,10 @@ PLANNERS = {
     "scipy robust": {"prediction": "robust", "num_scenarios": 3},
     "scipy fresh": {"incremental": False, "milp_max_solves": 2},
     # Static dispatch's shares: moves re-scored exactly after each step (undone when they lose).
-    "scipy static": {"static_dispatch": True},
+    "scipy static": {"dispatch": "static"},
     "deepseek": {"algorithm": "deepseek"},
 }
+BYTES_PER_EXPERT = DEEPSEEK_V3_BYTES_PER_EXPERT
 
 
 def _weighted_copies(current: Placement, plan_placement: Placement, cross_node_weight: float) -> float:
@@ -121,8 +124,38 @@ def test_more_budget_buys_more_balance_and_cross_node_copies_cost_more() -> None
     assert _weighted_copies(current, dear.placement, 3.0) <= 24
 
 
-def test_the_gate_skips_a_plan_whose_gain_does_not_pay_for_its_transfer() -> None:
-    """Skewed load on the trivial placement pays; fresh noise of the same load on a good one does not."""
+def _gate_reference(
+    window_WLE: np.ndarray, current: Placement, plan: Plan, bytes_per_expert: int, noise_price: float
+) -> tuple[float, float]:
+    """(saved, cost) seconds of a periodic plan, restated in plain numpy from the cost model's
+    definition: every pass of the valued horizon saves the token term of the busiest GPU of every
+    layer, ``per_token_us * mean tokens per GPU / balancedness``; moving costs the stall while the
+    busiest receiving GPU pulls its arriving experts over NVLink (one node), or, when larger, the
+    noise price of every copy (``noise_price`` balancedness of one layer) in those seconds."""
+    cost = CostModel()
+    G, L = current.num_gpus, current.num_layers
+    arrivals_G = np.zeros(G)
+    for old_P, new_P in zip(current.phy2log_LP, plan.placement.phy2log_LP, strict=True):
+        for g, (old_S, new_S) in enumerate(zip(old_P.reshape(G, -1), new_P.reshape(G, -1), strict=True)):
+            arrivals_G[g] += len(set(new_S.tolist()) - set(old_S.tolist()))
+    transfer = arrivals_G.max() * bytes_per_expert / (cost.nvlink_gbps * 1e9)
+    tokens_per_pass = (window_WLE.sum(axis=-1) / G).sum(axis=1).mean()  # summed over layers
+
+    def token_seconds(balancedness: float) -> float:
+        return cost.per_token_us * 1e-6 * tokens_per_pass / balancedness
+
+    now, predicted = plan.stats["current_balancedness"], plan.predicted_balancedness
+    # scipy plans are migration-aware: their moves are valued over PERSISTENCE_PASSES (> 40).
+    saved = PERSISTENCE_PASSES * (token_seconds(now) - token_seconds(predicted))
+    low, high = now - 1e-3, min(now + 1e-3, 1.0)  # the model's slope of seconds in balancedness
+    per_balancedness = (token_seconds(low) - token_seconds(high)) / (high - low)
+    noise = arrivals_G.sum() * noise_price / L * PERSISTENCE_PASSES * per_balancedness
+    return float(saved), float(max(transfer, noise))
+
+
+def test_the_gate_applies_a_plan_when_the_time_it_saves_beats_its_transfer() -> None:
+    """Skewed load on the trivial placement pays; fresh noise of the same load on a fitted one
+    does not. The gate's numbers (eplb.policy.decision.gate) match a plain restatement."""
     rng = np.random.default_rng(12)
     topology = Topology(num_gpus=8, num_physical=72)
     rate_LE = rng.lognormal(0.0, 1.0, size=(4, 64)) * 50
@@ -130,17 +163,41 @@ def test_the_gate_skips_a_plan_whose_gain_does_not_pay_for_its_transfer() -> Non
     decisions = []
     for _ in range(6):
         window = rng.poisson(rate_LE, size=(40, 4, 64))
-        plan = solve(window, topology, current, SolveOptions(max_moved_experts=32))
+        options = SolveOptions(max_moved_experts=32, bytes_per_expert=BYTES_PER_EXPERT)
+        plan = solve(window, topology, current, options)
         stats = plan.stats
         assert stats["predicted_gain"] == pytest.approx(
             plan.predicted_balancedness - stats["current_balancedness"]
         )
         if plan.diff is not None and plan.diff.num_changed_slots:
-            price = 0.002 * stats["weighted_copies_moved"] / 4
-            assert stats["transfer_price"] == pytest.approx(price)
-            assert plan.apply == (stats["predicted_gain"] >= 0.002 + price)
-            assert plan.apply or "transfer price" in plan.reason
+            # The solver prices copies (copy_cost None): at least the noise price 0.1 / max(40, 50).
+            saved, transfer = _gate_reference(
+                window.astype(np.float64), current, plan, BYTES_PER_EXPERT, 0.002
+            )
+            assert stats["saved_seconds"] == pytest.approx(saved, rel=1e-6, abs=1e-12)
+            assert stats["transfer_seconds"] == pytest.approx(transfer, rel=1e-9, abs=1e-15)
+            assert plan.apply == (stats["predicted_gain"] >= 0 and saved > transfer)
+        else:
+            assert not plan.apply and "equals the current placement" in plan.reason
         decisions.append(plan.apply)
         if plan.apply:
             current = plan.placement
     assert decisions[0] and not any(decisions[-2:]), decisions
+    # Moving freely (copy_cost 0) on the fitted placement, experts ten times as large: the moves
+    # gain balance on the forecast, but what they save does not pay for their transfer.
+    skipped = 0
+    for _ in range(3):
+        window = rng.poisson(rate_LE, size=(40, 4, 64))
+        options = SolveOptions(max_moved_experts=32, bytes_per_expert=10 * BYTES_PER_EXPERT, copy_cost=0.0)
+        plan = solve(window, topology, current, options)
+        assert plan.diff is not None and plan.diff.num_changed_slots > 0
+        saved, transfer = _gate_reference(
+            window.astype(np.float64), current, plan, 10 * BYTES_PER_EXPERT, 0.0
+        )
+        assert plan.stats["saved_seconds"] == pytest.approx(saved, rel=1e-6, abs=1e-12)
+        assert plan.stats["transfer_seconds"] == pytest.approx(transfer, rel=1e-9, abs=1e-15)
+        assert plan.apply == (saved > transfer and plan.stats["predicted_gain"] >= 0)
+        if 0 < saved <= transfer:
+            assert not plan.apply and "does not pay" in plan.reason
+            skipped += 1
+    assert skipped, "a plan that gains balance but does not pay for its transfer"

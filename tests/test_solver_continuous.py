@@ -1,4 +1,4 @@
-"""eplb.solver in continuous rebalancing: deterministic plans, calibrated predictions, a gate that stops.
+"""eplb.solver in continuous rebalancing: deterministic plans, calibrated predictions, a gate that converges.
 
 Plans are made on window i of a seeded synthetic workload (eplb.workloads) and scored on the passes
 that follow, as a server would see them.
@@ -19,6 +19,7 @@ import pytest
 from eplb.placement.balance import model_balancedness
 from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
+from eplb.policy.decision import Pricing
 from eplb.solver import SolveOptions, Topology, solve
 from eplb.traces import Trace
 from eplb.workloads import WorkloadConfig, generate
@@ -40,7 +41,7 @@ out = {"fresh": hashlib.sha256(current.phy2log_LP.tobytes()).hexdigest(), "fresh
 out["milp_solves"] = first.stats["milp_solves"]
 for name, options in (
     ("budgeted", SolveOptions(max_moved_experts=40)),
-    ("static", SolveOptions(max_moved_experts=40, static_dispatch=True)),
+    ("static", SolveOptions(max_moved_experts=40, dispatch="static")),
     ("incremental", SolveOptions()),
 ):
     plan = solve(load[30:], topology, current, options)
@@ -74,7 +75,7 @@ def test_same_inputs_give_the_same_plan_in_one_process() -> None:
     current = Placement.trivial(2, 64, 8, 8, num_nodes=2)
     for options in (
         SolveOptions(max_moved_experts=24, cross_node_weight=2.0),
-        SolveOptions(max_moved_experts=24, static_dispatch=True),
+        SolveOptions(max_moved_experts=24, dispatch="static"),
         SolveOptions(incremental=False),
     ):
         a, b = solve(load, topology, current, options), solve(load, topology, current, options)
@@ -115,14 +116,21 @@ def _static_weights(placement: Placement) -> np.ndarray:
 
 @pytest.mark.parametrize("static", [False, True])
 def test_the_prediction_is_calibrated_on_a_drifting_workload(static: bool) -> None:
-    """Predicted balancedness within 0.03 of what the next window gets, on average (measured ~0.006).
+    """Predicted balancedness within 0.03 of what the next interval gets, on average (measured
+    ~0.029, of which 0.022 is the last interval's: a domain shift at step 955 no window foresees;
+    ~0.008 on the others).
 
     ``static``: the server dispatches by static maps, and the solver is told so.
     """
     trace = _trace("deepseek-v3", 1000, 4, False)
     topology = Topology(num_gpus=32, num_nodes=4, num_physical=288, num_groups=8)
     current = Placement.trivial(58, 256, 32, 32, num_nodes=4)
-    options = SolveOptions(max_moved_experts=BUDGET, static_dispatch=static)
+    # Predicted over the next interval, as a server's rebalance asks (eplb.policy.decision.Decider).
+    options = SolveOptions(
+        max_moved_experts=BUDGET,
+        dispatch="static" if static else "dynamic",
+        pricing=Pricing(horizon_passes=INTERVAL),
+    )
     errors, prefill_errors, gain_errors, forecast_errors = [], [], [], []
     for i, t in enumerate(range(WINDOW, trace.num_steps - INTERVAL + 1, INTERVAL)):
         plan = solve(trace.counts_TLE[t - WINDOW : t], topology, current, options)
@@ -144,20 +152,38 @@ def test_the_prediction_is_calibrated_on_a_drifting_workload(static: bool) -> No
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_repeated_solves_on_stationary_load_converge_and_stop_moving(static: bool) -> None:
+def test_repeated_solves_on_stationary_load_converge_and_then_move_little(static: bool) -> None:
+    """The gate prices plans in seconds (eplb.policy.decision.gate, no min_gain): once converged,
+    a plan is still applied where its small gain pays for its few copies, so the placement keeps
+    moving a little, and what it moves gains on the passes that follow."""
     trace = _trace("qwen3-235b-a22b", 1500, 5, True)
     topology = Topology(num_gpus=16, num_nodes=2, num_physical=144)
     current = Placement.trivial(94, 128, 16, 16, num_nodes=2)
-    options = SolveOptions(max_moved_experts=BUDGET, static_dispatch=static)
-    applied, start = [], current
+    options = SolveOptions(
+        max_moved_experts=BUDGET,
+        dispatch="static" if static else "dynamic",
+        bytes_per_expert=int(trace.meta["bytes_per_expert"]),
+        pricing=Pricing(horizon_passes=INTERVAL),
+    )
+    applied, copies, realised_gains, start = [], [], [], current
     for t in range(WINDOW, trace.num_steps + 1, INTERVAL):
         plan = solve(trace.counts_TLE[t - WINDOW : t], topology, current, options)
         applied.append(plan.apply)
+        copies.append(plan.stats["copies_moved"] if plan.apply else 0.0)
         if plan.apply:
+            if t < trace.num_steps:
+                realised_gains.append(
+                    _realised(trace, plan.placement, t, static)[0] - _realised(trace, current, t, static)[0]
+                )
             current = plan.placement
-    assert applied[0]
-    assert sum(applied) <= 12, applied  # converged within a dozen rebalances ...
-    assert not any(applied[-10:]), applied  # ... and then the gate keeps it still
+    assert applied[0] and copies[0] == BUDGET
+    # Converged within a dozen rebalances: no later plan moves more than an eighth of a budget ...
+    assert max(copies[12:]) <= BUDGET // 8, copies
+    # ... and the last ten together less than a quarter of one.
+    assert sum(copies[-10:]) <= BUDGET // 4, copies
+    # What the gate applies pays off in balance on the next interval, the small late plans too.
+    assert min(realised_gains[:8]) > 0.005, realised_gains
+    assert sum(realised_gains[8:]) > 0, realised_gains
     tail = trace.counts_TLE[-INTERVAL:].astype(np.float64)
     weights = (_static_weights(current), _static_weights(start)) if static else (None, None)
     assert (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
 from eplb.solver import SolveOptions, Topology, solve
 from eplb.solver.budget import budget_of, budgeted_phy2log
+from eplb.solver.dispatch import Dispatch
 from eplb.solver.greedy import deepseek_rebalance
 from eplb.solver.migration import relabel
 from eplb.solver.planner import SolverPlanner
@@ -176,7 +179,7 @@ def test_unbudgeted_static_solve_uses_the_static_packing() -> None:
     rng = np.random.default_rng(0)
     window_WLE = rng.poisson(_heavy_tailed_load(rng, 4, E, sigma=0.8)[None] / 10, size=(20, 4, E))
     topology = Topology(num_gpus=G, num_nodes=N, num_physical=P)
-    static = solve(window_WLE, topology, None, SolveOptions(static_dispatch=True, holdout_passes=0))
+    static = solve(window_WLE, topology, None, SolveOptions(dispatch="static", holdout_passes=0))
     even = solve(window_WLE, topology, None, SolveOptions(holdout_passes=0))
     load_LE = window_WLE.sum(axis=0).astype(np.float64)
 
@@ -187,7 +190,7 @@ def test_unbudgeted_static_solve_uses_the_static_packing() -> None:
     assert maps_bal(static.placement) > maps_bal(even.placement) + 0.02
     # From the trivial placement with a current placement given, the fresh layers replace it.
     trivial = Placement.trivial(4, E, G, P - E, N)
-    plan = solve(window_WLE, topology, trivial, SolveOptions(static_dispatch=True, copy_cost=0.0))
+    plan = solve(window_WLE, topology, trivial, SolveOptions(dispatch="static", copy_cost=0.0))
     assert plan.apply and maps_bal(plan.placement) > 0.9
 
 
@@ -199,9 +202,11 @@ def test_budgeted_static_search_stays_within_budget_and_never_loses_on_its_forec
     current = Placement.from_phy2log(start_LP, G, N)
     drifted_LE = load_LE * rng.lognormal(0.0, 0.4, size=load_LE.shape)
     for budget in (0, 1, 16, 160):
-        options = SolveOptions(static_dispatch=True, max_moved_experts=budget)
+        options = SolveOptions(dispatch="static", max_moved_experts=budget)
         stats: dict[str, float] = {}
-        out_LP = budgeted_phy2log(drifted_LE[None], np.ones(1), current, budget_of(options), stats, N)
+        out_LP = budgeted_phy2log(
+            drifted_LE[None], np.ones(1), current, budget_of(options), stats, Dispatch("static", N)
+        )
         out = Placement.from_phy2log(out_LP, G, N).validate()
         assert int((out.gpu_has_expert() & ~current.gpu_has_expert()).sum()) <= budget
 
@@ -215,18 +220,38 @@ def test_budgeted_static_search_stays_within_budget_and_never_loses_on_its_forec
             np.testing.assert_array_equal(out_LP, current.phy2log_LP)
 
 
-def test_first_plan_planner_drops_budget_and_copy_price() -> None:
-    planner = SolverPlanner(
-        algorithm="scipy", extra_options={"max_moved_experts": 160, "copy_cost": 0.01, "min_gain": 0.003}
+def test_the_unfitted_placement_planner_plans_fresh_and_drops_the_budget() -> None:
+    """SolverPlanner.for_unfitted_placement: a fresh plan (incremental off), no noise price, and
+    (drop_budget, the first plan since start-up) no move budget; everything else as given."""
+    options = SolveOptions(
+        algorithm="scipy",
+        max_moved_experts=160,
+        shift_max_moved_experts=1280,
+        bytes_per_expert=7,
+        max_bytes_moved=700,
+        copy_cost=0.01,
+        min_gain=0.003,
     )
-    first = planner.for_unfitted_placement().options()
-    assert first.max_moved_experts is None and first.copy_cost == 0.0 and first.min_gain == 0.003
-    assert planner.options().copy_cost == 0.01  # the planner itself is unchanged
+    planner = SolverPlanner(options=options, num_groups=2)
+    first = planner.for_unfitted_placement()
+    assert first.num_groups == 2
+    want = replace(
+        options,
+        incremental=False,
+        noise_price_passes=0.0,
+        max_moved_experts=None,
+        shift_max_moved_experts=None,
+        max_bytes_moved=None,
+    )
+    assert first.options == want
+    kept = planner.for_unfitted_placement(drop_budget=False).options
+    assert kept == replace(options, incremental=False, noise_price_passes=0.0)
+    assert planner.options == options  # the planner itself is unchanged
 
 
 def test_move_allowance_bursts_on_a_shift_and_repays_it() -> None:
     """Plain bookkeeping reference: over any run the copies stay within rate per rebalance plus one burst."""
-    from eplb.policy.schedule import MoveAllowance
+    from eplb.policy.decision import MoveAllowance
 
     rng = np.random.default_rng(0)
     allowance = MoveAllowance(160, 8)
@@ -254,40 +279,67 @@ def test_a_shift_in_the_window_raises_the_budget_and_only_then() -> None:
     current = Placement.from_phy2log(static_fresh_phy2log(before_LE, P, G, N)[0], G, N)
     steady = rng.poisson(before_LE[None] / 20, size=(200, 4, E))
     shifted = np.concatenate([steady[:150], rng.poisson(after_LE[None] / 20, size=(50, 4, E))])
-    options = SolveOptions(static_dispatch=True, max_moved_experts=16, shift_max_moved_experts=400)
+    options = SolveOptions(dispatch="static", max_moved_experts=16, shift_max_moved_experts=400)
     calm = solve(steady, topology, current, options)
     assert calm.stats["shift"] == 0.0 and calm.stats["copies_moved"] <= 16
     moved = solve(shifted, topology, current, options)
     assert moved.stats["shift"] == 1.0 and 16 < moved.stats["copies_moved"] <= 400
-    off = solve(shifted, topology, current, SolveOptions(static_dispatch=True, max_moved_experts=16))
+    off = solve(shifted, topology, current, SolveOptions(dispatch="static", max_moved_experts=16))
     assert off.stats["copies_moved"] <= 16
 
 
-def test_shift_start_is_the_largest_drop_by_brute_force() -> None:
-    from eplb.solver import holdout as ho
+@pytest.mark.parametrize("fitted_to", ["before", "after"])
+def test_the_shift_is_the_quarters_drop_and_the_largest_jump_by_brute_force(fitted_to: str) -> None:
+    """eplb.solver.horizon.find_shift against a plain restatement: the drop is the load-weighted
+    mean score of the window's third quarter minus its last quarter's (scores from the ranks' own
+    maps), the jump the split of the last half with the largest difference of the means before
+    and from it, in the drop's direction. A placement fitted to the old domain drops; one fitted
+    to the new domain rises (a shift it was refitted after)."""
+    from eplb.solver.horizon import PassScores, Scored, find_shift
 
-    G, N, E, P = 16, 4, 32, 64
+    G, N, E, P, L, W = 16, 4, 32, 64, 2, 40
     rng = np.random.default_rng(4)
-    load_LE = _heavy_tailed_load(rng, 2, E)
-    phy2log_LP, _ = static_fresh_phy2log(load_LE, P, G, N)
-    scored = ho.Scored(phy2log_LP, static_share_LP(phy2log_LP, E, G, N))
-    for cut in (1, 7, 19):
+    old_LE = _heavy_tailed_load(rng, L, E)
+    new_LE = old_LE[:, rng.permutation(E)]
+    phy2log_LP, _ = static_fresh_phy2log(old_LE if fitted_to == "before" else new_LE, P, G, N)
+    placement = Placement.from_phy2log(phy2log_LP, G, N)
+    share_LP = maps_share_LP(placement)
+    scored = Scored(phy2log_LP, static_share_LP(phy2log_LP, E, G, N))
+    for cut in (22, 27, 31, 36, 39):
         passes = np.concatenate(
             [
-                rng.poisson(load_LE[None] / 10, size=(cut, 2, E)),
-                rng.poisson(load_LE[:, rng.permutation(E)][None] / 10, size=(20 - cut, 2, E)),
+                rng.poisson(old_LE[None] / 10, size=(cut, L, E)),
+                rng.poisson(new_LE[None] / 10, size=(W - cut, L, E)),
             ]
         ).astype(np.float64)
-        scores = ho.PassScores.of(passes)
-        bal_n = scores.per_pass(scored.phy2log_LP, scored.share_LP, G, np.arange(2))
-        w_n = scores.weight_n
-
-        drops = [
-            float(np.average(bal_n[:t], weights=w_n[:t]) - np.average(bal_n[t:], weights=w_n[t:]))
-            for t in range(1, 20)
-        ]
-        assert ho.shift_start(passes, scored, G) == 1 + int(np.argmax(drops))
-        assert abs(ho.shift_start(passes, scored, G) - cut) <= 1
+        passes *= rng.uniform(0.2, 2.0, size=(W, 1, 1))  # passes of unequal load
+        gpu_WLG = (passes[:, np.arange(L)[:, None], phy2log_LP] * share_LP).reshape(W, L, G, -1).sum(-1)
+        bal_W = (gpu_WLG.mean(axis=-1) / gpu_WLG.max(axis=-1)).mean(axis=-1)
+        w_W = passes.sum(axis=(1, 2))
+        q = W // 4
+        drop = float(np.average(bal_W[W - 2 * q : W - q], weights=w_W[W - 2 * q : W - q])) - float(
+            np.average(bal_W[W - q :], weights=w_W[W - q :])
+        )
+        jumps = {
+            t: np.sign(drop)
+            * (
+                np.average(bal_W[W - 2 * q : t], weights=w_W[W - 2 * q : t])
+                - np.average(bal_W[t:], weights=w_W[t:])
+            )
+            for t in range(W - 2 * q + 1, W)
+        }
+        scores = PassScores(passes, Dispatch("static", N), G)
+        score_W = scores.layer_pass(scored, np.arange(L), 0, W).mean(axis=0)
+        np.testing.assert_allclose(score_W, bal_W, atol=1e-5)
+        shift = find_shift(score_W, scores)
+        assert shift is not None
+        assert shift.drop == pytest.approx(drop, abs=1e-5)
+        assert jumps[shift.at] >= max(jumps.values()) - 1e-5
+        if cut < W - 2:  # two passes or more from it: a clear jump, found where it is
+            assert (shift.drop > 0.1) == (fitted_to == "before") and abs(shift.drop) > 0.1, shift
+            assert abs(shift.at - cut) <= 1, (cut, shift)
+    short = PassScores(passes[:3], Dispatch("static", N), G)
+    assert find_shift(short.layer_pass(scored, np.arange(L), 0, 3).mean(axis=0), short) is None
 
 
 def test_a_plan_made_on_a_shift_is_calibrated_after_it() -> None:
@@ -305,7 +357,7 @@ def test_a_plan_made_on_a_shift_is_calibrated_after_it() -> None:
             rng.poisson(after_LE[None] / 20, size=(70, 4, E)),
         ]
     )
-    options = SolveOptions(static_dispatch=True, max_moved_experts=160, shift_max_moved_experts=1280)
+    options = SolveOptions(dispatch="static", max_moved_experts=160, shift_max_moved_experts=1280)
     plan = solve(window, topology, current, options)
     assert plan.stats["shift"] == 1.0 and abs(plan.stats["passes_since_shift"] - 70) <= 2
     future = rng.poisson(after_LE[None] / 20, size=(50, 4, E)).astype(np.float64)
@@ -337,9 +389,9 @@ def test_static_plans_are_deterministic() -> None:
     trivial = Placement.trivial(3, E, G, P - E, N)
     fitted = Placement.from_phy2log(static_fresh_phy2log(load_LE, P, G, N)[0], G, N)
     cases = [
-        (trivial, SolveOptions(static_dispatch=True, copy_cost=0.0)),
-        (fitted, SolveOptions(static_dispatch=True, max_moved_experts=40)),
-        (fitted, SolveOptions(static_dispatch=True, max_moved_experts=40, shift_max_moved_experts=320)),
+        (trivial, SolveOptions(dispatch="static", copy_cost=0.0)),
+        (fitted, SolveOptions(dispatch="static", max_moved_experts=40)),
+        (fitted, SolveOptions(dispatch="static", max_moved_experts=40, shift_max_moved_experts=320)),
     ]
     for current, options in cases:
         first, second = (solve(window, topology, current, options) for _ in range(2))

@@ -7,7 +7,9 @@ import pytest
 
 from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
+from eplb.policy.dispatch import dispatch_mode_names
 from eplb.solver import SolveOptions, Topology, solve
+from eplb.solver.dispatch import Dispatch
 from eplb.solver.static_share import expert_static_shares, static_share_LP
 from tests.helpers.placements import maps_share_LP, random_phy2log
 
@@ -67,7 +69,7 @@ def test_a_static_plan_is_scored_with_the_maps_shares() -> None:
     load = rng.poisson(rng.lognormal(0.0, 1.0, size=(1, 2, 16)) * 50, size=(1, 2, 16)).astype(float)
     # A window of one pass: the prediction is the forecast's own balancedness, under each split.
     even = solve(load, topology, current, SolveOptions(max_moved_experts=4))
-    static = solve(load, topology, current, SolveOptions(max_moved_experts=4, static_dispatch=True))
+    static = solve(load, topology, current, SolveOptions(max_moved_experts=4, dispatch="static"))
     share_LP = maps_share_LP(current)
     gpu_LG = np.stack(
         [
@@ -80,9 +82,19 @@ def test_a_static_plan_is_scored_with_the_maps_shares() -> None:
     assert static.stats["current_balancedness"] != pytest.approx(even.stats["current_balancedness"])
 
 
-def test_static_dispatch_and_weights_exclude_each_other() -> None:
-    with pytest.raises(ValueError, match="static_dispatch and weighted"):
-        SolveOptions(static_dispatch=True, weighted=True)
+def test_the_dispatch_is_one_mode_name() -> None:
+    """One ``dispatch`` field (a mode of eplb.policy.dispatch) replaced the static_dispatch and
+    weighted flags, so a plan can no longer ask for both; weights follow from the mode."""
+    for name in dispatch_mode_names():
+        options = SolveOptions(dispatch=name)
+        assert options.weighted == (name == "weighted")
+        assert Dispatch(name).static == (name == "static")
+    with pytest.raises(ValueError, match="unknown dispatch mode 'statik'"):
+        SolveOptions(dispatch="statik")
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['static_dispatch', 'weighted'\]"):
+        SolveOptions.from_mapping({"static_dispatch": True, "weighted": True})
+    with pytest.raises(AttributeError):
+        SolveOptions(dispatch="weighted").weighted = False  # type: ignore[misc]
 
 
 def test_the_search_state_keeps_exact_static_loads_through_swaps_and_replica_changes() -> None:
@@ -94,7 +106,9 @@ def test_the_search_state_keeps_exact_static_loads_through_swaps_and_replica_cha
     current = Placement.from_phy2log(random_phy2log(rng, L, E, P), G, N)
     scenarios_KLE = rng.lognormal(0.0, 1.0, size=(1, L, E))
     cost_LGE = np.ones((L, G, E))
-    state = moves.make_state(scenarios_KLE, current.phy2log_LP, current.logcnt_LE, G, cost_LGE, None, N)
+    state = moves.make_state(
+        scenarios_KLE, current.phy2log_LP, current.logcnt_LE, G, cost_LGE, None, Dispatch("static", N)
+    )
     for _ in range(300):
         layer = int(rng.integers(L))
         if rng.random() < 0.5:
@@ -129,6 +143,6 @@ def test_served_balancedness_is_the_maps_gpu_loads(shape: tuple[int, int, int, i
         for layer in range(3):
             np.add.at(gpu_LG[layer], maps_GLE[g, layer] // S, load_LE[layer] / G)
     want = float(balancedness(gpu_LG).mean())
-    assert served_balancedness(load_LE, placement, static_dispatch=True) == pytest.approx(want, abs=1e-12)
+    assert served_balancedness(load_LE, placement, dispatch="static") == pytest.approx(want, abs=1e-12)
     even = float(model_balancedness(load_LE, placement))
     assert served_balancedness(load_LE, placement) == pytest.approx(even, abs=1e-12)
