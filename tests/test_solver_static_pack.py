@@ -221,8 +221,9 @@ def test_budgeted_static_search_stays_within_budget_and_never_loses_on_its_forec
 
 
 def test_the_unfitted_placement_planner_plans_fresh_and_drops_the_budget() -> None:
-    """SolverPlanner.for_unfitted_placement: a fresh plan (incremental off), no noise price, and
-    (drop_budget, the first plan since start-up) no move budget; everything else as given."""
+    """SolverPlanner.for_unfitted_placement: no noise price; with drop_budget (the first plan since
+    start-up) also a fresh plan (incremental off) and no move budget; with the budget kept, the
+    budgeted search (no whole fresh layer fits a budget of a few copies); everything else as given."""
     options = SolveOptions(
         algorithm="scipy",
         max_moved_experts=160,
@@ -245,7 +246,7 @@ def test_the_unfitted_placement_planner_plans_fresh_and_drops_the_budget() -> No
     )
     assert first.options == want
     kept = planner.for_unfitted_placement(drop_budget=False).options
-    assert kept == replace(options, incremental=False, noise_price_passes=0.0)
+    assert kept == replace(options, noise_price_passes=0.0)
     assert planner.options == options  # the planner itself is unchanged
 
 

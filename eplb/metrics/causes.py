@@ -38,7 +38,7 @@ CAUSE_HELP: dict[RebalanceCause, str] = {
     "skipped_empty": "the window held no load",
     "skipped_threshold": "balancedness was above the rebalancing threshold; nothing was solved",
     "skipped_unchanged": "the plan equals the live placement",
-    "skipped_gain": "the predicted gain was below the minimum gain",
+    "skipped_gain": "the time the plan was predicted to save did not pay for its transfer (or its gain was below min_gain)",
     "skipped_budget": "the plan moves more than the move budget allows",
     "skipped_other": "skipped for a reason not listed (a custom planner's)",
     "failed_planner": "the planner raised",
@@ -59,7 +59,7 @@ _PATTERNS: dict[str, tuple[tuple[RebalanceCause, re.Pattern[str]], ...]] = {
         ("skipped_threshold", re.compile(r"threshold")),
         ("skipped_unchanged", re.compile(r"equals the current placement|nothing to move|no change")),
         ("skipped_budget", re.compile(r"\bover max_|budget|max_moved|max_bytes")),
-        ("skipped_gain", re.compile(r"gain")),
+        ("skipped_gain", re.compile(r"gain|does not pay")),
     ),
     "failed": (
         ("failed_planner", re.compile(r"^planner failed")),

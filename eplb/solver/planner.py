@@ -29,17 +29,23 @@ class SolverPlanner:
     """Expert groups, for the hierarchical policy."""
 
     def for_unfitted_placement(self, *, drop_budget: bool = True) -> SolverPlanner:
-        """This planner for a placement nobody fitted (eplb.policy.decision): a fresh plan where
-        it beats the current layer (``incremental=False``: a search from an unfitted placement
-        fits the forecast's noise, the fresh packing its structure; on the deepseek-v3 preset in
+        """This planner for a placement nobody fitted (eplb.policy.decision), with no noise price
+        (``noise_price_passes``: the gains there are far above any noise). With ``drop_budget``
+        (the unbudgeted first plan) it also drops the move budget (``max_moved_experts``,
+        ``max_bytes_moved``, ``shift_max_moved_experts``) and plans fresh where that beats the
+        current layer (``incremental=False``: a search from an unfitted placement fits the
+        forecast's noise, the fresh packing its structure; on the deepseek-v3 preset in
         continuous mode the first plan then reaches 0.90 prefill balancedness against 0.87-0.88
-        when searched), with no noise price, and with ``drop_budget`` no move budget either
-        (``max_moved_experts``, ``max_bytes_moved``, ``shift_max_moved_experts``): both exist to
-        keep a fitted placement's traffic small, and the gate in seconds still decides."""
-        options = replace(self.options, incremental=False, noise_price_passes=0.0)
+        when searched). With the budget kept, it searches within it, since no whole fresh layer
+        fits a budget of a few copies; the gate in seconds still decides."""
+        options = replace(self.options, noise_price_passes=0.0)
         if drop_budget:
             options = replace(
-                options, max_moved_experts=None, max_bytes_moved=None, shift_max_moved_experts=None
+                options,
+                incremental=False,
+                max_moved_experts=None,
+                max_bytes_moved=None,
+                shift_max_moved_experts=None,
             )
         return replace(self, options=options)
 
