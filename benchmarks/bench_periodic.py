@@ -264,6 +264,13 @@ def main() -> int:
         default=["periodic", "continuous"],
         help="calibration cases of these modes",
     )
+    parser.add_argument(
+        "--dispatches",
+        nargs="+",
+        choices=("static", "dynamic", "lp"),
+        default=["static", "dynamic", "lp"],
+        help="dispatch modes of the calibration cases (periodic ones: dynamic and lp; static is the periodic cases')",
+    )
     parser.add_argument("--workloads", nargs="+", choices=sorted(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--intervals", type=int, nargs="+", default=list(INTERVALS))
     parser.add_argument("--steps", type=int, default=8000, help="steps of the periodic cases")
@@ -285,12 +292,14 @@ def main() -> int:
         if "continuous" in args.modes:
             jobs += [
                 ("calibration", (w, "continuous", 50, d, args.continuous_steps, args.seed))
-                for w, d in itertools.product(args.workloads, ("static", "dynamic", "lp"))
+                for w, d in itertools.product(args.workloads, args.dispatches)
             ]
         if "periodic" in args.modes:
             jobs += [
                 ("calibration", (w, "periodic", i, d, args.steps, args.seed))
-                for w, i, d in itertools.product(args.workloads, args.intervals, ("dynamic", "lp"))
+                for w, i, d in itertools.product(
+                    args.workloads, args.intervals, [d for d in args.dispatches if d != "static"]
+                )
             ]
     # The per-batch rule makes lp cases the longest: start them first.
     jobs.sort(key=lambda job: "lp" not in job[1])
