@@ -265,7 +265,7 @@ def demo_rank(
         for at, value in state.windows[seen_windows:]:
             say(f"pass {at:>6}: window balancedness {value:.3f} over the last {state.window_passes} passes")
         for record in state.history[seen:]:
-            say(_describe(record))
+            say(_describe(record, config.eplb.rebalance_interval))
         seen, seen_windows = len(state.history), len(state.windows)
     state = manager.state()
     manager.close()
@@ -304,14 +304,15 @@ def _schedule(config: EplbConfig) -> str:
     return line
 
 
-def _describe(record: Any) -> str:
+def _describe(record: Any, interval: int) -> str:
     line = (
-        f"pass {record.at_pass:>6}: rebalance {record.outcome}: balancedness {record.balancedness_before:.3f}"
+        f"pass {record.at_pass:>6}: rebalance {record.outcome}: window balancedness "
+        f"{record.balancedness_before:.3f}"
     )
     if record.outcome == "applied":
         line += (
-            f" -> {record.balancedness_after:.3f} on the same window (predicted "
-            f"{record.predicted_balancedness:.3f}), {record.experts_moved} experts moved across ranks "
+            f" -> {record.balancedness_after:.3f} (the window it was planned from; predicted over the next "
+            f"{interval} passes {record.predicted_balancedness:.3f}), {record.experts_moved} experts moved across ranks "
             f"({record.bytes_moved / 1e6:.2f} MB) in {record.transfer_seconds * 1e3:.1f} ms, "
             f"solve {record.solve_seconds * 1e3:.1f} ms"
         )

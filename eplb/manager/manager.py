@@ -403,7 +403,7 @@ class EplbManager:
         self._phase = "idle"
         if self.rank == 0:
             log.info(
-                "pass %d: rebalance %s (%s); balancedness %.4f -> %.4f",
+                "pass %d: rebalance %s (%s); window balancedness %.4f -> %.4f (the window it was planned from)",
                 self._passes,
                 outcome,
                 reason,
