@@ -106,7 +106,7 @@ def source_state() -> dict[str, Any]:
         return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True).stdout.strip()
 
     digest = hashlib.sha256()
-    for path in sorted((root / "eplb" / "solver").glob("*.py")):
+    for path in sorted((root / "eplb" / "solver").rglob("*.py")):
         digest.update(path.read_bytes())
     return {
         "commit": git("rev-parse", "--short", "HEAD"),

@@ -1,4 +1,5 @@
-"""DeepSeek's algorithm (eplb.solver.greedy) against SGLang 0.5.23's vendored copy, and the drop-in.
+"""DeepSeek's algorithm (eplb.solver.policies.deepseek) against SGLang 0.5.23's vendored copy, and the
+drop-in.
 
 The peer code is downloaded from PyPI by benchmarks.peers at test time (never committed). Random
 float loads have no ties, so the maps must be identical; integer loads tie often, and the

@@ -11,10 +11,11 @@ from eplb.placement.balance import model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.solver import SolveOptions, Topology, solve
-from eplb.solver import local_search as ls
-from eplb.solver.migration import relabel
-from eplb.solver.milp import milp_polish
 from eplb.solver.predict import Prediction, pass_weights, predict
+from eplb.solver.search import local_search as ls
+from eplb.solver.search.copies import holds_per_gpu
+from eplb.solver.search.migration import relabel
+from eplb.solver.search.milp import milp_polish
 from tests.helpers.placements import random_phy2log
 
 
@@ -89,7 +90,7 @@ def test_swap_search_polish_keeps_counts_and_never_loses_balance() -> None:
     np.testing.assert_array_equal(new.logcnt_LE, origin.logcnt_LE)
     assert (model_balancedness(load_LE, new) >= model_balancedness(load_LE, origin) - 1e-12).all()
     # The state's GPU counts are those of its placement.
-    np.testing.assert_array_equal(state.holds_LGE, ls.holds_per_gpu(new.phy2log_LP, G, E))
+    np.testing.assert_array_equal(state.holds_LGE, holds_per_gpu(new.phy2log_LP, G, E))
 
 
 def test_relabel_undoes_a_gpu_permutation_and_keeps_loads() -> None:

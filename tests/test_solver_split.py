@@ -13,7 +13,7 @@ import pytest
 
 from eplb.placement.balance import gpu_load
 from eplb.placement.model import Placement
-from eplb.solver.split import lp_split
+from eplb.solver.search.split import lp_split
 from tests.helpers.placements import random_phy2log
 
 

@@ -1,4 +1,4 @@
-"""Fresh placements for static dispatch (eplb.solver.static_pack), checked with the ranks' own maps."""
+"""Fresh placements for static dispatch (eplb.solver.search.static_pack), checked with the ranks' own maps."""
 
 from __future__ import annotations
 
@@ -10,18 +10,18 @@ import pytest
 from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
 from eplb.solver import SolveOptions, Topology, solve
-from eplb.solver.budget import budget_of, budgeted_phy2log
-from eplb.solver.dispatch import Dispatch
-from eplb.solver.greedy import deepseek_rebalance
-from eplb.solver.migration import relabel
 from eplb.solver.planner import SolverPlanner
-from eplb.solver.static_pack import (
+from eplb.solver.policies.deepseek import deepseek_rebalance
+from eplb.solver.scoring.dispatch import Dispatch
+from eplb.solver.scoring.static_share import static_share_LP
+from eplb.solver.search.budget import budget_of, budgeted_phy2log
+from eplb.solver.search.migration import relabel
+from eplb.solver.search.static_pack import (
     canonical_slots,
     max_share_table,
     static_fresh_phy2log,
     static_replica_counts,
 )
-from eplb.solver.static_share import static_share_LP
 from tests.helpers.placements import maps_share_LP
 
 # (G, N, E, P): one node, several, one GPU per node, and DeepSeek-V3's EP32 and EP64 shapes.
@@ -291,12 +291,13 @@ def test_a_shift_in_the_window_raises_the_budget_and_only_then() -> None:
 
 @pytest.mark.parametrize("fitted_to", ["before", "after"])
 def test_the_shift_is_the_quarters_drop_and_the_largest_jump_by_brute_force(fitted_to: str) -> None:
-    """eplb.solver.horizon.find_shift against a plain restatement: the drop is the load-weighted
+    """eplb.solver.scoring.horizon.find_shift against a plain restatement: the drop is the load-weighted
     mean score of the window's third quarter minus its last quarter's (scores from the ranks' own
     maps), the jump the split of the last half with the largest difference of the means before
     and from it, in the drop's direction. A placement fitted to the old domain drops; one fitted
     to the new domain rises (a shift it was refitted after)."""
-    from eplb.solver.horizon import PassScores, Scored, find_shift
+    from eplb.solver.scoring.horizon import PassScores, find_shift
+    from eplb.solver.scoring.served import Scored
 
     G, N, E, P, L, W = 16, 4, 32, 64, 2, 40
     rng = np.random.default_rng(4)

@@ -1,4 +1,5 @@
-"""Static dispatch's replica shares in the solver (eplb.solver.static_share) against the ranks' maps."""
+"""Static dispatch's replica shares in the solver (eplb.solver.scoring.static_share) against the ranks'
+maps."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
 from eplb.policy.dispatch import dispatch_mode_names
 from eplb.solver import SolveOptions, Topology, solve
-from eplb.solver.dispatch import Dispatch
-from eplb.solver.static_share import expert_static_shares, static_share_LP
+from eplb.solver.scoring.dispatch import Dispatch
+from eplb.solver.scoring.static_share import expert_static_shares, static_share_LP
 from tests.helpers.placements import maps_share_LP, random_phy2log
 
 # (G, N, E, P): one node, several, one GPU per node, and DeepSeek-V3's EP32 shape.
@@ -99,7 +100,7 @@ def test_the_dispatch_is_one_mode_name() -> None:
 
 def test_the_search_state_keeps_exact_static_loads_through_swaps_and_replica_changes() -> None:
     """After any sequence of moves the state's slot and GPU loads are the static shares' loads."""
-    from eplb.solver import moves
+    from eplb.solver.search import moves
 
     rng = np.random.default_rng(9)
     G, N, E, P, L = 8, 2, 16, 32, 3
@@ -130,7 +131,7 @@ def test_served_balancedness_is_the_maps_gpu_loads(shape: tuple[int, int, int, i
     """What the manager reports before and after a plan: GPU loads of every rank sending its
     share of each expert through its own static map (numpy, from the maps), mean / max per layer."""
     from eplb.placement.balance import balancedness, model_balancedness
-    from eplb.solver.solve import served_balancedness
+    from eplb.solver.scoring.served import served_balancedness
 
     G, N, E, P = shape
     rng = np.random.default_rng(7)

@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from eplb.simulate.options import initial_placement, load_input, simulation_config
     from eplb.simulate.planners import PastView
     from eplb.solver.planner import SolverPlanner
-    from eplb.solver.solve import served_balancedness
+    from eplb.solver.scoring.served import served_balancedness
     from eplb.solver.types import SolveOptions
 
     out_dir: Path = args.out

@@ -366,10 +366,11 @@ class EplbManager:
             self._phase = "stopped"
 
     def _served(self, load_LE: np.ndarray, placement: Placement, weights_LER: np.ndarray | None) -> float:
-        """Balancedness of ``load_LE`` on ``placement`` as this server dispatches (eplb.solver.solve)."""
+        """Balancedness of ``load_LE`` on ``placement`` as this server dispatches
+        (eplb.solver.scoring.served)."""
         if not self._static_dispatch or weights_LER is not None:
             return float(model_balancedness(load_LE, placement, weights_LER))
-        from eplb.solver.solve import served_balancedness  # SciPy's module only where it is used
+        from eplb.solver.scoring.served import served_balancedness  # SciPy's module only where it is used
 
         return served_balancedness(load_LE, placement, dispatch=self.config.dispatch_algorithm)
 

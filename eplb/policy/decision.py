@@ -147,7 +147,7 @@ def gate(
 ) -> Verdict:
     """Apply or skip, by the net modeled seconds (``priced``) or whenever it changes something.
 
-    ``predicted`` and ``current``: the calibrated predictions (eplb.solver.horizon) of the plan
+    ``predicted`` and ``current``: the calibrated predictions (eplb.solver.scoring.horizon) of the plan
     and of the current placement over the next ``pricing.horizon_passes``. The plan saves what
     the pass-time model gives for that difference on each of the ``gain_passes`` it is counted
     over (:func:`value_horizon`), less the passes served on the old placement while its swap

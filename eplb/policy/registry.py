@@ -37,17 +37,17 @@ POLICIES: dict[str, PolicyEntry] = {
         ),
         PolicyEntry(
             name="deepseek",
-            target="eplb.solver.policies:DEEPSEEK",
+            target="eplb.solver.policies.deepseek:DEEPSEEK",
             summary="DeepSeek's EPLB, global: replicate the hottest experts, pack heaviest-first",
         ),
         PolicyEntry(
             name="deepseek_hierarchical",
-            target="eplb.solver.policies:DEEPSEEK_HIERARCHICAL",
+            target="eplb.solver.policies.deepseek:DEEPSEEK_HIERARCHICAL",
             summary="DeepSeek's EPLB, hierarchical: expert groups onto nodes, then replicas onto GPUs",
         ),
         PolicyEntry(
             name="scipy",
-            target="eplb.solver.policies:SCIPY",
+            target="eplb.solver.policies.scipy_policy:SCIPY",
             summary="forecast, swap search and MILP packing, incremental plans that move few experts",
         ),
     )
@@ -79,7 +79,7 @@ def get_policy(name: str) -> Any:
     """The policy object of ``name`` (alias resolved), imported on first use.
 
     Typed loosely on purpose: the registry must not import the solver that defines the protocol
-    (``eplb.solver.Policy``); ``eplb.solver.policies.load_policy`` is the typed access.
+    (``eplb.solver.Policy``); ``eplb.solver.policies.protocol.load_policy`` is the typed access.
     """
     concrete = resolve_policy_name(name)
     policy = _LOADED.get(concrete)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from eplb.placement.model import Placement
 from eplb.solver.dropin import rebalance_experts
 from eplb.solver.planner import SolverPlanner
-from eplb.solver.policies import Policy
+from eplb.solver.policies.protocol import Policy
 from eplb.solver.solve import solve
 from eplb.solver.types import PREDICTIONS, Plan, SolveOptions, Topology
 

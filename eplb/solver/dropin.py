@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eplb.solver.greedy import log2phy_from_rank
-from eplb.solver.policies import DeepSeekPolicy, load_policy
+from eplb.solver.policies.deepseek import DeepSeekPolicy, log2phy_from_rank
+from eplb.solver.policies.protocol import load_policy
 from eplb.solver.solve import solve
 from eplb.solver.types import SolveOptions, Topology, as_load_array, check_shapes
 

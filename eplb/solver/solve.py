@@ -4,13 +4,13 @@ Shape legend: W window (passes), L layers, E logical experts, P physical slots, 
 R max replicas.
 
 Steps: check the input; forecast the load (eplb.solver.predict); score the current placement on
-every pass as the server dispatches (eplb.solver.dispatch) and look for a domain shift in the
-window (eplb.solver.horizon.find_shift: a shift may spend the burst budget, and calibration
+every pass as the server dispatches (eplb.solver.scoring.dispatch) and look for a domain shift in the
+window (eplb.solver.scoring.horizon.find_shift: a shift may spend the burst budget, and calibration
 starts after it); price one expert copy in balancedness from the pass-time model
 (eplb.policy.decision.copy_price) unless ``copy_cost`` is given; place replicas with the policy
 (eplb.policy registry), within the move budget; optionally split each expert's load over its
-replicas (eplb.solver.split); predict what the plan and the current placement will get over the
-passes the plan serves (eplb.solver.horizon.calibrate); apply it when the time it saves pays for
+replicas (eplb.solver.search.split); predict what the plan and the current placement will get over the
+passes the plan serves (eplb.solver.scoring.horizon.calibrate); apply it when the time it saves pays for
 its transfer (eplb.policy.decision.gate).
 """
 
@@ -22,18 +22,17 @@ from typing import Any
 
 import numpy as np
 
-from eplb.placement.balance import balancedness, slot_share_LP
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy.cost_model import PassTimes
 from eplb.policy.decision import copy_price, gate, value_horizon
-from eplb.solver.budget import budget_of, fit_layers
-from eplb.solver.dispatch import Dispatch
-from eplb.solver.horizon import Cuts, PassScores, Scored, calibrate, find_shift
-from eplb.solver.local_search import layer_scores
-from eplb.solver.policies import PlacementRequest, Policy, load_policy
+from eplb.solver.policies.protocol import PlacementRequest, Policy, load_policy
 from eplb.solver.predict import Prediction, predict
-from eplb.solver.split import lp_split
+from eplb.solver.scoring.dispatch import Dispatch
+from eplb.solver.scoring.horizon import Cuts, PassScores, calibrate, find_shift
+from eplb.solver.scoring.served import layer_scores, scored_balancedness, scored_placement
+from eplb.solver.search.budget import budget_of, fit_layers
+from eplb.solver.search.split import lp_split
 from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check_shapes
 
 NOISE_HORIZON_FLOOR = 50
@@ -78,7 +77,7 @@ def solve(
     prediction = predict(load_WLE, options, method)
     passes = PassScores(load_WLE, dispatch, G)
     times = PassTimes.of(load_WLE, G, topology.num_physical, pricing.cost)
-    base = None if current is None else _scored(current, None, dispatch)
+    base = None if current is None else scored_placement(current, None, dispatch)
     base_LW = None if base is None else passes.layer_pass(base, np.arange(L), 0, W)
     shift_at = None
     if base_LW is not None:
@@ -117,8 +116,8 @@ def solve(
     cuts = Cuts.of(W, shift_at, options.holdout_passes)
     stats["calibration_passes"] = 0.0 if cuts is None else float(cuts.stop - cuts.cut)
     placement, weights_LER = _plan(policy, prediction, topology, current, options, stats)
-    scored = _scored(placement, weights_LER, dispatch, base)
-    forecast = _balancedness(prediction.point_LE, scored, G)
+    scored = scored_placement(placement, weights_LER, dispatch, base)
+    forecast = scored_balancedness(prediction.point_LE, scored, G)
     stats["forecast_balancedness"] = forecast
     diff = None if current is None else diff_placements(current, placement, options.bytes_per_expert)
     delay = (
@@ -131,13 +130,13 @@ def solve(
         older_options = replace(options, milp_max_solves=0)
         older_prediction = predict(load_WLE[: cuts.cut], older_options, method)
         older, older_weights = _plan(policy, older_prediction, topology, current, older_options, {})
-        older_scored = _scored(older, older_weights, dispatch, base)
+        older_scored = scored_placement(older, older_weights, dispatch, base)
         calibrated = calibrate(passes, scored, older_scored, base, base_LW, cuts, pricing.current_age_passes)
         stats.update(calibrated.stats())
         predicted, now = calibrated.plan(delay, horizon), calibrated.current(delay, horizon)
     else:
         predicted = forecast
-        now = None if base is None else _balancedness(prediction.point_LE, base, G)
+        now = None if base is None else scored_balancedness(prediction.point_LE, base, G)
     stats["algorithm_scipy"] = float(policy.name == "scipy")
     stats["prediction_robust"] = float(method == "robust")
     if current is None or diff is None or now is None:
@@ -219,46 +218,3 @@ def _plan(
     )
     weights_LER = lp_split(prediction.point_LE, placement) if options.weighted else None
     return placement, weights_LER
-
-
-def _scored(
-    placement: Placement,
-    weights_LER: np.ndarray | None,
-    dispatch: Dispatch,
-    base: Scored | None = None,
-) -> Scored:
-    """``placement`` with the share of its expert's tokens each slot gets as the server dispatches.
-
-    ``base``: the current placement scored; shares are computed again only for the layers that
-    differ from it.
-    """
-    if weights_LER is not None:
-        return Scored(placement.phy2log_LP, slot_share_LP(placement, weights_LER))
-    p2l_LP, cnt_LE, G = placement.phy2log_LP, placement.logcnt_LE, placement.num_gpus
-    if base is None:
-        return Scored(p2l_LP, dispatch.share_LP(p2l_LP, cnt_LE, G))
-    changed = np.flatnonzero((p2l_LP != base.phy2log_LP).any(axis=1))
-    share_LP = base.share_LP.copy()
-    share_LP[changed] = dispatch.share_LP(p2l_LP, cnt_LE, G, changed)
-    return Scored(p2l_LP, share_LP)
-
-
-def served_balancedness(
-    load_LE: np.ndarray,
-    placement: Placement,
-    weights_LER: np.ndarray | None = None,
-    *,
-    dispatch: str = "dynamic",
-) -> float:
-    """Model balancedness of logical load [L, E] on ``placement`` as the server splits an expert's
-    tokens (``dispatch``, a dispatch mode name; ``weights_LER`` where given): the score the
-    solver's plans are made for; the manager reports its before/after with it."""
-    scored = _scored(placement, weights_LER, Dispatch(dispatch, placement.num_nodes))
-    return _balancedness(np.asarray(load_LE, dtype=np.float64), scored, placement.num_gpus)
-
-
-def _balancedness(load_LE: np.ndarray, scored: Scored, num_gpus: int) -> float:
-    """Model balancedness of summed load [L, E] under ``scored``'s placement and shares."""
-    layer_LP = np.arange(load_LE.shape[0])[:, None]
-    slot_LP = load_LE[layer_LP, scored.phy2log_LP] * scored.share_LP
-    return float(balancedness(slot_LP.reshape(slot_LP.shape[0], num_gpus, -1).sum(axis=-1)).mean())

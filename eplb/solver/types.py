@@ -80,7 +80,7 @@ class SolveOptions:
     """robust: sub-windows of the window used as scenarios of the next window's load shape."""
     dispatch: str = "dynamic"
     """How the server splits an expert's tokens over its replicas (``--ep-dispatch-algorithm``,
-    eplb.solver.dispatch): ``static`` scores placements with the static maps' shares (and packs
+    eplb.solver.scoring.dispatch): ``static`` scores placements with the static maps' shares (and packs
     fresh plans for them), ``weighted`` also returns LP per-replica weights [L, E, R], ``lp``
     predicts with the per-batch rule; the others split evenly."""
     milp_max_solves: int = 8
@@ -121,14 +121,14 @@ class SolveOptions:
     allowance (eplb.policy.decision.MoveAllowance), whose later budgets repay what it spends."""
     shift_decline: float = 0.1
     """A shift: the current placement's load-weighted balancedness fell by more than this from
-    the passes just before some pass to those from it (eplb.solver.horizon.find_shift, blocks of
+    the passes just before some pass to those from it (eplb.solver.scoring.horizon.find_shift, blocks of
     up to 25 passes, in the newer half of the window). Drift moves it by a few hundredths per
     block on the presets; the shifts there by 0.2-0.3."""
     cross_node_weight: float = 1.0
     """What one expert copy across nodes counts against ``max_moved_experts``: the slower link's
     cost relative to a copy inside a node."""
     holdout_passes: int | None = None
-    """Passes after the older plan's cut that calibrate the prediction (eplb.solver.horizon). None:
+    """Passes after the older plan's cut that calibrate the prediction (eplb.solver.scoring.horizon). None:
     half of the passes since the last domain shift in the window (of the whole window without
     one); 0 (or a window of one pass): score the forecast itself (optimistic)."""
     min_gain: float = 0.0
@@ -226,7 +226,7 @@ class Plan:
     predicted_balancedness: float
     """What ``placement`` will get over the passes it serves (``pricing.horizon_passes``): the mean
     over them (weighted by load) of the model balancedness as the server dispatches, calibrated on
-    the window (eplb.solver.horizon); on a window too short to calibrate (or ``holdout_passes=0``),
+    the window (eplb.solver.scoring.horizon); on a window too short to calibrate (or ``holdout_passes=0``),
     its per-pass balancedness on the newest passes it was fitted to."""
     apply: bool
     """False when the modeled time the plan saves does not pay for its transfer (keep ``current``;
@@ -239,7 +239,7 @@ class Plan:
     horizon_passes, copy_price. With current: current_balancedness (predicted over the horizon,
     under current), predicted_gain, saved_seconds and transfer_seconds (the gate's), copies_moved,
     weighted_copies_moved, changed_slots, shift / shift_drop / passes_since_shift. Calibrated:
-    decline_level, decline_slope, plan_recent, older_recent, current_recent (eplb.solver.horizon).
+    decline_level, decline_slope, plan_recent, older_recent, current_recent (eplb.solver.scoring.horizon).
     scipy: fresh_swaps, milp_improved_layers / milp_solves / milp_seconds, fresh_layers (layers
     where the fresh plan won); searched: budget_swaps, budget_replica_changes, budget_rounds."""
 

@@ -1,4 +1,4 @@
-"""A plain-numpy restatement of the solver's horizon prediction (eplb.solver.horizon), pass by pass.
+"""A plain-numpy restatement of the solver's horizon prediction (eplb.solver.scoring.horizon), pass by pass.
 
 Shape legend: W window (passes), L layers, E logical experts.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 from scipy.optimize import linear_sum_assignment
 
-from eplb.solver.local_search import holds_per_gpu
+from eplb.solver.search.copies import holds_per_gpu
 
 
 def relabel(
@@ -32,7 +32,7 @@ def relabel(
     those, cross-GPU copies. The GPU loads and replica counts are those of the new plan.
 
     ``keep_nodes``: the new plan's nodes move as wholes (a node's GPUs stay together), because
-    static dispatch's shares depend on which replicas share a node (eplb.solver.static_pack);
+    static dispatch's shares depend on which replicas share a node (eplb.solver.search.static_pack);
     each new node goes to the current node whose best GPU assignment costs least, by a second
     assignment over nodes.
     """

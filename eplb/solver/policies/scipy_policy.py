@@ -1,17 +1,17 @@
-"""The ``scipy`` algorithm: replica counts, packing, polishing and migration-aware placement.
+"""The ``scipy`` policy (:data:`SCIPY`): replica counts, packing, polishing, migration-aware placement.
 
 Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU.
 
 Fresh plan (no current placement, or ``incremental=False``, and a candidate for every layer of an
 incremental plan):
-    static dispatch: eplb.solver.static_pack's packing for the static maps' shares; otherwise
+    static dispatch: eplb.solver.search.static_pack's packing for the static maps' shares; otherwise
     replica counts by the largest-load-per-replica greedy on the forecast, greedy packing of all
     replicas over all GPUs (no node constraint: groups-onto-nodes packing costs balance, see
     docs/solver.md), swap local search on the expected balancedness over the scenarios and MILP
     repacking of the worst layers' critical GPUs, a fixed number of solves (never worse); with a
     current placement, GPUs (static: whole nodes) relabelled to keep replicas in place.
 Incremental plan (current placement given, ``incremental=True``): from the current placement,
-    the moves that buy the most balance per expert copy (eplb.solver.budget: swaps and replica
+    the moves that buy the most balance per expert copy (eplb.solver.search.budget: swaps and replica
     changes, each paying more than ``copy_cost`` per copy), within the move budget if there is one.
     Without a budget, per layer, the fresh plan replaces the searched one where its extra
     balancedness pays for its extra copies (so a placement far from good, such as the trivial one,
@@ -20,17 +20,46 @@ Incremental plan (current placement given, ``incremental=True``): from the curre
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from eplb.placement.model import Placement
-from eplb.solver import local_search as ls
-from eplb.solver.budget import budget_of, budgeted_phy2log
-from eplb.solver.dispatch import Dispatch
-from eplb.solver.greedy import deepseek_rebalance
-from eplb.solver.migration import relabel
+from eplb.solver.policies.deepseek import deepseek_rebalance
+from eplb.solver.policies.protocol import PlacementRequest
 from eplb.solver.predict import Prediction
-from eplb.solver.static_pack import static_fresh_phy2log
+from eplb.solver.scoring.dispatch import Dispatch
+from eplb.solver.scoring.served import layer_scores
+from eplb.solver.search import local_search as ls
+from eplb.solver.search.budget import budget_of, budgeted_phy2log
+from eplb.solver.search.copies import arrivals_L, holds_per_gpu
+from eplb.solver.search.migration import relabel
+from eplb.solver.search.static_pack import static_fresh_phy2log
 from eplb.solver.types import SolveOptions, Topology
+
+
+@dataclass(frozen=True)
+class ScipyPolicy:
+    """Forecast, greedy packing refined by swap search and MILP, incremental migration-aware plans."""
+
+    name: str = "scipy"
+    migration_aware: bool = True
+    budget_aware: bool = True
+    priced: bool = True
+
+    def prediction(self, options: SolveOptions, num_passes: int) -> str:
+        if options.prediction != "auto":
+            return options.prediction
+        # Budgeted (continuous) plans: robust's scenarios cost 4x the search time for no gain.
+        robust = num_passes >= options.robust_from_passes and not options.budgeted
+        return "robust" if robust else "decay"
+
+    def place(self, request: PlacementRequest) -> np.ndarray:
+        r = request
+        return scipy_phy2log(r.prediction, r.topology, r.current, r.options, r.stats)
+
+
+SCIPY = ScipyPolicy()
 
 
 def scipy_phy2log(
@@ -51,18 +80,18 @@ def scipy_phy2log(
     if current is None:
         return fresh_LP
     fresh_LP = relabel(fresh_LP, current.phy2log_LP, G, N, keep_nodes=dispatch.static)
-    value_fresh_L = ls.layer_scores(fresh_LP, scenarios_KLE, weights_K, G, dispatch)
+    value_fresh_L = layer_scores(fresh_LP, scenarios_KLE, weights_K, G, dispatch)
     origin_LGE = current.gpu_has_expert()
     if not options.incremental:
         # Keep the current layers that the fresh plan does not beat on the forecast.
         base_LP = current.phy2log_LP.astype(np.int64)
-        value_base_L = ls.layer_scores(base_LP, scenarios_KLE, weights_K, G, dispatch)
+        value_base_L = layer_scores(base_LP, scenarios_KLE, weights_K, G, dispatch)
     else:
         base_LP = budgeted_phy2log(scenarios_KLE, weights_K, current, budget, stats, dispatch)
         price = options.copy_cost or 0.0
-        value_base_L = ls.layer_scores(base_LP, scenarios_KLE, weights_K, G, dispatch)
-        value_base_L -= price * ls.arrivals_L(ls.holds_per_gpu(base_LP, G, current.num_logical), origin_LGE)
-        value_fresh_L -= price * ls.arrivals_L(ls.holds_per_gpu(fresh_LP, G, current.num_logical), origin_LGE)
+        value_base_L = layer_scores(base_LP, scenarios_KLE, weights_K, G, dispatch)
+        value_base_L -= price * arrivals_L(holds_per_gpu(base_LP, G, current.num_logical), origin_LGE)
+        value_fresh_L -= price * arrivals_L(holds_per_gpu(fresh_LP, G, current.num_logical), origin_LGE)
     take_fresh_L = value_fresh_L > value_base_L + 1e-12
     stats["fresh_layers"] = float(take_fresh_L.sum())
     return np.where(take_fresh_L[:, None], fresh_LP, base_LP)
@@ -87,7 +116,7 @@ def _fresh_phy2log(
     stats["fresh_swaps"] = ls.swap_search(state, prediction.scenario_weights_K, G)
     fresh_LP = state.phy2log_LP
     if options.milp_max_solves > 0 and options.time_budget_s != 0:
-        from eplb.solver.milp import milp_polish
+        from eplb.solver.search.milp import milp_polish
 
         fresh_LP = milp_polish(
             fresh_LP,

@@ -29,7 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.solver.dispatch import Dispatch
+from eplb.solver.scoring.dispatch import Dispatch
+from eplb.solver.scoring.served import Scored
 
 DECLINE_POWER = 0.3
 """The shape of a fitted placement's decline with lag. Fitted on the first half of the horizon
@@ -42,16 +43,6 @@ BATCH_RULE_SHARE = 0.5
 dispatch rule (``lp``); on the presets that keeps the prefill passes (about 95% of the load)."""
 MIN_CALIBRATION = 4
 """Fewest passes a calibration needs: two blocks of two."""
-
-
-@dataclass(frozen=True)
-class Scored:
-    """A placement as the scorer needs it."""
-
-    phy2log_LP: np.ndarray
-    """int [L, P]."""
-    share_LP: np.ndarray
-    """float64 [L, P]: mean share of its expert's tokens each slot receives."""
 
 
 class PassScores:

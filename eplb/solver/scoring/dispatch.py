@@ -7,7 +7,7 @@ The solver scores placements as the server will dispatch on them: a slot carries
 load times its *share*, and a pass's GPU loads follow. :class:`Dispatch` is built from the
 ``--ep-dispatch-algorithm`` name (eplb.policy.dispatch) and the topology's nodes:
 
-- ``static``: the share of the ranks whose static map picks the replica (eplb.solver.static_share);
+- ``static``: the share of the ranks whose static map picks the replica (eplb.solver.scoring.static_share);
 - ``weighted``: the rebalancer's per-replica weights;
 - ``lp``: this batch's tokens water-filled over the expert's GPUs (eplb.remap.lp_rule): an even
   split on average (what the search plans with), the rule itself pass by pass (what the
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.policy.dispatch import dispatch_mode
-from eplb.solver.static_share import static_share_LP
+from eplb.solver.scoring.static_share import static_share_LP
 
 
 @dataclass(frozen=True)

@@ -1,15 +1,16 @@
-"""Layer scores, and the swap polish of a fresh plan on the expected balancedness over scenarios.
+"""The swap polish of a fresh plan, on the expected balancedness over the forecast's scenarios.
 
 Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU.
 
 A layer's score is the expected balancedness ``sum_k pi_k mean_k / max_k`` of its GPU loads over
-the scenarios (one scenario: the plain balancedness). The polish (:func:`swap_search`) improves a
-fresh placement, where moves cost nothing: replica counts are fixed, so an item's load (expert
-load / replicas) is fixed and a move exchanges the contents of two slots on different GPUs. Each
-round, every layer takes its best swap between its critical GPU (the one that is the busiest in
-the most weight of scenarios) and any slot of a lighter GPU. Rounds are numpy operations over all
-layers; a layer leaves the search when no swap gains. Plans from a live placement, where copies
-cost, are searched by eplb.solver.budget (one copy ledger).
+the scenarios (eplb.solver.scoring.served.layer_scores; one scenario: the plain balancedness). The
+polish (:func:`swap_search`) improves a fresh placement, where moves cost nothing: replica counts
+are fixed, so an item's load (expert load / replicas) is fixed and a move exchanges the contents of
+two slots on different GPUs. Each round, every layer takes its best swap between its critical GPU
+(the one that is the busiest in the most weight of scenarios) and any slot of a lighter GPU.
+Rounds are numpy operations over all layers; a layer leaves the search when no swap gains. Plans
+from a live placement, where copies cost, are searched by eplb.solver.search.budget (one copy
+ledger, eplb.solver.search.copies).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.solver.dispatch import Dispatch
+from eplb.solver.search.copies import holds_per_gpu
 
 _TOL = 1e-12
 
@@ -47,45 +48,6 @@ def make_state(
     layer = np.arange(L)[:, None]
     item_KLP = scenarios_KLE[:, layer, phy2log_LP] / logcnt_LE[layer, phy2log_LP]
     return SearchState(phy2log_LP.astype(np.int64), item_KLP, holds_per_gpu(phy2log_LP, num_gpus, E))
-
-
-def holds_per_gpu(phy2log_LP: np.ndarray, num_gpus: int, num_logical: int) -> np.ndarray:
-    """int64 [L, G, E]: number of replicas of each expert on each GPU."""
-    L, P = phy2log_LP.shape
-    gpu_P = np.arange(P) // (P // num_gpus)
-    flat = (np.arange(L)[:, None] * num_gpus + gpu_P[None, :]) * num_logical + phy2log_LP
-    return np.bincount(flat.ravel(), minlength=L * num_gpus * num_logical).reshape(L, num_gpus, num_logical)
-
-
-def arrivals_L(holds_LGE: np.ndarray, origin_LGE: np.ndarray) -> np.ndarray:
-    """int64 [L]: expert copies across GPUs from ``origin`` (bool [L, G, E]) to ``holds`` (counts
-    [L, G, E]): the (GPU, expert) pairs held now that were not held there before."""
-    return np.asarray(((holds_LGE > 0) & ~origin_LGE).sum(axis=(1, 2)))
-
-
-def expected_balancedness(gpu_KLG: np.ndarray, weights_K: np.ndarray) -> np.ndarray:
-    """float64 [L]: sum_k pi_k mean_k / max_k (1 where a scenario has no load)."""
-    peak = gpu_KLG.max(axis=-1)
-    mean = gpu_KLG.mean(axis=-1)
-    ratio = np.where(peak > 0, mean / np.where(peak > 0, peak, 1.0), 1.0)
-    return np.tensordot(weights_K, ratio, axes=1)
-
-
-def layer_scores(
-    phy2log_LP: np.ndarray,
-    scenarios_KLE: np.ndarray,
-    weights_K: np.ndarray,
-    num_gpus: int,
-    dispatch: Dispatch,
-) -> np.ndarray:
-    """float64 [L]: expected balancedness of each layer over the scenarios, each slot carrying its
-    expert's load times its share as ``dispatch`` splits it."""
-    K, L, E = scenarios_KLE.shape
-    layer = np.arange(L)[:, None]
-    cnt_LE = np.stack([np.bincount(row, minlength=E) for row in phy2log_LP])
-    share_LP = dispatch.share_LP(phy2log_LP, cnt_LE, num_gpus)
-    item_KLP = scenarios_KLE[:, layer, phy2log_LP] * share_LP
-    return expected_balancedness(item_KLP.reshape(K, L, num_gpus, -1).sum(axis=-1), weights_K)
 
 
 def swap_search(

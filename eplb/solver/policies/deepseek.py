@@ -1,4 +1,4 @@
-"""DeepSeek's published EPLB algorithm (global and hierarchical), in numpy, vectorised across rows.
+"""DeepSeek's published EPLB algorithm (global and hierarchical), in numpy, and its policy objects.
 
 Shape legend: X rows (layers, or layers x nodes), E logical experts, P physical slots, M items to
 pack, B bins (packs), L layers, N nodes, G GPUs, S slots per GPU.
@@ -14,11 +14,19 @@ This is this project's own implementation of the algorithm DeepSeek describes (a
 Arithmetic mirrors the reference (float32 loads, bins summed in float64, first index on ties) so the
 maps agree with it. Every loop runs over items or slots, never over layers: each step is a numpy
 operation on all rows at once.
+
+:data:`DEEPSEEK` and :data:`DEEPSEEK_HIERARCHICAL` are the registry's ``deepseek`` and
+``deepseek_hierarchical`` policies: they plan on the window's plain sum, as SGLang runs them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
+
+from eplb.solver.policies.protocol import PlacementRequest
+from eplb.solver.types import SolveOptions, Topology
 
 INT64 = np.int64
 
@@ -141,3 +149,39 @@ def log2phy_from_rank(
     layer = np.broadcast_to(np.arange(L)[:, None], (L, P))
     log2phy[layer, phy2log_LP, rank_LP] = np.broadcast_to(np.arange(P, dtype=np.int32), (L, P))
     return log2phy
+
+
+@dataclass(frozen=True)
+class DeepSeekPolicy:
+    """DeepSeek's EPLB (greedy replicate + balanced packing), global or hierarchical, on the window sum."""
+
+    name: str
+    hierarchical: bool
+    migration_aware: bool = False
+    budget_aware: bool = False
+    priced: bool = False
+
+    def prediction(self, options: SolveOptions, num_passes: int) -> str:
+        # SGLang runs DeepSeek's algorithm on the plain sum of the window.
+        return "sum" if options.prediction == "auto" else options.prediction
+
+    def place_with_rank(self, load_LE: np.ndarray, topology: Topology) -> tuple[np.ndarray, np.ndarray]:
+        """(phy2log int64 [L, P], replica rank int64 [L, P]) as DeepSeek's code returns them."""
+        num_logical = load_LE.shape[1]
+        if self.hierarchical and not topology.hierarchical_ok(num_logical):
+            raise ValueError(
+                f"deepseek_hierarchical needs num_groups ({topology.num_groups}) to divide the experts "
+                f"({num_logical}) and to be divisible by num_nodes ({topology.num_nodes})"
+            )
+        groups, nodes = (topology.num_groups, topology.num_nodes) if self.hierarchical else (1, 1)
+        phy2log, rank, _ = deepseek_rebalance(
+            load_LE, topology.num_physical, groups, nodes, topology.num_gpus
+        )
+        return phy2log, rank
+
+    def place(self, request: PlacementRequest) -> np.ndarray:
+        return self.place_with_rank(request.prediction.point_LE, request.topology)[0]
+
+
+DEEPSEEK = DeepSeekPolicy("deepseek", hierarchical=False)
+DEEPSEEK_HIERARCHICAL = DeepSeekPolicy("deepseek_hierarchical", hierarchical=True)

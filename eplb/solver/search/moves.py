@@ -11,7 +11,7 @@ arrival cost, if it is g's last replica). The power 32 and its root are five squ
 square roots: several times faster than ``np.power`` on these arrays.
 
 A slot carries its expert's load times its share: ``1 / count`` (an even split), or under static
-dispatch the share the static maps give (eplb.solver.static_share), recomputed for a layer after
+dispatch the share the static maps give (eplb.solver.scoring.static_share), recomputed for a layer after
 each move there. A proposal's gain assumes the shares of an even split (a swap carries the slots'
 loads as they are); the state after the move is exact, so the next proposals start from the truth.
 """
@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eplb.solver.dispatch import Dispatch
-from eplb.solver.local_search import holds_per_gpu, swap_slots
-from eplb.solver.static_share import expert_static_shares
+from eplb.solver.scoring.dispatch import Dispatch
+from eplb.solver.scoring.static_share import expert_static_shares
+from eplb.solver.search.copies import holds_per_gpu
+from eplb.solver.search.local_search import swap_slots
 
 GIVER_SLOTS = 8
 """Replica changes: candidate slots to take from, per layer (light GPUs, cheap givers first)."""
@@ -324,7 +325,7 @@ def _keeps_static_shares(
     exact: a replicated expert moves only within its node, to a GPU without a replica of it.
 
     Its node's ranks still reach it there; across nodes its share would follow the new node set
-    (eplb.solver.static_share), which the proposal does not price. Single replicas move freely.
+    (eplb.solver.scoring.static_share), which the proposal does not price. Single replicas move freely.
     """
     N = st.dispatch.num_nodes
     gpn = st.num_gpus // N

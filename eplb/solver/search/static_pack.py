@@ -4,7 +4,7 @@ Shape legend: L layers, E logical experts, P physical slots, G GPUs, N nodes, S 
 R replica counts.
 
 Under static dispatch a replica receives the fraction of ranks mapped to it
-(eplb.solver.static_share), and that fraction depends on how the expert's replicas sit on nodes:
+(eplb.solver.scoring.static_share), and that fraction depends on how the expert's replicas sit on nodes:
 on R distinct nodes, or k on each of several nodes, the ranks split (nearly) evenly; five replicas
 on four nodes give two of them an eighth of the ranks and three a quarter. A plan packed for an
 even split over replicas (DeepSeek's counts and packing) therefore lands up to 2.5 times an
@@ -29,7 +29,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from eplb.solver.static_share import expert_static_shares
+from eplb.solver.scoring.static_share import expert_static_shares
 
 
 def canonical_slots(count: int, num_gpus: int, num_nodes: int, slots_per_gpu: int) -> list[int]:

@@ -22,8 +22,8 @@ import numpy as np
 import scipy.sparse as sp
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from eplb.solver import local_search as ls
 from eplb.solver.predict import Prediction
+from eplb.solver.scoring.served import expected_balancedness
 
 NODE_LIMIT = 50
 """HiGHS branch-and-bound nodes per subproblem (its best solution so far is used past that)."""
@@ -53,7 +53,7 @@ def milp_polish(
     out = phy2log_LP.copy()
     layer_idx = np.arange(L)[:, None]
     item_KLP = prediction.scenarios_KLE[:, layer_idx, out] / cnt_LE[layer_idx, out]
-    score_L = ls.expected_balancedness(item_KLP.reshape(-1, L, G, S).sum(axis=-1), weights_K)
+    score_L = expected_balancedness(item_KLP.reshape(-1, L, G, S).sum(axis=-1), weights_K)
     improved_layers = 0
     solves = 0
     for layer in np.argsort(score_L, kind="stable") if G > 1 else ():
@@ -73,7 +73,7 @@ def milp_polish(
             slots = (chosen[:, None] * S + np.arange(S)).ravel()
             trial = items_KP.copy()
             trial[:, slots] = items_KP[:, slots[perm]]
-            new_score = ls.expected_balancedness(trial.reshape(-1, 1, G, S).sum(axis=-1), weights_K)[0]
+            new_score = expected_balancedness(trial.reshape(-1, 1, G, S).sum(axis=-1), weights_K)[0]
             if new_score <= score_L[layer] + 1e-12:
                 break
             out[layer, slots] = out[layer, slots[perm]]

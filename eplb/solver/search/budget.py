@@ -2,7 +2,7 @@
 
 Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, N nodes.
 
-From the current placement, every layer proposes its best move (eplb.solver.moves): a swap (a
+From the current placement, every layer proposes its best move (eplb.solver.search.moves): a swap (a
 slot of the layer's hot GPU trades its expert with a slot of one of the lightest GPUs: a replica
 moves, or two trade places) or a replica change (a slot whose expert has another replica is given
 to one of the hot GPU's heaviest experts: one expert gains a replica, another loses one). A move's
@@ -25,9 +25,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.placement.model import Placement
-from eplb.solver import moves
-from eplb.solver.dispatch import Dispatch
-from eplb.solver.local_search import holds_per_gpu
+from eplb.solver.scoring.dispatch import Dispatch
+from eplb.solver.search import moves
+from eplb.solver.search.copies import arrival_costs, holds_per_gpu
 from eplb.solver.types import SolveOptions
 
 MAX_ROUNDS = 1000
@@ -61,19 +61,6 @@ def budget_of(options: SolveOptions) -> Budget:
         cross_node_weight=options.cross_node_weight,
         copy_cost=options.copy_cost or 0.0,
     )
-
-
-def arrival_costs(current: Placement, cross_node_weight: float) -> tuple[np.ndarray, np.ndarray]:
-    """float64 [L, G, E] twice: (weighted, plain) cost of expert e arriving at GPU g from ``current``."""
-    held_LGE = current.gpu_has_expert()
-    L, G, E = held_LGE.shape
-    plain_LGE = (~held_LGE).astype(np.float64)
-    if cross_node_weight == 1.0:
-        return plain_LGE, plain_LGE
-    node_held_LNE = np.asarray(held_LGE.reshape(L, current.num_nodes, G // current.num_nodes, E).any(axis=2))
-    node_of_gpu = np.arange(G) // current.gpus_per_node
-    weighted_LGE = plain_LGE * np.where(node_held_LNE[:, node_of_gpu, :], 1.0, cross_node_weight)
-    return weighted_LGE, plain_LGE
 
 
 def fit_layers(target_LP: np.ndarray, current: Placement, gain_L: np.ndarray, budget: Budget) -> np.ndarray:
@@ -112,7 +99,7 @@ def budgeted_phy2log(
     """int64 [L, P]: ``current`` changed by the best-paying moves within ``budget``; fills ``stats``.
 
     ``dispatch``: how the server splits an expert's tokens (static: the static maps' shares,
-    eplb.solver.static_share, every move checked exactly); None: an even split over replicas.
+    eplb.solver.scoring.static_share, every move checked exactly); None: an even split over replicas.
     """
     if budget.weighted <= 0 or budget.plain <= 0:
         # A budget of 0 moves nothing, not even slots refilled from a replica on the same GPU.
@@ -184,7 +171,7 @@ def budgeted_phy2log(
             if checked and after - before <= MIN_STEP_GAIN:
                 # The proposal's even-split estimate did not hold under the static maps' shares:
                 # undo it. A failed replica change leaves the layer to swaps (whose gains are
-                # exact there, eplb.solver.moves); a failed swap ends the layer's search. Each
+                # exact there, eplb.solver.search.moves); a failed swap ends the layer's search. Each
                 # layer fails at most twice: strict progress, no cycles.
                 counts["undone"] += 1
                 if replica_L[layer]:

@@ -1,0 +1,13 @@
+"""How the solver finds placements: the searches and packings the policies compose.
+
+- ``copies``: what each GPU holds and what an expert copy arriving there costs (one ledger);
+- ``moves`` and ``budget``: the budgeted search from the live placement (swaps and replica
+  changes that buy the most balance per copy, within a move budget);
+- ``local_search`` and ``milp``: the swap polish and the exact MILP repacking of a fresh plan;
+- ``static_pack``: fresh plans packed for static dispatch's replica shares;
+- ``migration``: a fresh plan's GPUs relabelled to keep replicas where they are;
+- ``split``: the LP split of each expert's load over its replicas (weighted dispatch).
+
+Placements are scored with eplb.solver.scoring; which of these run is a policy's choice
+(eplb.solver.policies).
+"""
