@@ -9,10 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from eplb.config import DISPATCH_ALGORITHMS
 from eplb.placement.balance import balancedness
 from eplb.placement.model import Placement
 from eplb.simulate import RunSpec, SimulationConfig, simulate
-from eplb.simulate.dispatch import DISPATCH_MODES, dispatch_matrices
+from eplb.simulate.dispatch import dispatch_matrices
 from eplb.simulate.dispatch_lp import PerBatchShare
 from eplb.traces import Trace
 from tests.helpers.placements import random_phy2log
@@ -49,7 +50,7 @@ def _even_split_peak(counts_LE: np.ndarray, pl: Placement) -> np.ndarray:
 
 
 def test_lp_is_a_simulated_dispatch_mode() -> None:
-    assert "lp" in DISPATCH_MODES
+    assert "lp" in DISPATCH_ALGORITHMS
     assert RunSpec.parse("scipy:lp", "static").dispatch == "lp"
 
 

@@ -84,7 +84,7 @@ def test_swap_search_polish_keeps_counts_and_never_loses_balance() -> None:
     G, E, P, L = 8, 40, 48, 4
     origin = Placement.from_phy2log(random_phy2log(rng, L, E, P), G)
     load_LE = rng.lognormal(0.0, 1.0, size=(L, E))
-    state = ls.make_state(origin.phy2log_LP, load_LE[None], origin.logcnt_LE, G)
+    state = ls.make_swap_state(origin.phy2log_LP, load_LE[None], origin.logcnt_LE, G)
     assert ls.swap_search(state, np.ones(1), G) > 0
     new = Placement.from_phy2log(state.phy2log_LP, G)
     np.testing.assert_array_equal(new.logcnt_LE, origin.logcnt_LE)

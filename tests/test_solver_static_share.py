@@ -107,7 +107,7 @@ def test_the_search_state_keeps_exact_static_loads_through_swaps_and_replica_cha
     current = Placement.from_phy2log(random_phy2log(rng, L, E, P), G, N)
     scenarios_KLE = rng.lognormal(0.0, 1.0, size=(1, L, E))
     cost_LGE = np.ones((L, G, E))
-    state = moves.make_state(
+    state = moves.make_move_state(
         scenarios_KLE, current.phy2log_LP, current.logcnt_LE, G, cost_LGE, None, Dispatch("static", N)
     )
     for _ in range(300):

@@ -12,8 +12,3 @@
 Importing any of them imports no engine: the engines' own code is imported only when an engine
 calls in. docs/integrations.md says how to turn each one on, check it and turn it off.
 """
-
-from __future__ import annotations
-
-ENGINES = ("vllm", "sglang", "trtllm")
-"""The engines with an adapter here."""

@@ -8,17 +8,16 @@ periodic schedule or eplb's continuous one (``SimulationConfig.eplb``, the serve
 
 from __future__ import annotations
 
-from eplb.config import REBALANCE_MODES
+from eplb.config import DISPATCH_ALGORITHMS, REBALANCE_MODES
 from eplb.policy.cost_model import CostModel, swap_beside_passes
 from eplb.simulate.config import SimulationConfig
-from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.simulate.engine import rebalance_steps, simulate
 from eplb.simulate.planners import ALGORITHMS, PastView, RunSpec, parse_runs
 from eplb.simulate.results import RebalanceEvent, RunResult, SimulationResult
 
 __all__ = [
     "ALGORITHMS",
-    "DISPATCH_MODES",
+    "DISPATCH_ALGORITHMS",
     "REBALANCE_MODES",
     "CostModel",
     "PastView",

@@ -19,14 +19,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.placement.balance import expert_gpu_share, slot_share_LP
+from eplb.config import DISPATCH_ALGORITHMS
+from eplb.placement.balance import balancedness, expert_gpu_share, slot_share_LP
 from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
-from eplb.policy.dispatch import dispatch_mode_names
 from eplb.simulate.dispatch_lp import lp_matrices_parts
-
-DISPATCH_MODES = dispatch_mode_names(flags_only=True)
-"""The modes the simulator models: those offered as --ep-dispatch-algorithm (eplb.policy)."""
 
 
 @dataclass(frozen=True)
@@ -38,13 +35,20 @@ class DispatchMatrices:
     replicas_LEG: np.ndarray
     """float32 [L, E, G]: replicas of an expert on a GPU that receive tokens (active experts when loaded)."""
 
+    def summed_balancedness(self, load_LE: np.ndarray) -> float:
+        """Model balancedness (mean over layers) of a summed logical load [L, E] under these matrices
+        (float32, as the simulator's per-step scores; eplb.placement.model_balancedness is the float64
+        figure of an even or weighted split)."""
+        gpu_LG = np.matmul(load_LE[:, None, :].astype(np.float32), self.share_LEG)[:, 0]
+        return float(balancedness(gpu_LG).mean())
+
 
 def dispatch_matrices(
     placement: Placement, mode: str, weights_LER: np.ndarray | None = None
 ) -> DispatchMatrices:
     """The share and active-replica matrices of ``placement`` under a dispatch ``mode``."""
-    if mode not in DISPATCH_MODES:
-        raise ValueError(f"unknown dispatch mode {mode!r}; choose from {DISPATCH_MODES}")
+    if mode not in DISPATCH_ALGORITHMS:  # the simulator models the modes offered as flags
+        raise ValueError(f"unknown dispatch mode {mode!r}; choose from {DISPATCH_ALGORITHMS}")
     if mode == "lp":
         return DispatchMatrices(*lp_matrices_parts(placement))
     if mode == "static":

@@ -21,11 +21,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from eplb.config import REBALANCE_MODES, SHIFT_BURST, EplbConfig
+from eplb.config import DISPATCH_ALGORITHMS, REBALANCE_MODES, SHIFT_BURST, EplbConfig
 from eplb.placement.model import Placement
 from eplb.policy.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, TRANSFER_KINDS, CostModel
 from eplb.simulate.config import SimulationConfig
-from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.simulate.planners import parse_solver_options
 from eplb.traces import Trace
 
@@ -173,7 +172,7 @@ def add_schedule_arguments(parser: argparse.ArgumentParser, schedule: bool = Tru
     )
     g.add_argument(
         "--ep-dispatch-algorithm",
-        choices=DISPATCH_MODES,
+        choices=DISPATCH_ALGORITHMS,
         default="static",
         help="dispatch of the baseline and of --algorithms entries without ':mode' (default: %(default)s)",
     )

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from eplb.config import DISPATCH_ALGORITHMS
 from eplb.policy import Planner, policy_names
-from eplb.simulate.dispatch import DISPATCH_MODES
 from eplb.traces import Trace
 
 ALGORITHMS = ("none", *policy_names())
@@ -46,8 +46,10 @@ class RunSpec:
         dispatch = dispatch or default_dispatch
         if algorithm not in ALGORITHMS:
             raise ValueError(f"unknown algorithm {algorithm!r} in {text!r}; choose from {ALGORITHMS}")
-        if dispatch not in DISPATCH_MODES:
-            raise ValueError(f"unknown dispatch mode {dispatch!r} in {text!r}; choose from {DISPATCH_MODES}")
+        if dispatch not in DISPATCH_ALGORITHMS:
+            raise ValueError(
+                f"unknown dispatch mode {dispatch!r} in {text!r}; choose from {DISPATCH_ALGORITHMS}"
+            )
         return cls(algorithm, dispatch)
 
 

@@ -26,7 +26,7 @@ from eplb.policy import PlanLike, Planner
 from eplb.policy.cost_model import swap_beside_passes
 from eplb.policy.decision import Decider
 from eplb.simulate.config import SimulationConfig
-from eplb.simulate.dispatch import DispatchMatrices, dispatch_matrices, fake_gpu_load
+from eplb.simulate.dispatch import dispatch_matrices, fake_gpu_load
 from eplb.simulate.planners import PastView, RunSpec
 from eplb.simulate.results import RebalanceEvent, RunResult
 from eplb.traces import Trace
@@ -110,7 +110,7 @@ class RunState:
         self.past.now = step
         window_WLE = self.past.window(self.config.eplb.recorder_buffer_size)
         window_bal = (
-            model_balancedness(window_WLE.sum(axis=0, dtype=np.float64), self.matrices)
+            self.matrices.summed_balancedness(window_WLE.sum(axis=0, dtype=np.float64))
             if window_WLE.shape[0]
             else float("nan")
         )
@@ -196,7 +196,7 @@ class RunState:
             self.events[self.serving] = replace(
                 self.events[self.serving],
                 realized_balancedness=self.served_weighted / self.served_load,
-                realized_summed_balancedness=model_balancedness(self.served_LE, self.matrices),
+                realized_summed_balancedness=self.matrices.summed_balancedness(self.served_LE),
             )
         self.serving = None
 
@@ -277,9 +277,3 @@ class RunState:
             eval_seconds=self.eval_seconds,
             apply_seconds=self.apply_seconds,
         )
-
-
-def model_balancedness(load_LE: np.ndarray, matrices: DispatchMatrices) -> float:
-    """Model balancedness (mean over layers) of summed logical load [L, E] under dispatch ``matrices``."""
-    gpu_LG = np.matmul(load_LE[:, None, :].astype(np.float32), matrices.share_LEG)[:, 0]
-    return float(balancedness(gpu_LG).mean())

@@ -112,7 +112,7 @@ def _fresh_phy2log(
         # breaks the spread the static maps need: the static packing stands as it is.
         return static_fresh_phy2log(point_LE, P, G, N)[0]
     fresh_LP, _, fresh_cnt_LE = deepseek_rebalance(point_LE, P, 1, 1, G)
-    state = ls.make_state(fresh_LP, prediction.scenarios_KLE, fresh_cnt_LE, G)
+    state = ls.make_swap_state(fresh_LP, prediction.scenarios_KLE, fresh_cnt_LE, G)
     stats["fresh_swaps"] = ls.swap_search(state, prediction.scenario_weights_K, G)
     fresh_LP = state.phy2log_LP
     if options.milp_max_solves > 0 and options.time_budget_s != 0:

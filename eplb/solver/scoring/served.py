@@ -95,3 +95,10 @@ def layer_scores(
     share_LP = dispatch.share_LP(phy2log_LP, cnt_LE, num_gpus)
     item_KLP = scenarios_KLE[:, layer, phy2log_LP] * share_LP
     return expected_balancedness(item_KLP.reshape(K, L, num_gpus, -1).sum(axis=-1), weights_K)
+
+
+def expectation(weights_K: np.ndarray, values_K: np.ndarray) -> np.ndarray:
+    """sum_k pi_k values[k] over the scenarios (no tensordot copy for the one-scenario case)."""
+    if weights_K.shape[0] == 1:
+        return np.asarray(values_K[0] * weights_K[0])
+    return np.tensordot(weights_K, values_K, axes=1)

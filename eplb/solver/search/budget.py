@@ -107,7 +107,7 @@ def budgeted_phy2log(
         return current.phy2log_LP.astype(np.int64)
     weighted_LGE, plain_LGE = arrival_costs(current, budget.cross_node_weight)
     separate_plain = np.isfinite(budget.plain) and budget.cross_node_weight != 1.0
-    state = moves.make_state(
+    state = moves.make_move_state(
         scenarios_KLE,
         current.phy2log_LP,
         current.logcnt_LE,

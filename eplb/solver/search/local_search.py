@@ -19,14 +19,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eplb.solver.scoring.served import expectation
 from eplb.solver.search.copies import holds_per_gpu
 
 _TOL = 1e-12
 
 
 @dataclass
-class SearchState:
-    """Mutable search state (all arrays are updated in place)."""
+class SwapState:
+    """The swap polish's state (all arrays are updated in place)."""
 
     phy2log_LP: np.ndarray
     """int64 [L, P]: expert in each slot."""
@@ -36,22 +37,22 @@ class SearchState:
     """int64 [L, G, E]: replicas of expert e on GPU g."""
 
 
-def make_state(
+def make_swap_state(
     phy2log_LP: np.ndarray,
     scenarios_KLE: np.ndarray,
     logcnt_LE: np.ndarray,
     num_gpus: int,
-) -> SearchState:
-    """Search state for a placement ``phy2log_LP`` with replica counts ``logcnt_LE``."""
+) -> SwapState:
+    """The swap polish's state for a placement ``phy2log_LP`` with replica counts ``logcnt_LE``."""
     L = phy2log_LP.shape[0]
     E = logcnt_LE.shape[1]
     layer = np.arange(L)[:, None]
     item_KLP = scenarios_KLE[:, layer, phy2log_LP] / logcnt_LE[layer, phy2log_LP]
-    return SearchState(phy2log_LP.astype(np.int64), item_KLP, holds_per_gpu(phy2log_LP, num_gpus, E))
+    return SwapState(phy2log_LP.astype(np.int64), item_KLP, holds_per_gpu(phy2log_LP, num_gpus, E))
 
 
 def swap_search(
-    state: SearchState,
+    state: SwapState,
     weights_K: np.ndarray,
     num_gpus: int,
     max_rounds: int = 10_000,
@@ -77,7 +78,7 @@ def swap_search(
 
 
 def _best_swaps(
-    state: SearchState,
+    state: SwapState,
     layers: np.ndarray,
     weights_K: np.ndarray,
     G: int,
@@ -98,7 +99,7 @@ def _best_swaps(
     gpu_KlG = item.reshape(K, nl, G, S).sum(axis=-1)
     mean_Kl = np.maximum(gpu_KlG.mean(axis=-1), 1e-300)
     hot_l = _critical_gpu(gpu_KlG, mean_Kl, weights_K)
-    expected_lG = _expect(weights_K, gpu_KlG / mean_Kl[..., None])
+    expected_lG = expectation(weights_K, gpu_KlG / mean_Kl[..., None])
     expected_lG[rows, hot_l] = np.inf
     num_partners = max(1, min(G - 1, max(4, G // 2)))
     partner_gpu_lB = np.argsort(expected_lG, axis=1, kind="stable")[:, :num_partners]
@@ -164,14 +165,7 @@ def _peak_gain(
     new_peak = np.maximum(np.maximum(new_hot, new_other), other_max_KlQ[:, :, None, :])
     ratio_new = np.where(new_peak > 0, mean_Kl[..., None, None] / np.where(new_peak > 0, new_peak, 1.0), 1.0)
     ratio_old = np.where(peak_Kl > 0, mean_Kl / np.where(peak_Kl > 0, peak_Kl, 1.0), 1.0)
-    return _expect(weights_K, ratio_new - ratio_old[..., None, None])
-
-
-def _expect(weights_K: np.ndarray, values_K: np.ndarray) -> np.ndarray:
-    """sum_k pi_k values[k] (no tensordot copy for the one-scenario case)."""
-    if weights_K.shape[0] == 1:
-        return np.asarray(values_K[0] * weights_K[0])
-    return np.tensordot(weights_K, values_K, axes=1)
+    return expectation(weights_K, ratio_new - ratio_old[..., None, None])
 
 
 def _max_excluding(

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from eplb.solver.scoring.dispatch import Dispatch
+from eplb.solver.scoring.served import expectation
 from eplb.solver.scoring.static_share import expert_static_shares
 from eplb.solver.search.copies import holds_per_gpu
 from eplb.solver.search.local_search import swap_slots
@@ -58,7 +59,7 @@ class CopyPrices:
 
 @dataclass
 class MoveState:
-    """Mutable search state (arrays updated in place by the apply functions)."""
+    """The budgeted search's state (arrays updated in place by the apply functions)."""
 
     phy2log_LP: np.ndarray
     """int64 [L, P]."""
@@ -86,7 +87,7 @@ class MoveState:
         return self.phy2log_LP.shape[1] // self.num_gpus
 
 
-def make_state(
+def make_move_state(
     scenarios_KLE: np.ndarray,
     phy2log_LP: np.ndarray,
     cnt_LE: np.ndarray,
@@ -126,7 +127,7 @@ def make_state(
 
 
 @dataclass(frozen=True)
-class Proposal:
+class MoveProposal:
     """Each searched layer's best move (arrays over the searched layers)."""
 
     net_l: np.ndarray
@@ -158,12 +159,6 @@ def _inv_root32(u: np.ndarray) -> np.ndarray:
     return np.reciprocal(u, out=u)
 
 
-def _expect(weights_K: np.ndarray, values_K: np.ndarray) -> np.ndarray:
-    if weights_K.shape[0] == 1:
-        return np.asarray(values_K[0])
-    return np.tensordot(weights_K, values_K, axes=1)
-
-
 def propose(
     state: MoveState,
     layers: np.ndarray,
@@ -172,7 +167,7 @@ def propose(
     left_w: float,
     left_p: float,
     swaps_only_l: np.ndarray | None = None,
-) -> Proposal:
+) -> MoveProposal:
     """The best move of each of ``layers`` (swap or replica change) that fits the budget left;
     only swaps where ``swaps_only_l`` [l] is set."""
     G = state.num_gpus
@@ -183,8 +178,8 @@ def propose(
     U_Kl = xp_KlG.sum(axis=-1)
     base_Kl = _inv_root32(U_Kl.copy())
     # Hot GPU: the largest expected share of the soft maximum; partners: the lightest GPUs.
-    hot_l = _expect(weights_K, xp_KlG / U_Kl[..., None]).argmax(axis=1)
-    light_lG = _expect(weights_K, x_KlG).copy()
+    hot_l = expectation(weights_K, xp_KlG / U_Kl[..., None]).argmax(axis=1)
+    light_lG = expectation(weights_K, x_KlG).copy()
     light_lG[rows, hot_l] = np.inf
     num_partners = max(1, min(G - 1, max(4, G // 4)))
     partners_lB = np.argsort(light_lG, axis=1, kind="stable")[:, :num_partners]
@@ -203,10 +198,10 @@ def propose(
     use = repl.net_l > swap.net_l
     if swaps_only_l is not None:
         use &= ~swaps_only_l
-    return Proposal(*(np.where(use, r, s) for r, s in zip(_fields(repl), _fields(swap), strict=True)))
+    return MoveProposal(*(np.where(use, r, s) for r, s in zip(_fields(repl), _fields(swap), strict=True)))
 
 
-def _fields(p: Proposal) -> tuple[np.ndarray, ...]:
+def _fields(p: MoveProposal) -> tuple[np.ndarray, ...]:
     return (p.net_l, p.gain_l, p.weighted_l, p.plain_l, p.replica_l, p.slot_a_l, p.slot_b_l, p.expert_l)
 
 
@@ -233,7 +228,7 @@ class _Context:
         ok_lC: np.ndarray,
         moves_lC: tuple[np.ndarray, np.ndarray, np.ndarray],
         replica: bool,
-    ) -> Proposal:
+    ) -> MoveProposal:
         """Each layer's best candidate among those that fit; ``moves_lC``: slot a, slot b, expert."""
         ok_lC &= weighted_lC <= self.left_w + _TOL
         if self.state.plain is not None:
@@ -242,7 +237,7 @@ class _Context:
         rows = self.rows
         best_l = net_lC.argmax(axis=1)
         slot_a_lC, slot_b_lC, expert_lC = (np.broadcast_to(m, gain_lC.shape) for m in moves_lC)
-        return Proposal(
+        return MoveProposal(
             net_l=net_lC[rows, best_l],
             gain_l=gain_lC[rows, best_l],
             weighted_l=weighted_lC[rows, best_l],
@@ -271,7 +266,7 @@ def _copy_terms(
     return cost_lSQ
 
 
-def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> Proposal:
+def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> MoveProposal:
     st, rows, hot_l = ctx.state, ctx.rows, ctx.hot_l
     S = st.slots_per_gpu
     nl = rows.size
@@ -292,7 +287,7 @@ def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> Proposal:
     U_new += _pow32(d_KlSQ)
     U_new += rest_KlQ[:, :, None, :]
     np.maximum(U_new, 1.0, out=U_new)  # loads in units of the mean: the sum of powers is >= 1
-    gain_lC = _expect(ctx.weights_K, _inv_root32(U_new) - ctx.base_Kl[..., None, None]).reshape(nl, -1)
+    gain_lC = expectation(ctx.weights_K, _inv_root32(U_new) - ctx.base_Kl[..., None, None]).reshape(nl, -1)
 
     ea_lS = st.phy2log_LP[lay_l1, hot_slots_lS]
     eb_lQ = st.phy2log_LP[lay_l1, partner_lQ]
@@ -342,7 +337,7 @@ def _keeps_static_shares(
     return np.asarray(a_ok & b_ok[:, None, :])
 
 
-def _best_replica_change(ctx: _Context) -> Proposal:
+def _best_replica_change(ctx: _Context) -> MoveProposal:
     st, rows, hot_l = ctx.state, ctx.rows, ctx.hot_l
     G, S = st.num_gpus, st.slots_per_gpu
     nl = rows.size
@@ -350,7 +345,7 @@ def _best_replica_change(ctx: _Context) -> Proposal:
     lay_l1 = ctx.layers[:, None]
     p2l_lP = st.phy2log_LP[ctx.layers]
     cnt_lE = st.cnt_LE[ctx.layers]
-    item_lP = _expect(ctx.weights_K, st.item_KLP[:, ctx.layers])
+    item_lP = expectation(ctx.weights_K, st.item_KLP[:, ctx.layers])
     # Receivers: the experts of the hot GPU's heaviest replicas.
     hot_slots_lS = hot_l[:, None] * S + np.arange(S)
     X = min(RECEIVERS, S)
@@ -361,7 +356,7 @@ def _best_replica_change(ctx: _Context) -> Proposal:
     cnt_lP = cnt_lE[rows[:, None], p2l_lP]
     gpu_P = np.arange(P) // S
     giver_lP = (cnt_lP >= 2) & (gpu_P != hot_l[:, None])
-    score_lP = _expect(ctx.weights_K, ctx.x_KlG)[:, gpu_P] + item_lP / np.maximum(cnt_lP - 1, 1)
+    score_lP = expectation(ctx.weights_K, ctx.x_KlG)[:, gpu_P] + item_lP / np.maximum(cnt_lP - 1, 1)
     J = min(GIVER_SLOTS, P)
     slot_lJ = np.argsort(np.where(giver_lP, score_lP, np.inf), axis=1, kind="stable")[:, :J]
     valid_lJ = giver_lP[rows[:, None], slot_lJ]
@@ -391,7 +386,7 @@ def _best_replica_change(ctx: _Context) -> Proposal:
         x_new_KlX[..., None, None] - y_new_KlJ[:, :, None, :, None]
     )
     U_new = np.maximum(_pow32(new).sum(axis=-1), 1.0)
-    gain_lC = _expect(ctx.weights_K, _inv_root32(U_new) - ctx.base_Kl[..., None, None]).reshape(nl, -1)
+    gain_lC = expectation(ctx.weights_K, _inv_root32(U_new) - ctx.base_Kl[..., None, None]).reshape(nl, -1)
 
     def copies(prices: CopyPrices) -> np.ndarray:
         arrive_lXJ = prices.arrive_LGE[lay_l11, gj_lJ[:, None, :], ex_lX[:, :, None]]
@@ -443,7 +438,7 @@ def apply_replica_change(state: MoveState, layer: int, slot: int, expert: int) -
 def soft_balancedness(state: MoveState, layer: int, weights_K: np.ndarray) -> float:
     """Expected soft balancedness ``1 / smax`` of ``layer`` in the state as it is."""
     u_K = _pow32(state.gpu_KLG[:, layer].copy()).sum(axis=-1)
-    return float(_expect(weights_K, _inv_root32(np.maximum(u_K, 1.0))))
+    return float(expectation(weights_K, _inv_root32(np.maximum(u_K, 1.0))))
 
 
 def _reshare(state: MoveState, layer: int, experts: tuple[int, int]) -> None:
