@@ -77,7 +77,7 @@ WORKLOADS: dict[str, WorkloadConfig] = {
     ),
 }
 INTERVALS = (1000, 200)
-TOPOLOGY = {"ep_size": 32, "nnodes": 4, "ep_num_redundant_experts": 32}
+TOPOLOGY: dict[str, Any] = {"ep_size": 32, "nnodes": 4, "ep_num_redundant_experts": 32}
 TARGET_MARGIN = 0.01
 TARGET_BYTES_FRACTION = 0.25
 TARGET_PREDICTION_ERROR = 0.03
@@ -104,7 +104,8 @@ def prediction_errors(run: RunResult, trace: Trace, scored_from: int) -> dict[st
     domain shift landed in the passes each plan served."""
     shifts = np.asarray(trace.meta.get("domain_change_steps", []), dtype=np.int64)
     events = run.events
-    clean, hit = [], []
+    clean: list[float] = []
+    hit: list[float] = []
     for i, e in enumerate(events):
         if e.step < scored_from or not e.applied or e.realized_balancedness is None:
             continue

@@ -85,9 +85,9 @@ def timed_simulation(
 
 def slice_layers(trace: Trace, num_layers: int) -> Trace:
     return Trace(
-        np.ascontiguousarray(trace.counts_TLE[:, :num_layers]),
-        trace.is_prefill_T,
-        trace.num_tokens_T,
+        np.ascontiguousarray(trace.counts_FLE[:, :num_layers]),
+        trace.is_prefill_F,
+        trace.num_tokens_F,
         trace.meta,
     )
 

@@ -39,17 +39,19 @@ import platform
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from benchmarks.harness import Stopwatch, write_result
 from benchmarks.peers import load_sglang_deepseek
+from eplb.config import EplbConfig
 from eplb.placement.balance import model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
+from eplb.policy.decision import Decider
 from eplb.simulate.dispatch import static_weights
-from eplb.solver import SolveOptions, Topology, solve
+from eplb.solver import Plan, SolveOptions, SolverPlanner, Topology, solve
 from eplb.workloads import PRESETS, WorkloadConfig, generate
 
 NODES_FOR_EP = {8: 1, 16: 2, 32: 4, 64: 8}
@@ -113,13 +115,13 @@ def our_planner(topology: Topology, bytes_per_expert: int, **fields: Any) -> Pla
 
 
 def evaluate(
-    planner: Planner, counts_TLE: np.ndarray, is_prefill_T: np.ndarray, window: int, start: Placement
+    planner: Planner, counts_FLE: np.ndarray, is_prefill_F: np.ndarray, window: int, start: Placement
 ) -> dict[str, float]:
     """Roll ``planner`` over the windows; mean scores over rebalances (moves from the second one on)."""
     current, weights = start, None
     per_pass, summed, moved, seconds, applied = [], [], [], [], []
-    for i in range(counts_TLE.shape[0] // window - 1):
-        window_WLE = counts_TLE[i * window : (i + 1) * window]
+    for i in range(counts_FLE.shape[0] // window - 1):
+        window_WLE = counts_FLE[i * window : (i + 1) * window]
         with Stopwatch() as clock:
             placement, new_weights, apply = planner(window_WLE, current)
         seconds.append(clock.wall_s)
@@ -131,7 +133,7 @@ def evaluate(
             moved.append(0)
         applied.append(apply)
         nxt = slice((i + 1) * window, (i + 2) * window)
-        prefill = counts_TLE[nxt][is_prefill_T[nxt]]
+        prefill = counts_FLE[nxt][is_prefill_F[nxt]]
         per_pass.append(float(model_balancedness(prefill, current, weights).mean()))
         summed.append(float(model_balancedness(prefill.sum(axis=0), current, weights)))
     return {
@@ -151,7 +153,7 @@ def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
         for window in args.windows:
             steps = window * (args.rebalances + 1)
             trace = generate(WorkloadConfig(num_steps=steps, seed=seed))
-            counts = trace.counts_TLE.astype(np.float64)
+            counts = trace.counts_FLE.astype(np.float64)
             for ep in args.ep:
                 P = num_physical(preset.num_experts, args.redundant, ep)
                 topology = Topology(
@@ -168,7 +170,7 @@ def run_quality(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for name in args.variants:
                     planners[name] = our_planner(topology, preset.bytes_per_expert, **VARIANTS[name])
                 for name, planner in planners.items():
-                    result = evaluate(planner, counts, trace.is_prefill_T, window, start)
+                    result = evaluate(planner, counts, trace.is_prefill_F, window, start)
                     row = {
                         "seed": seed,
                         "window": window,
@@ -188,7 +190,7 @@ def run_timing(args: argparse.Namespace) -> list[dict[str, Any]]:
     module = load_sglang_deepseek()
     preset = PRESETS["deepseek-v3"]
     trace = generate(WorkloadConfig(num_steps=2 * args.timing_window, seed=0))
-    counts = trace.counts_TLE.astype(np.float64)
+    counts = trace.counts_FLE.astype(np.float64)
     rows = []
     for layers in args.timing_layers:
         for ep in args.ep:
@@ -232,7 +234,7 @@ def run_continuous(args: argparse.Namespace) -> list[dict[str, Any]]:
     rows = []
     for seed in args.seeds:
         trace = generate(WorkloadConfig(num_steps=args.continuous_steps, seed=seed))
-        counts = trace.counts_TLE
+        counts = trace.counts_FLE
         for ep in [e for e in args.ep if e in (32, 64)]:
             P = num_physical(preset.num_experts, args.redundant, ep)
             topology = Topology(num_gpus=ep, num_nodes=NODES_FOR_EP[ep], num_physical=P, num_groups=8)
@@ -243,6 +245,20 @@ def run_continuous(args: argparse.Namespace) -> list[dict[str, Any]]:
                 holdout_passes=args.holdout_passes,
                 dispatch="static" if args.static_dispatch else "dynamic",
             )
+            # The decisions a server in continuous mode takes (eplb.policy.decision): the interval
+            # as the horizon, the current placement's age, swaps paced at 100 GB/s beside the passes.
+            flags = EplbConfig(
+                ep_size=ep,
+                nnodes=NODES_FOR_EP[ep],
+                eplb_rebalance_mode="continuous",
+                eplb_rebalance_num_iterations=args.interval,
+                eplb_max_moved_experts=args.budget,
+                eplb_shift_burst=1,
+                eplb_transfer_gbps=100.0,
+            )
+            decider = Decider(flags, fitted=True)
+            decider.fitted_at = args.window_passes
+            planner = SolverPlanner(options=options, num_groups=8)
 
             def served(load_nLE: np.ndarray, placement: Placement) -> np.ndarray:
                 """Per-pass balancedness as the passes are dispatched (static maps or an even split)."""
@@ -254,24 +270,27 @@ def run_continuous(args: argparse.Namespace) -> list[dict[str, Any]]:
             applied = []
             for t in range(args.window_passes, counts.shape[0] - args.interval + 1, args.interval):
                 with Stopwatch() as clock:
-                    plan = solve(counts[t - args.window_passes : t], topology, current, options)
+                    window = counts[t - args.window_passes : t]
+                    plan = cast(Plan, decider.planner(planner, counted_pass=t)(window, current))
+                moved = plan.stats["copies_moved"] if plan.apply else 0.0
+                decider.record(counted_pass=t, applied=plan.apply, copies=moved)
                 nxt = slice(t, t + args.interval)
                 load = counts[nxt].astype(np.float64)
                 weights = load.sum(axis=(1, 2))
-                plan_T = served(load, plan.placement)
-                current_T = served(load, current)
-                realised = float(np.average(plan_T, weights=weights))
+                plan_F = served(load, plan.placement)
+                current_F = served(load, current)
+                realised = float(np.average(plan_F, weights=weights))
                 samples["cpu_s"].append(clock.cpu_s)
                 samples["err"].append(plan.predicted_balancedness - realised)
                 samples["err_prefill"].append(
-                    plan.predicted_balancedness - float(plan_T[trace.is_prefill_T[nxt]].mean())
+                    plan.predicted_balancedness - float(plan_F[trace.is_prefill_F[nxt]].mean())
                 )
                 samples["gain_err"].append(
-                    plan.stats["predicted_gain"] - (realised - float(np.average(current_T, weights=weights)))
+                    plan.stats["predicted_gain"] - (realised - float(np.average(current_F, weights=weights)))
                 )
                 samples["copies"].append(plan.stats["copies_moved"] if plan.apply else 0.0)
-                ran_T = plan_T if plan.apply else current_T
-                samples["ran_prefill"].append(float(ran_T[trace.is_prefill_T[nxt]].mean()))
+                ran_F = plan_F if plan.apply else current_F
+                samples["ran_prefill"].append(float(ran_F[trace.is_prefill_F[nxt]].mean()))
                 applied.append(plan.apply)
                 if plan.apply:
                     current = plan.placement

@@ -61,13 +61,13 @@ def moe_seconds_by_kind(result: Mapping[str, Any]) -> dict[str, dict[str, float]
 
     meta = result["trace"]
     cfg = WorkloadConfig(preset=meta["model"], num_steps=result["steps"], seed=result["config"]["seed"])
-    prefill_T = generate(cfg).is_prefill_T[result["scored_from"] :]
+    prefill_F = generate(cfg).is_prefill_F[result["scored_from"] :]
     out = {}
     for name, series in result["timeline"].items():
         moe_us = [float(x) for x in series["moe_us"][result["scored_from"] :]]
         out[name] = {
-            "prefill": sum(x for x, p in zip(moe_us, prefill_T, strict=True) if p) / 1e6,
-            "decode": sum(x for x, p in zip(moe_us, prefill_T, strict=True) if not p) / 1e6,
+            "prefill": sum(x for x, p in zip(moe_us, prefill_F, strict=True) if p) / 1e6,
+            "decode": sum(x for x, p in zip(moe_us, prefill_F, strict=True) if not p) / 1e6,
         }
     return out
 

@@ -49,15 +49,15 @@ def _run2_kernel(  # type: ignore[no-untyped-def]
         tl.store(part_ptr + 2 * item + 1, tl.sum(weighted, axis=0))
 
 
-def run2_checksums(words_NRW: torch.Tensor, rows_n: torch.Tensor, programs: int) -> torch.Tensor:
+def run2_checksums(buffer_words: torch.Tensor, rows_n: torch.Tensor, programs: int) -> torch.Tensor:
     """int64 [n, 2]: the checksums of slots ``rows_n`` (the run-2 launch, tiles added by torch)."""
-    _, R, Wd = words_NRW.shape
+    _, R, Wd = buffer_words.shape
     n = int(rows_n.numel())
     tiles = triton.cdiv(R, TILE_ROWS)
-    part = torch.empty(n, tiles, 2, dtype=torch.int64, device=words_NRW.device)
+    part = torch.empty(n, tiles, 2, dtype=torch.int64, device=buffer_words.device)
     grid = (max(1, min(programs, n * tiles)),)
     _run2_kernel[grid](
-        words_NRW,
+        buffer_words,
         rows_n,
         part,
         n * tiles,

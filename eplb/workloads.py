@@ -1,6 +1,7 @@
 """Seeded synthetic expert-load workloads with the statistics real MoE routers show.
 
-Shape legend: T steps, L layers, E logical experts, D workload domains, C drift knots.
+Shape legend: F steps, L layers, E logical experts, Y workload domains, A drift knots, x any leading
+dimensions.
 
 Model (docs/workloads.md states it with the calibrated numbers). For layer l and expert e, the
 router's log-popularity at step t is
@@ -110,7 +111,7 @@ class WorkloadConfig:
     preset: str = "deepseek-v3"
     """Model preset name (see PRESETS)."""
     num_steps: int = 4000
-    """T, forward passes to generate."""
+    """F, forward passes to generate."""
     seed: int = 0
     """Seed of every random draw; the same config and seed give the same trace."""
     popularity_sigma: float = 0.8
@@ -164,46 +165,46 @@ class WorkloadConfig:
 
 
 def generate(config: WorkloadConfig | None = None, *, progress: ProgressFn | None = None) -> Trace:
-    """Generate a synthetic trace [T, L, E] (int32 counts) from ``config`` (default: deepseek-v3).
+    """Generate a synthetic trace [F, L, E] (int32 counts) from ``config`` (default: deepseek-v3).
 
     ``progress(done, total)`` is called in steps as the counts are drawn (it draws nothing random).
     """
     cfg = config or WorkloadConfig()
     m = cfg.model
-    T, L, E = cfg.num_steps, m.num_layers, m.num_experts
+    F, L, E = cfg.num_steps, m.num_layers, m.num_experts
     rng = np.random.default_rng(cfg.seed)
 
     layer_scale_L = cfg.popularity_sigma * rng.uniform(1 - cfg.layer_spread, 1 + cfg.layer_spread, size=L)
     static_LE = layer_scale_L[:, None] * rng.standard_normal((L, E))
     group_of_E = np.arange(E) * m.num_groups // E
     static_LE += cfg.group_sigma * rng.standard_normal((L, m.num_groups))[:, group_of_E]
-    domain_DLE = cfg.domain_sigma * rng.standard_normal((cfg.num_domains, L, E))
-    domain_T = _domain_schedule(rng, T, cfg.num_domains, cfg.mean_steps_between_shifts)
-    drift_CLE = _ou_knots(rng, T, L, E, cfg)
+    domain_YLE = cfg.domain_sigma * rng.standard_normal((cfg.num_domains, L, E))
+    domain_F = _domain_schedule(rng, F, cfg.num_domains, cfg.mean_steps_between_shifts)
+    drift_ALE = _ou_knots(rng, F, L, E, cfg)
 
-    is_prefill_T = rng.random(T) < cfg.prefill_fraction
-    lo = np.where(is_prefill_T, cfg.prefill_tokens[0], cfg.decode_tokens[0])
-    hi = np.where(is_prefill_T, cfg.prefill_tokens[1], cfg.decode_tokens[1])
-    tokens_T = np.exp(rng.uniform(np.log(lo), np.log(hi + 1))).astype(np.int64).clip(lo, hi)
+    is_prefill_F = rng.random(F) < cfg.prefill_fraction
+    lo = np.where(is_prefill_F, cfg.prefill_tokens[0], cfg.decode_tokens[0])
+    hi = np.where(is_prefill_F, cfg.prefill_tokens[1], cfg.decode_tokens[1])
+    tokens_F = np.exp(rng.uniform(np.log(lo), np.log(hi + 1))).astype(np.int64).clip(lo, hi)
 
-    counts_TLE = np.empty((T, L, E), dtype=np.int32)
-    knot_of_T = np.arange(T) // cfg.drift_knot_steps
-    for t0 in range(0, T, cfg.drift_knot_steps):
+    counts_FLE = np.empty((F, L, E), dtype=np.int32)
+    knot_of_F = np.arange(F) // cfg.drift_knot_steps
+    for t0 in range(0, F, cfg.drift_knot_steps):
         # Steps inside one drift knot share the domain-free part of the logits.
-        t1 = min(t0 + cfg.drift_knot_steps, T)
-        logits_LE = static_LE + drift_CLE[knot_of_T[t0]]
-        for d in np.unique(domain_T[t0:t1]):
-            steps = np.arange(t0, t1)[domain_T[t0:t1] == d]
-            prob_LE = _capped_softmax(logits_LE + domain_DLE[d], 1.0 / m.top_k)
+        t1 = min(t0 + cfg.drift_knot_steps, F)
+        logits_LE = static_LE + drift_ALE[knot_of_F[t0]]
+        for d in np.unique(domain_F[t0:t1]):
+            steps = np.arange(t0, t1)[domain_F[t0:t1] == d]
+            prob_LE = _capped_softmax(logits_LE + domain_YLE[d], 1.0 / m.top_k)
             pvals = np.broadcast_to(prob_LE, (len(steps), L, E)).reshape(-1, E)
-            tokens_rows = np.repeat(tokens_T[steps], L)
+            tokens_rows = np.repeat(tokens_F[steps], L)
             counts = _sample_topk_counts(rng, tokens_rows, m.top_k, pvals)
-            counts_TLE[steps] = counts.reshape(len(steps), L, E)
+            counts_FLE[steps] = counts.reshape(len(steps), L, E)
         if progress is not None:
-            progress(t1, T)
+            progress(t1, F)
 
     # First step of each new domain: a shift no planner can foresee from the steps before it.
-    change_steps = (np.flatnonzero(np.diff(domain_T) != 0) + 1).tolist()
+    change_steps = (np.flatnonzero(np.diff(domain_F) != 0) + 1).tolist()
     meta = {
         "source": "synthetic",
         "model": m.name,
@@ -214,53 +215,53 @@ def generate(config: WorkloadConfig | None = None, *, progress: ProgressFn | Non
         "domain_per_step_changes": len(change_steps),
         "domain_change_steps": change_steps,
     }
-    return Trace(counts_TLE, is_prefill_T, tokens_T, meta)
+    return Trace(counts_FLE, is_prefill_F, tokens_F, meta)
 
 
-def _domain_schedule(rng: np.random.Generator, T: int, D: int, mean_gap: float) -> np.ndarray:
-    """int [T]: active domain per step; switches to a different domain at Poisson times."""
-    domain_T = np.zeros(T, dtype=np.int64)
-    if D == 1 or mean_gap <= 0 or T == 0:
-        return domain_T
-    current, t = int(rng.integers(D)), 0
-    while t < T:
+def _domain_schedule(rng: np.random.Generator, F: int, Y: int, mean_gap: float) -> np.ndarray:
+    """int [F]: active domain per step; switches to a different domain at Poisson times."""
+    domain_F = np.zeros(F, dtype=np.int64)
+    if Y == 1 or mean_gap <= 0 or F == 0:
+        return domain_F
+    current, t = int(rng.integers(Y)), 0
+    while t < F:
         gap = max(1, int(rng.exponential(mean_gap)))
-        domain_T[t : t + gap] = current
+        domain_F[t : t + gap] = current
         t += gap
-        current = (current + int(rng.integers(1, D))) % D
-    return domain_T
+        current = (current + int(rng.integers(1, Y))) % Y
+    return domain_F
 
 
-def _ou_knots(rng: np.random.Generator, T: int, L: int, E: int, cfg: WorkloadConfig) -> np.ndarray:
-    """float [C, L, E]: a stationary Ornstein-Uhlenbeck process sampled every knot."""
-    C = max(1, -(-T // cfg.drift_knot_steps))
+def _ou_knots(rng: np.random.Generator, F: int, L: int, E: int, cfg: WorkloadConfig) -> np.ndarray:
+    """float [A, L, E]: a stationary Ornstein-Uhlenbeck process sampled every knot."""
+    A = max(1, -(-F // cfg.drift_knot_steps))
     decay = np.exp(-cfg.drift_knot_steps / cfg.drift_timescale_steps)
     innovation = cfg.drift_sigma * np.sqrt(1 - decay**2)
-    drift_CLE = np.empty((C, L, E))
-    drift_CLE[0] = cfg.drift_sigma * rng.standard_normal((L, E))
-    for c in range(1, C):
-        drift_CLE[c] = decay * drift_CLE[c - 1] + innovation * rng.standard_normal((L, E))
-    return drift_CLE
+    drift_ALE = np.empty((A, L, E))
+    drift_ALE[0] = cfg.drift_sigma * rng.standard_normal((L, E))
+    for c in range(1, A):
+        drift_ALE[c] = decay * drift_ALE[c - 1] + innovation * rng.standard_normal((L, E))
+    return drift_ALE
 
 
 def _sample_topk_counts(
-    rng: np.random.Generator, tokens_N: np.ndarray, top_k: int, pvals_NE: np.ndarray
+    rng: np.random.Generator, tokens_x: np.ndarray, top_k: int, pvals_xE: np.ndarray
 ) -> np.ndarray:
-    """int [N, E]: tokens*top_k routed choices per row, no expert above the row's token count.
+    """int [x, E]: tokens*top_k routed choices per row, no expert above the row's token count.
 
     One multinomial draw per row; choices beyond an expert's token count (a token picks k
     distinct experts) are redrawn over the experts still below it.
     """
-    counts = rng.multinomial(tokens_N * top_k, pvals_NE)
-    for _ in range(pvals_NE.shape[1]):
-        over = counts > tokens_N[:, None]
+    counts = rng.multinomial(tokens_x * top_k, pvals_xE)
+    for _ in range(pvals_xE.shape[1]):
+        over = counts > tokens_x[:, None]
         rows = np.flatnonzero(over.any(axis=1))
         if rows.size == 0:
             break
-        excess = np.where(over[rows], counts[rows] - tokens_N[rows, None], 0).sum(axis=1)
-        counts[rows] = np.minimum(counts[rows], tokens_N[rows, None])
-        room = counts[rows] < tokens_N[rows, None]
-        p = np.where(room, pvals_NE[rows], 0.0)
+        excess = np.where(over[rows], counts[rows] - tokens_x[rows, None], 0).sum(axis=1)
+        counts[rows] = np.minimum(counts[rows], tokens_x[rows, None])
+        room = counts[rows] < tokens_x[rows, None]
+        p = np.where(room, pvals_xE[rows], 0.0)
         p /= p.sum(axis=1, keepdims=True)
         counts[rows] += rng.multinomial(excess, p)
     return counts
@@ -291,8 +292,8 @@ def unbalanced_imbalance(trace: Trace, num_gpus: int) -> float:
     from eplb.placement.balance import imbalance_ratio
     from eplb.placement.model import Placement
 
-    steps = trace.prefill_only() if trace.is_prefill_T.any() else trace
+    steps = trace.prefill_only() if trace.is_prefill_F.any() else trace
     if steps.num_steps == 0:
         raise ValueError("trace has no steps")
     placement = Placement.trivial(steps.num_layers, steps.num_experts, num_gpus)
-    return float(imbalance_ratio(steps.counts_TLE, placement).mean())
+    return float(imbalance_ratio(steps.counts_FLE, placement).mean())

@@ -42,10 +42,10 @@ NUM_RANKS = 2
 NUM_REDUNDANT = 4
 
 
-def stat_dump(counts_TLE: np.ndarray, window: int) -> dict[str, object]:
+def stat_dump(counts_FLE: np.ndarray, window: int) -> dict[str, object]:
     """SGLang's stat layout: the last ``window`` passes as its ring buffer holds them."""
-    ring_WLE = np.zeros((window, *counts_TLE.shape[1:]), dtype=np.int32)
-    for t, counts_LE in enumerate(counts_TLE):
+    ring_WLE = np.zeros((window, *counts_FLE.shape[1:]), dtype=np.int32)
+    for t, counts_LE in enumerate(counts_FLE):
         ring_WLE[t % window] = counts_LE  # pass t lands in slot t mod W, overwriting pass t - W
     return {
         "rank": 0,
@@ -54,9 +54,9 @@ def stat_dump(counts_TLE: np.ndarray, window: int) -> dict[str, object]:
     }
 
 
-def per_pass_dumps(counts_TLE: np.ndarray, rng: np.random.Generator) -> list[dict[str, object]]:
+def per_pass_dumps(counts_FLE: np.ndarray, rng: np.random.Generator) -> list[dict[str, object]]:
     """One per_pass dump per rank: each pass's tokens split over the ranks and the replicas."""
-    T, L, E = counts_TLE.shape
+    T, L, E = counts_FLE.shape
     P = E + NUM_REDUNDANT
     phy2log_LP = np.broadcast_to(np.arange(P) % E, (L, P)).copy()
     dumps: list[dict[str, object]] = [{"records": []} for _ in range(NUM_RANKS)]
@@ -65,7 +65,7 @@ def per_pass_dumps(counts_TLE: np.ndarray, rng: np.random.Generator) -> list[dic
         phys_LP = np.zeros((L, P), dtype=np.int64)
         for slots in (np.flatnonzero(phy2log_LP[0] == e) for e in range(E)):
             share = np.full(len(slots), 1.0 / len(slots))
-            phys_LP[:, slots] = np.stack([rng.multinomial(c, share) for c in counts_TLE[t][:, slots[0]]])
+            phys_LP[:, slots] = np.stack([rng.multinomial(c, share) for c in counts_FLE[t][:, slots[0]]])
         rest_LP = phys_LP
         for rank in range(NUM_RANKS):
             mine_LP = rest_LP if rank == NUM_RANKS - 1 else rng.binomial(rest_LP, 1.0 / (NUM_RANKS - rank))
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     trace = generate(WorkloadConfig(preset=PRESET, num_steps=STAT_PASSES, seed=SEED))
     written = [args.out / "sglang_stat_dump.pt"]
-    torch.save(stat_dump(trace.counts_TLE, STAT_WINDOW), str(written[0]))
+    torch.save(stat_dump(trace.counts_FLE, STAT_WINDOW), str(written[0]))
     rng = np.random.default_rng(SEED)
-    for rank, dump in enumerate(per_pass_dumps(trace.counts_TLE[:PER_PASS_PASSES], rng)):
+    for rank, dump in enumerate(per_pass_dumps(trace.counts_FLE[:PER_PASS_PASSES], rng)):
         written.append(args.out / f"sglang_per_pass_rank{rank}.pt")
         torch.save(dump, str(written[-1]))
     for path in written:

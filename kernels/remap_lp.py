@@ -1,7 +1,7 @@
 """``lp`` dispatch fused with remap + record: two Triton kernels around the counts all-gather.
 
-Shape legend: T tokens, K top-k, E logical experts, P physical slots, G EP ranks, S slots per GPU,
-N replicated experts (eplb.remap.lp_rule states the rule), C programs.
+Shape legend: T tokens, K top-k, E logical experts, P physical slots, G GPUs (EP ranks), S slots per
+GPU, X replicated experts (eplb.remap.lp_rule states the rule), C count rows (one per program).
 
 Program ``c`` of either kernel owns one contiguous chunk of the flat ``[T, K]`` ids, the same in
 both, so "earlier programs" means "earlier ids":
@@ -13,7 +13,7 @@ both, so "earlier programs" means "earlier ids":
 2. The exchange all-gathers ``local_E`` into int32 [G, E] (eplb.remap.lp.LpExchange).
 3. ``_lp_assign_kernel``: every program derives the same per-replica quotas from the gathered
    counts (even split, then re-fill passes, eplb.remap.lp_rule), per expert and GPU, and writes
-   their running starts to a shared int32 [N, G] scratch (identical values from every program),
+   their running starts to a shared int32 [X, G] scratch (identical values from every program),
    then maps each id: one
    replica through the static map; a replicated expert by its global position (earlier ranks'
    tokens of it, earlier programs' from the scratch rows, then a running count within the
@@ -32,11 +32,11 @@ import triton.language as tl
 from eplb.kernels.remap_record import _histogram
 
 SUB = 128
-"""Ids per step of the assign kernel's running count (a [SUB, N] one-hot and its prefix sum)."""
+"""Ids per step of the assign kernel's running count (a [SUB, X] one-hot and its prefix sum)."""
 COUNT_BLOCK = 1024
 """Ids per step of the count kernel."""
 MAX_PROGRAMS = 256
-"""Most programs per launch (the assign kernel sums earlier programs' rows: [C, N] loads)."""
+"""Most programs per launch (the assign kernel sums earlier programs' rows: [C, X] loads)."""
 INT32_MAX = 2**31 - 1
 
 
@@ -149,7 +149,7 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
     layer,
     chunk,
     K: tl.constexpr,
-    N: tl.constexpr,
+    X: tl.constexpr,
     SUB: tl.constexpr,
     EBINS: tl.constexpr,
     GBINS: tl.constexpr,
@@ -183,75 +183,75 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
     on_gpu_EG = single_E[:, None] & (gpu_E[:, None] == g_[None, :])
     loads_G = tl.sum(tl.where(on_gpu_EG, counts_E[:, None], 0), axis=0)
     # ---- replicated experts: global count, this rank's offset and count, earlier programs' -------
-    expert_N = tl.load(expert_ptr + layer * N + n_, mask=n_ < N, other=-1)
-    has_N = expert_N >= 0
-    safe_N = tl.where(has_N, expert_N, 0)
-    tile_GN = tl.load(
-        gathered_ptr + g_[:, None] * num_logical + safe_N[None, :],
-        mask=in_g[:, None] & has_N[None, :],
+    expert_X = tl.load(expert_ptr + layer * X + n_, mask=n_ < X, other=-1)
+    has_X = expert_X >= 0
+    safe_X = tl.where(has_X, expert_X, 0)
+    tile_GX = tl.load(
+        gathered_ptr + g_[:, None] * num_logical + safe_X[None, :],
+        mask=in_g[:, None] & has_X[None, :],
         other=0,
     )
-    amount_N = tl.sum(tile_GN, axis=0)
-    offset_N = tl.sum(tl.where(g_[:, None] < rank, tile_GN, 0), axis=0)
-    mine_N = tl.sum(tl.where(g_[:, None] == rank, tile_GN, 0), axis=0)
-    before_N = tl.sum(
+    amount_X = tl.sum(tile_GX, axis=0)
+    offset_X = tl.sum(tl.where(g_[:, None] < rank, tile_GX, 0), axis=0)
+    mine_X = tl.sum(tl.where(g_[:, None] == rank, tile_GX, 0), axis=0)
+    before_X = tl.sum(
         tl.load(
-            hist_ptr + c_[:, None] * EBINS + safe_N[None, :],
-            mask=(c_[:, None] < pid) & has_N[None, :],
+            hist_ptr + c_[:, None] * EBINS + safe_X[None, :],
+            mask=(c_[:, None] < pid) & has_X[None, :],
             other=0,
         ),
         axis=0,
     )
     # Quotas live per (expert, GPU): a GPU that does not hold the expert has none. The GPUs in
-    # ascending order are the rule's order of an expert's GPUs, so [N, G] tiles need no gather.
-    slot_NG = tl.load(
-        slot_ptr + (layer * N + n_[:, None]) * num_gpus + g_[None, :],
-        mask=has_N[:, None] & in_g[None, :],
+    # ascending order are the rule's order of an expert's GPUs, so [X, G] tiles need no gather.
+    slot_XG = tl.load(
+        slot_ptr + (layer * X + n_[:, None]) * num_gpus + g_[None, :],
+        mask=has_X[:, None] & in_g[None, :],
         other=-1,
     )
-    held_NG = slot_NG >= 0
+    held_XG = slot_XG >= 0
     # ---- quotas: even split, then re-fill passes, heaviest first ---------------------------------
-    width_N = tl.maximum(tl.sum(held_NG.to(tl.int32), axis=1), 1)
-    even_N = amount_N // width_N
-    nth_NG = tl.cumsum(held_NG.to(tl.int32), axis=1) - 1  # the GPU's place among the expert's
-    quota_NG = tl.where(held_NG, even_N[:, None] + (nth_NG < (amount_N - even_N * width_N)[:, None]), 0)
-    loads_G += tl.sum(quota_NG, axis=0)
-    heavier = (amount_N[None, :] > amount_N[:, None]) | (
-        (amount_N[None, :] == amount_N[:, None]) & (n_[None, :] < n_[:, None])
+    width_X = tl.maximum(tl.sum(held_XG.to(tl.int32), axis=1), 1)
+    even_X = amount_X // width_X
+    nth_XG = tl.cumsum(held_XG.to(tl.int32), axis=1) - 1  # the GPU's place among the expert's
+    quota_XG = tl.where(held_XG, even_X[:, None] + (nth_XG < (amount_X - even_X * width_X)[:, None]), 0)
+    loads_G += tl.sum(quota_XG, axis=0)
+    heavier = (amount_X[None, :] > amount_X[:, None]) | (
+        (amount_X[None, :] == amount_X[:, None]) & (n_[None, :] < n_[:, None])
     )
-    order_N = tl.sum((has_N[None, :] & heavier).to(tl.int32), axis=1)
-    num_rep = tl.sum(has_N.to(tl.int32), axis=0)
+    order_X = tl.sum((has_X[None, :] & heavier).to(tl.int32), axis=1)
+    num_rep = tl.sum(has_X.to(tl.int32), axis=0)
     for _ in tl.static_range(PASSES):
         for i in range(num_rep):
-            pick_N = has_N & (order_N == i)
-            amount = tl.sum(tl.where(pick_N, amount_N, 0), axis=0)
-            held_G = tl.sum(tl.where(pick_N[:, None], held_NG.to(tl.int32), 0), axis=0) > 0
-            loads_G -= tl.sum(tl.where(pick_N[:, None], quota_NG, 0), axis=0)
+            pick_X = has_X & (order_X == i)
+            amount = tl.sum(tl.where(pick_X, amount_X, 0), axis=0)
+            held_G = tl.sum(tl.where(pick_X[:, None], held_XG.to(tl.int32), 0), axis=0) > 0
+            loads_G -= tl.sum(tl.where(pick_X[:, None], quota_XG, 0), axis=0)
             new_G = _water_fill(amount, loads_G, held_G)
             loads_G += new_G
-            quota_NG = tl.where(pick_N[:, None], new_G[None, :], quota_NG)
+            quota_XG = tl.where(pick_X[:, None], new_G[None, :], quota_XG)
     # Running starts over the GPUs: non-decreasing, so "the last GPU starting at or before a
     # position" is the one whose quota holds it (a GPU with no quota never is: the next starts
     # where it does). Past the last GPU: unreachable.
-    starts_NG = tl.cumsum(quota_NG, axis=1) - quota_NG
-    tl.store(start_ptr + n_[:, None] * GBINS + g_[None, :], tl.where(in_g[None, :], starts_NG, 2147483647))
+    starts_XG = tl.cumsum(quota_XG, axis=1) - quota_XG
+    tl.store(start_ptr + n_[:, None] * GBINS + g_[None, :], tl.where(in_g[None, :], starts_XG, 2147483647))
     if COUNT_PHYS:
         do_count = pid == 0
         if HAS_RECORD:
             do_count = do_count & (tl.load(record_ptr) != 0)
         if do_count:
             # This rank's positions [offset, offset + mine) against each replica's quota range.
-            lo = tl.maximum(starts_NG, offset_N[:, None])
-            hi = tl.minimum(starts_NG + quota_NG, (offset_N + mine_N)[:, None])
-            mine_NG = tl.maximum(hi - lo, 0)
-            ok = held_NG & (mine_NG > 0) & (slot_NG < num_physical)
-            tl.atomic_add(counts_ptr + slot_NG, mine_NG, mask=ok, sem="relaxed")
+            lo = tl.maximum(starts_XG, offset_X[:, None])
+            hi = tl.minimum(starts_XG + quota_XG, (offset_X + mine_X)[:, None])
+            mine_XG = tl.maximum(hi - lo, 0)
+            ok = held_XG & (mine_XG > 0) & (slot_XG < num_physical)
+            tl.atomic_add(counts_ptr + slot_XG, mine_XG, mask=ok, sem="relaxed")
     tl.debug_barrier()  # the starts this program stored are read back below
     # ---- map this program's chunk ------------------------------------------------------------------
     limit = numel
     if HAS_NVALID:
         limit = tl.minimum(tl.maximum(tl.load(nvalid_ptr), 0), num_tokens) * K
-    running_N = offset_N + before_N
+    running_X = offset_X + before_X
     start = pid * chunk
     stop = tl.minimum(start + chunk, numel)
     for step in range(0, chunk, SUB):
@@ -265,15 +265,15 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
         replicated = valid & (n >= 0)
         hot = replicated[:, None] & (n[:, None] == n_[None, :])
         seen = tl.cumsum(hot.to(tl.int32), axis=0)
-        position = tl.sum(tl.where(hot, seen - 1 + running_N[None, :], 0), axis=1)
-        running_N += tl.sum(hot.to(tl.int32), axis=0)
+        position = tl.sum(tl.where(hot, seen - 1 + running_X[None, :], 0), axis=1)
+        running_X += tl.sum(hot.to(tl.int32), axis=0)
         n_safe = tl.where(replicated, n, 0)
         entry = tl.zeros([SUB], dtype=tl.int32)
         for s in tl.static_range(LOG2_GBINS):
             probe = entry + (GBINS >> (s + 1))
             bound = tl.load(start_ptr + n_safe * GBINS + probe, mask=replicated, other=2147483647)
             entry = tl.where(bound <= position, probe, entry)
-        spread = tl.load(slot_ptr + (layer * N + n_safe) * num_gpus + entry, mask=replicated, other=0)
+        spread = tl.load(slot_ptr + (layer * X + n_safe) * num_gpus + entry, mask=replicated, other=0)
         single = tl.load(static_ptr + row, mask=valid & ~replicated, other=0)
         phys = tl.where(replicated, spread, single)
         tl.store(out_ptr + offs, tl.where(valid, phys, ids), mask=in_chunk)

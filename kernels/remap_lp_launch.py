@@ -1,7 +1,7 @@
 """Launching the ``lp`` kernels (eplb.kernels.remap_lp): shapes, scratch, the exchange between them.
 
-Shape legend: T tokens, K top-k, E logical experts, P physical slots, G EP ranks, N replicated
-experts, C programs.
+Shape legend: T tokens, K top-k, E logical experts, P physical slots, G GPUs (EP ranks), X
+replicated experts, C count rows (one per program).
 
 :func:`remap_record_lp_triton` zeroes the rank's counts, runs the count kernel, the exchange
 (eplb.remap.exchange.LpExchange) and the assign kernel, all on the current stream: the launch
@@ -40,17 +40,17 @@ def lp_launch_shape(numel: int, units: int) -> tuple[int, int]:
 def remap_record_lp_triton(call: RemapCall) -> None:
     """Run ``lp`` dispatch of one call (validated by eplb.remap.api.remap_and_record, ``T * K > 0``)."""
     ids_TK, out_TK, tables, lp = call.topk_ids_TK, call.out_TK, call.tables, call.lp
-    assert lp is not None and tables.lp_expert_LN is not None and tables.lp_slot_LNG is not None
+    assert lp is not None and tables.lp_expert_LX is not None and tables.lp_slot_LXG is not None
     assert tables.lp_index_LE is not None
     numel = ids_TK.numel()
     if numel >= MAX_NUMEL:
         raise ValueError(f"topk_ids has {numel} elements; the kernel indexes with int32 (< 2**31)")
     T, K = ids_TK.shape
     E, P, G = tables.num_logical, tables.num_physical, tables.num_gpus
-    N = tables.lp_slot_LNG.shape[1]
-    ebins, nbins, gbins = _num_bins(E), _pow2(N), _pow2(G)
+    X = tables.lp_slot_LXG.shape[1]
+    ebins, nbins, gbins = _num_bins(E), _pow2(X), _pow2(G)
     chunk, programs = lp_launch_shape(numel, num_compute_units(ids_TK.device))
-    hist_CE, starts_NG = _scratch(lp, ebins, nbins, gbins)
+    hist_CE, starts_XG = _scratch(lp, ebins, nbins, gbins)
     optional = (call.counts_row_P(), call.logical_counts_E, call.num_valid_tokens, call.record)
     counts, lcounts, nvalid, record = (out_TK if t is None else t for t in optional)
     has_nvalid, has_record = call.num_valid_tokens is not None, call.record is not None
@@ -79,20 +79,20 @@ def remap_record_lp_triton(call: RemapCall) -> None:
             out_TK,
             tables.static_LE,
             tables.lp_index_LE,
-            tables.lp_expert_LN,
-            tables.lp_slot_LNG,
+            tables.lp_expert_LX,
+            tables.lp_slot_LXG,
             lp.gathered_GE,
             hist_CE,
-            starts_NG,
+            starts_XG,
             counts,
             nvalid,
             record,
         ),
         (numel, T, E, P, G, tables.slots_per_gpu, tables.rank, call.layer, chunk),
-        # K, N, SUB, EBINS, GBINS, LOG2_GBINS, NBINS, CBINS, PASSES, COUNT_PHYS, HAS_NVALID, HAS_RECORD
+        # K, X, SUB, EBINS, GBINS, LOG2_GBINS, NBINS, CBINS, PASSES, COUNT_PHYS, HAS_NVALID, HAS_RECORD
         (
             K,
-            N,
+            X,
             SUB,
             ebins,
             gbins,
@@ -152,13 +152,13 @@ ASSIGN = _Launcher(_lp_assign_kernel)
 
 
 def _scratch(lp: LpExchange, ebins: int, nbins: int, gbins: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' scratch (per-program histograms [C, E] and quota starts [N, G]), made once."""
+    """The kernels' scratch (per-program histograms [C, E] and quota starts [X, G]), made once."""
     hist = lp.scratch.get("hist_CE")
     if hist is None:
         device = lp.local_E.device
         hist = lp.scratch["hist_CE"] = torch.zeros((MAX_PROGRAMS, ebins), dtype=torch.int32, device=device)
-        lp.scratch["starts_NG"] = torch.zeros((nbins, gbins), dtype=torch.int32, device=device)
-    return hist, lp.scratch["starts_NG"]
+        lp.scratch["starts_XG"] = torch.zeros((nbins, gbins), dtype=torch.int32, device=device)
+    return hist, lp.scratch["starts_XG"]
 
 
 __all__ = ["ASSIGN", "COUNT", "lp_launch_shape", "remap_record_lp_triton"]

@@ -1,6 +1,7 @@
 """Fused logical->physical remap and load recording in one pass over ``topk_ids`` (Triton).
 
-Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
+Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R max replicas (the
+replica capacity).
 
 Three layers, as everywhere in eplb: the private ``@triton.jit`` kernel, the typed launcher
 :func:`remap_record_triton` (block sizes, grid, argument plumbing; it takes the

@@ -1,6 +1,7 @@
 """The remap kernel's per-call path once a specialisation has been launched: a direct launch.
 
-Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
+Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R max replicas (the
+replica capacity).
 
 :meth:`RemapDirectLauncher.launch` takes one :class:`eplb.remap.call.RemapCall` and computes, with
 integer arithmetic and attribute reads only, the default launch shape and a key naming everything

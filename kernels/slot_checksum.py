@@ -1,7 +1,7 @@
 """Checksums of selected expert slots of one slot buffer, straight into an int64 vector (Triton).
 
-Shape legend: N rows (slots) of the buffer, R rows of one slot, Wd int32 words per row, n selected
-slots, M length of the output vector; TR x BW the tile one program loads per step.
+Shape legend: p slots (the selected ones, of a buffer whose rows are slots, each a grid of rows x int32
+words); TR x BW the tile one program loads per step.
 
 Same numbers as eplb.hotswap.checksum.block_checksums (the plain-torch reference): per slot, the
 sum of its int32 words and the sum of each row's word sum times (row + 1), both modulo 2**64.
@@ -97,62 +97,63 @@ def tile_shape(rows: int, row_words: int, tile_words: int) -> tuple[int, int]:
 
 
 def slot_checksum_into(
-    words_NRW: torch.Tensor,
-    slots_n: torch.Tensor,
-    pos_n: torch.Tensor,
-    out_M: torch.Tensor,
+    buffer_words: torch.Tensor,
+    slots_p: torch.Tensor,
+    pos_p: torch.Tensor,
+    out: torch.Tensor,
     programs: int,
     config: tuple[int, int] | None = None,
 ) -> None:
-    """Add the checksum of slot ``slots_n[k]`` to ``out_M[pos_n[k]]`` and ``out_M[pos_n[k] + 1]``.
+    """Add the checksum of slot ``slots_p[k]`` to ``out[pos_p[k]]`` and ``out[pos_p[k] + 1]``.
 
-    ``words_NRW`` is a contiguous int32 view [N, R, Wd] of the slot buffer; ``slots_n`` and
-    ``pos_n`` int64 [n] on its device; ``out_M`` int64 [M] there, zero at those positions for a
-    plain checksum (the kernel adds). ``programs`` bounds the grid; ``config`` is
+    ``buffer_words`` is a contiguous int32 view [slots, rows, words] of the slot buffer;
+    ``slots_p`` and ``pos_p`` int64 [p] on its device; ``out`` int64 [length] there, zero at those
+    positions for a plain checksum (the kernel adds). ``programs`` bounds the grid; ``config`` is
     (tile words, warps), default :data:`TILE_CONFIG`.
     """
-    if words_NRW.dtype != torch.int32 or words_NRW.dim() != 3 or not words_NRW.is_contiguous():
+    if buffer_words.dtype != torch.int32 or buffer_words.dim() != 3 or not buffer_words.is_contiguous():
         raise ValueError(
-            f"need a contiguous int32 [N, R, Wd] view, got {words_NRW.dtype} {tuple(words_NRW.shape)}"
+            "need a contiguous int32 [slots, rows, words] view, got "
+            f"{buffer_words.dtype} {tuple(buffer_words.shape)}"
         )
-    for name, t in (("slots", slots_n), ("positions", pos_n), ("out", out_M)):
-        if t.dtype != torch.int64 or t.device != words_NRW.device or not t.is_contiguous():
+    for name, t in (("slots", slots_p), ("positions", pos_p), ("out", out)):
+        if t.dtype != torch.int64 or t.device != buffer_words.device or not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous int64 on the buffer's device, got {t.dtype}")
-    if slots_n.shape != pos_n.shape or slots_n.dim() != 1:
+    if slots_p.shape != pos_p.shape or slots_p.dim() != 1:
         raise ValueError("slots and positions must be 1-D and of the same length")
-    _, R, Wd = words_NRW.shape
-    if R * Wd >= 2**31:
-        raise ValueError(f"a slot of {R} x {Wd} words is too large (offsets within a slot are int32)")
-    n = int(slots_n.numel())
-    if n == 0 or R == 0 or Wd == 0:
+    _, rows, words = buffer_words.shape
+    if rows * words >= 2**31:
+        raise ValueError(f"a slot of {rows} x {words} words is too large (offsets within a slot are int32)")
+    count = int(slots_p.numel())
+    if count == 0 or rows == 0 or words == 0:
         return  # every checksum is zero
     tile_words, warps = config or TILE_CONFIG
     if programs < 1:
         raise ValueError(f"programs must be >= 1, got {programs}")
-    tr, bw = tile_shape(R, Wd, tile_words)
+    tr, bw = tile_shape(rows, words, tile_words)
     # Segments: a few per program (programs that finish early take more: the grid stays busy
     # to the end), each at least a row block and about MIN_SEGMENT_BYTES.
-    min_rows = max(tr, triton.cdiv(MIN_SEGMENT_BYTES, 4 * Wd))
+    min_rows = max(tr, triton.cdiv(MIN_SEGMENT_BYTES, 4 * words))
     want = SEGMENTS_PER_PROGRAM * programs
-    splits = max(1, min(triton.cdiv(want, n), triton.cdiv(R, min_rows)))
-    rows_per_split = triton.cdiv(triton.cdiv(R, splits), tr) * tr
-    splits = triton.cdiv(R, rows_per_split)
-    segments = n * splits
+    splits = max(1, min(triton.cdiv(want, count), triton.cdiv(rows, min_rows)))
+    rows_per_split = triton.cdiv(triton.cdiv(rows, splits), tr) * tr
+    splits = triton.cdiv(rows, rows_per_split)
+    segments = count * splits
     grid = (min(programs, segments),)
     _slot_checksum_kernel[grid](
-        words_NRW,
-        slots_n,
-        pos_n,
-        out_M,
+        buffer_words,
+        slots_p,
+        pos_p,
+        out,
         segments,
         splits,
-        R * Wd,
-        Wd,
-        R,
+        rows * words,
+        words,
+        rows,
         rows_per_split,
         TR=tr,
         BW=bw,
-        EVEN_ROWS=R % tr == 0,
-        EVEN_COLS=Wd % bw == 0,
+        EVEN_ROWS=rows % tr == 0,
+        EVEN_COLS=words % bw == 0,
         num_warps=warps,
     )

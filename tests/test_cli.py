@@ -58,7 +58,7 @@ def test_workload_then_trace_info_and_convert(tmp_path: Path, capsys: pytest.Cap
     info = json.loads(capsys.readouterr().out)
     assert info["layers"] == 4 and info["experts"] == 16
     assert main(["trace", "convert", str(out), "--to", "openevolve", "--out", str(tmp_path / "o.json")]) == 0
-    assert np.array_equal(load_trace(tmp_path / "o.json").counts_TLE, load_trace(out).counts_TLE)
+    assert np.array_equal(load_trace(tmp_path / "o.json").counts_FLE, load_trace(out).counts_FLE)
 
 
 def test_bad_input_is_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -175,7 +175,7 @@ def check_the_trace_exercises(case: Case, decisions: list[Decision]) -> None:
 def test_the_manager_and_the_simulator_take_the_same_decisions(case: str) -> None:
     flags = CASES[case].flags
     trace = decision_trace(idle=CASES[case].idle)
-    r0, r1 = run_ranks(manager_run, 2, args=(flags, trace.counts_TLE, trace.is_prefill_T), timeout_s=150)
+    r0, r1 = run_ranks(manager_run, 2, args=(flags, trace.counts_FLE, trace.is_prefill_F), timeout_s=150)
     assert r0["bytes_per_expert"] == BYTES_PER_EXPERT  # the simulator prices copies at the same size
     # The ranks agree among themselves (rank 1 holds no reasons of rank 0's plans).
     assert [h[:2] + h[3:] for h in r0["history"]] == [h[:2] + h[3:] for h in r1["history"]]

@@ -106,14 +106,14 @@ def reference_gpu_load(load_LE: np.ndarray, pl: Placement) -> np.ndarray:
 def test_gpu_load_and_balancedness_match_reference(seed: int) -> None:
     pl = _random_placement(seed)
     rng = np.random.default_rng(seed)
-    load_TLE = rng.integers(0, 1000, size=(5, pl.num_layers, pl.num_logical))
-    got = gpu_load(load_TLE, pl)
+    load_FLE = rng.integers(0, 1000, size=(5, pl.num_layers, pl.num_logical))
+    got = gpu_load(load_FLE, pl)
     for t in range(5):
-        ref = reference_gpu_load(load_TLE[t], pl)
+        ref = reference_gpu_load(load_FLE[t], pl)
         np.testing.assert_allclose(got[t], ref)
         np.testing.assert_allclose(balancedness(got[t]), ref.mean(1) / ref.max(1))
-        np.testing.assert_allclose(model_balancedness(load_TLE[t], pl), (ref.mean(1) / ref.max(1)).mean())
-        np.testing.assert_allclose(imbalance_ratio(load_TLE[t], pl), (ref.max(1) / ref.mean(1)).mean())
+        np.testing.assert_allclose(model_balancedness(load_FLE[t], pl), (ref.mean(1) / ref.max(1)).mean())
+        np.testing.assert_allclose(imbalance_ratio(load_FLE[t], pl), (ref.max(1) / ref.mean(1)).mean())
 
 
 def test_balancedness_edge_cases() -> None:

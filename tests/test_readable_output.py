@@ -62,7 +62,7 @@ def test_traces_without_prefill_flags_say_so_once_per_result(tmp_path: Path) -> 
     assert not load_trace(tmp_path / "t.safetensors").prefill_known
     synthetic = generate(WorkloadConfig(preset="tiny", num_steps=30, seed=0))
     assert synthetic.prefill_known and synthetic.prefill_note() is None
-    assert Trace.from_counts(sglang.counts_TLE, is_prefill=sglang.is_prefill_T).prefill_known
+    assert Trace.from_counts(sglang.counts_FLE, is_prefill=sglang.is_prefill_F).prefill_known
     config = SimulationConfig(eplb=SAMPLE_SERVER)
     notes = simulate(sglang, parse_runs(["none"], "static"), config).notes
     assert sum("no prefill flags" in n for n in notes) == 1
@@ -96,11 +96,11 @@ def test_sample_dumps_are_what_the_script_makes(tmp_path: Path) -> None:
     assert set(stat) == {"rank", "logical_count", "average_utilization_rate_over_window"}
     assert stat["logical_count"].dtype == torch.int32 and tuple(stat["logical_count"].shape) == (40, 4, 16)
     # The ring buffer: pass t sits in row t mod 40, so the last 12 passes overwrote rows 0-11.
-    passes = generate(WorkloadConfig(preset="tiny", num_steps=52, seed=0)).counts_TLE
+    passes = generate(WorkloadConfig(preset="tiny", num_steps=52, seed=0)).counts_FLE
     ring = stat["logical_count"].numpy()
     assert np.array_equal(ring[:12], passes[40:]) and np.array_equal(ring[12:], passes[12:40])
     per_pass = load_trace([EXAMPLES / "sglang_per_pass_rank0.pt", EXAMPLES / "sglang_per_pass_rank1.pt"])
-    assert np.array_equal(per_pass.counts_TLE, passes[:12])  # both ranks' slots summed per pass
+    assert np.array_equal(per_pass.counts_FLE, passes[:12])  # both ranks' slots summed per pass
 
 
 def test_solve_prints_rounded_labelled_figures(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

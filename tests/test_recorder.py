@@ -147,10 +147,10 @@ def test_dump_and_load_round_trip(mode: str, name: str, tmp_path: Path) -> None:
     assert path is not None
     trace = load_trace(path)
     kept = [p for p, f in zip(passes, flags, strict=True) if f][-4:]
-    assert np.array_equal(trace.counts_TLE, np.stack([_counts(p) for p in kept]))
-    assert np.array_equal(trace.counts_TLE, rec.window_logical_counts())
+    assert np.array_equal(trace.counts_FLE, np.stack([_counts(p) for p in kept]))
+    assert np.array_equal(trace.counts_FLE, rec.window_logical_counts())
     if not name.endswith(".pt"):
-        assert trace.num_tokens_T.tolist() == [int(p[0].shape[0]) for p in kept]
+        assert trace.num_tokens_F.tolist() == [int(p[0].shape[0]) for p in kept]
         assert trace.meta["mode"] == mode and trace.meta["forward_pass_ids"] == [1, 2, 3, 4]
 
 
@@ -171,13 +171,13 @@ def test_per_token_keeps_ids_up_to_the_budget(tmp_path: Path) -> None:
     flags = [True, False, True, True]
     for ids, f in zip(passes, flags, strict=True):
         _pass(rec, tables, ids, prefill=f)
-    ids_NLK, pass_N, dropped = rec.recorded_tokens()
+    ids_TLK, pass_T, dropped = rec.recorded_tokens()
     want = np.concatenate(
         [np.stack([p[layer].numpy() for layer in range(L)], axis=1) for p in (passes[0], passes[2])]
     )
     want = np.concatenate([want, np.stack([passes[3][layer].numpy()[:2] for layer in range(L)], axis=1)])
-    assert np.array_equal(ids_NLK, want)
-    assert pass_N.tolist() == [0] * 5 + [1] * 5 + [2] * 2 and dropped == 3
+    assert np.array_equal(ids_TLK, want)
+    assert pass_T.tolist() == [0] * 5 + [1] * 5 + [2] * 2 and dropped == 3
     path = rec.dump(tmp_path / "tok.npz")
     assert path is not None
     with np.load(path, allow_pickle=False) as z:

@@ -72,10 +72,10 @@ def test_summed_dumps_load_back(run_two_ranks: Path) -> None:
     last3 = np.stack(counts[-3:])
     for name in ("stat.safetensors", "per_pass.npz", "per_pass.pt"):
         trace = load_trace(run_two_ranks / name)
-        assert np.array_equal(trace.counts_TLE, last3), name
+        assert np.array_equal(trace.counts_FLE, last3), name
     own = load_trace(run_two_ranks / "stat.safetensors")
-    assert own.is_prefill_T.tolist() == prefill[-3:]
-    assert own.num_tokens_T.tolist() == tokens[-3:]
+    assert own.is_prefill_F.tolist() == prefill[-3:]
+    assert own.num_tokens_F.tolist() == tokens[-3:]
     assert own.meta["ranks_summed"] == 2
     sglang = torch.load(run_two_ranks / "stat.pt", weights_only=True)
     assert sglang["rank"] == 0 and sglang["logical_count"].dtype == torch.int32

@@ -81,23 +81,23 @@ def test_numpy_and_torch_quotas_equal_the_brute_force(seed: int) -> None:
     tables = lp_tables(pl)
     torch_tables = DispatchTables.from_placement(pl, 0)
     batches = [rng.integers(0, 40, size=E), np.zeros(E, int), np.full(E, 7), rng.integers(0, 3, size=E)]
-    counts_LBE = np.stack([np.stack(batches)] * 2)
-    quota_LBND, loads_LBG = lp_quotas(counts_LBE, tables)
+    counts_LnE = np.stack([np.stack(batches)] * 2)
+    quota_LnXD, loads_LnG = lp_quotas(counts_LnE, tables)
     for b, counts in enumerate(batches):
         want = brute_lp_quotas(counts.tolist(), pl, 1)
         got_torch = lp_quotas_torch(torch.from_numpy(counts.astype(np.int64)), torch_tables, 1)
-        assert torch.equal(got_torch, torch.from_numpy(quota_LBND[1, b]))
-        for n, expert in enumerate(tables.expert_LN[1]):
+        assert torch.equal(got_torch, torch.from_numpy(quota_LnXD[1, b]))
+        for n, expert in enumerate(tables.expert_LX[1]):
             if expert < 0:
-                assert not quota_LBND[1, b, n].any()
+                assert not quota_LnXD[1, b, n].any()
                 continue
-            gpus = tables.slot_LND[1, n][tables.slot_LND[1, n] >= 0] // pl.slots_per_gpu
+            gpus = tables.slot_LXD[1, n][tables.slot_LXD[1, n] >= 0] // pl.slots_per_gpu
             assert (
-                dict(zip(gpus.tolist(), quota_LBND[1, b, n, : gpus.size].tolist(), strict=True))
+                dict(zip(gpus.tolist(), quota_LnXD[1, b, n, : gpus.size].tolist(), strict=True))
                 == want[expert]
             )
-            assert quota_LBND[1, b, n].sum() == counts[expert]  # every token placed
-        assert loads_LBG[1, b].sum() == counts.sum()
+            assert quota_LnXD[1, b, n].sum() == counts[expert]  # every token placed
+        assert loads_LnG[1, b].sum() == counts.sum()
 
 
 @pytest.mark.parametrize("seed", range(len(CASES)))

@@ -99,7 +99,7 @@ def test_simulate_reads_a_trace_and_prefill_only_recording(
     result = json.loads(capsys.readouterr().out)
     assert result["config"]["record_prefill_only"] is True
     # Only prefill steps count: a rebalance follows every 20th prefill step.
-    recorded = np.flatnonzero(load_trace(tmp_path / "t.npz").is_prefill_T)
+    recorded = np.flatnonzero(load_trace(tmp_path / "t.npz").is_prefill_F)
     expected = [int(recorded[i]) + 1 for i in range(19, len(recorded), 20) if recorded[i] + 1 < 200]
     assert len(expected) >= 2
     assert [e["step"] for e in result["rebalances"]["deepseek:static"]] == expected

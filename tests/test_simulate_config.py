@@ -137,7 +137,7 @@ def test_a_servers_parsed_flags_drive_the_schedule_as_the_server_runs_it(argv: s
     )
     recorded, expected = 0, []
     for t in range(trace.num_steps - 1):
-        if flags.eplb_record_prefill_only and not trace.is_prefill_T[t]:
+        if flags.eplb_record_prefill_only and not trace.is_prefill_F[t]:
             continue
         recorded += 1
         if recorded % flags.rebalance_interval == 0:

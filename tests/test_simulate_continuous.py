@@ -133,7 +133,7 @@ def _constant_setup(
 
 def test_continuous_swap_switches_after_it_arrives_and_pays_only_interference() -> None:
     trace, config, target = _constant_setup(link_passes=2.5, mode="continuous")
-    planner = _OneMove(target, trace.counts_TLE[0])
+    planner = _OneMove(target, trace.counts_FLE[0])
     result = simulate(trace, [RunSpec("one", "dynamic")], config, planners={"one:dynamic": planner})
     run, event = result.runs[0], result.runs[0].events[0]
     # 2.5 passes of link time at 10% slower passes (2.2 ms each): it arrives during the third pass.
@@ -141,10 +141,10 @@ def test_continuous_swap_switches_after_it_arrives_and_pays_only_interference() 
     assert event.transfer_seconds == pytest.approx(5e-3)
     assert event.stall_seconds == 0.0
     assert event.interference_seconds == pytest.approx(5e-3 * 0.1 / 1.1)
-    before = model_balancedness(trace.counts_TLE[0], Placement.trivial(2, 8, num_gpus=4, num_redundant=0))
-    after = model_balancedness(trace.counts_TLE[0], target)
-    np.testing.assert_allclose(run.balancedness_T[:13], before)
-    np.testing.assert_allclose(run.balancedness_T[13:], after)
+    before = model_balancedness(trace.counts_FLE[0], Placement.trivial(2, 8, num_gpus=4, num_redundant=0))
+    after = model_balancedness(trace.counts_FLE[0], target)
+    np.testing.assert_allclose(run.balancedness_F[:13], before)
+    np.testing.assert_allclose(run.balancedness_F[13:], after)
     # The plan served exactly the load it predicted for: no prediction error.
     assert event.realized_balancedness == pytest.approx(event.predicted_balancedness)
     summary = result.summaries()[0]
@@ -156,21 +156,21 @@ def test_continuous_swap_switches_after_it_arrives_and_pays_only_interference() 
 
 def test_continuous_swap_stalls_for_the_link_time_the_passes_do_not_leave() -> None:
     trace, config, target = _constant_setup(link_passes=13.0, mode="continuous")
-    planner = _OneMove(target, trace.counts_TLE[0])
+    planner = _OneMove(target, trace.counts_FLE[0])
     run = simulate(trace, [RunSpec("one", "dynamic")], config, planners={"one:dynamic": planner}).runs[0]
     event = run.events[0]
     # 10 passes of 2.2 ms before the next rebalance at step 20 cover 22 of the 26 ms; 4 ms stall.
     assert event.switch_step == 20
     assert event.stall_seconds == pytest.approx(26e-3 - 22e-3)
     assert event.interference_seconds == pytest.approx(10 * 2e-3 * 0.1)
-    after = model_balancedness(trace.counts_TLE[0], target)
-    np.testing.assert_allclose(run.balancedness_T[20:], after)
-    assert not np.allclose(run.balancedness_T[10:20], after)
+    after = model_balancedness(trace.counts_FLE[0], target)
+    np.testing.assert_allclose(run.balancedness_F[20:], after)
+    assert not np.allclose(run.balancedness_F[10:20], after)
 
 
 def test_periodic_mode_stalls_for_the_whole_transfer() -> None:
     trace, config, target = _constant_setup(link_passes=2.5, mode="periodic")
-    planner = _OneMove(target, trace.counts_TLE[0])
+    planner = _OneMove(target, trace.counts_FLE[0])
     result = simulate(trace, [RunSpec("one", "dynamic")], config, planners={"one:dynamic": planner})
     event = result.runs[0].events[0]
     assert event.switch_step == event.step == 10
@@ -181,7 +181,7 @@ def test_periodic_mode_stalls_for_the_whole_transfer() -> None:
 
 def test_the_window_may_exceed_the_interval_only_in_continuous_mode() -> None:
     trace, config, target = _constant_setup(link_passes=0.0, mode="continuous")
-    planner = _OneMove(target, trace.counts_TLE[0])
+    planner = _OneMove(target, trace.counts_FLE[0])
     longer = replace(config, eplb=replace(config.eplb, expert_distribution_recorder_buffer_size=25))
     simulate(trace, [RunSpec("one", "dynamic")], longer, planners={"one:dynamic": planner})
     assert planner.windows == [10, 20, 25, 25, 25]
@@ -224,7 +224,7 @@ def test_the_budget_reaches_the_solver_and_is_never_exceeded(budget: int, initia
         assert sum(e.experts_moved_across_gpus for e in applied) == 0
     else:
         assert applied and max(e.experts_moved_across_gpus for e in applied) > 0
-        assert result.summaries()[0]["balancedness_mean"] > result.baseline.balancedness_T[20:].mean()
+        assert result.summaries()[0]["balancedness_mean"] > result.baseline.balancedness_F[20:].mean()
 
 
 def _shifted_trace(seed: int, T: int = 300, L: int = 4, E: int = 16) -> Trace:
@@ -282,7 +282,7 @@ def test_on_stationary_load_continuous_mode_stops_moving() -> None:
 
 def test_score_from_sets_the_scored_steps_and_counts_only_their_rebalances() -> None:
     trace, config, target = _constant_setup(link_passes=1.0, mode="periodic")
-    planner = _OneMove(target, trace.counts_TLE[0])
+    planner = _OneMove(target, trace.counts_FLE[0])
     cfg = replace(config, score_from=30)
     result = simulate(trace, [RunSpec("one", "dynamic")], cfg, planners={"one:dynamic": planner})
     summary = result.summaries()[0]
@@ -338,7 +338,7 @@ def test_realized_balancedness_is_what_the_prediction_estimates() -> None:
         bytes_per_expert=1000,
     )  # fmt: skip
     run = simulate(trace, parse_runs(["scipy"], "static"), config).runs[0]
-    load_T = trace.counts_TLE.sum(axis=(1, 2)).astype(np.float64)
+    load_F = trace.counts_FLE.sum(axis=(1, 2)).astype(np.float64)
     # Each applied plan serves from its switch until the next rebalance (whatever that decides).
     starts = [e.step for e in run.events]
     checked = 0
@@ -348,7 +348,7 @@ def test_realized_balancedness_is_what_the_prediction_estimates() -> None:
         assert event.switch_step is not None
         stop = next(s for s in starts if s > event.step)
         served = slice(event.switch_step, stop)
-        want = np.average(run.balancedness_T[served], weights=load_T[served])
+        want = np.average(run.balancedness_F[served], weights=load_F[served])
         assert event.realized_balancedness == pytest.approx(want, rel=1e-6)
         assert event.realized_summed_balancedness is not None
         checked += 1

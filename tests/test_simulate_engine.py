@@ -79,26 +79,26 @@ def test_identity_placement_matches_hand_computation(dispatch: str, redundant: i
                 for expert in range(8):
                     share[layer, smap[layer, expert]] += 1 / 4
     for t in range(trace.num_steps):
-        bal, us = _hand_step(trace.counts_TLE[t], pl, share, cost)
-        assert run.balancedness_T[t] == pytest.approx(bal, rel=1e-6)
-        assert run.moe_us_T[t] == pytest.approx(us, rel=1e-6)
+        bal, us = _hand_step(trace.counts_FLE[t], pl, share, cost)
+        assert run.balancedness_F[t] == pytest.approx(bal, rel=1e-6)
+        assert run.moe_us_F[t] == pytest.approx(us, rel=1e-6)
     assert not run.events and result.scored_from == 5
     summary = result.summaries()[0]
     assert summary["speedup_vs_none"] == 1.0
-    assert summary["balancedness_mean"] == pytest.approx(run.balancedness_T[5:].mean())
+    assert summary["balancedness_mean"] == pytest.approx(run.balancedness_F[5:].mean())
 
 
 def test_expert_gpu_share_reproduces_gpu_load() -> None:
     rng = np.random.default_rng(3)
     pl = Placement.from_phy2log(random_phy2log(rng, 4, 10, 16), num_gpus=4, num_nodes=2)
-    load_TLE = rng.integers(0, 100, size=(6, 4, 10)).astype(np.float64)
+    load_FLE = rng.integers(0, 100, size=(6, 4, 10)).astype(np.float64)
     weights = rng.random(pl.log2phy_LER.shape) * (pl.log2phy_LER >= 0)
     weights /= weights.sum(axis=2, keepdims=True)
     for w in (None, weights):
         share_LEG = expert_gpu_share(pl, w)
         np.testing.assert_allclose(share_LEG.sum(axis=2), 1.0)
-        via_matmul = np.einsum("tle,leg->tlg", load_TLE, share_LEG)
-        np.testing.assert_allclose(via_matmul, gpu_load(load_TLE, pl, w))
+        via_matmul = np.einsum("tle,leg->tlg", load_FLE, share_LEG)
+        np.testing.assert_allclose(via_matmul, gpu_load(load_FLE, pl, w))
 
 
 class _Recorder:
@@ -145,12 +145,12 @@ def test_planner_gets_the_last_window_of_recorded_steps_before_the_rebalance() -
     assert [now for now, _ in planner.calls] == expected_now == rebalance_steps(trace, config).tolist()
     for now, window in planner.calls:
         steps = recorded[recorded < now][-2:]
-        np.testing.assert_array_equal(window, trace.counts_TLE[steps])
+        np.testing.assert_array_equal(window, trace.counts_FLE[steps])
     # The placement serves from the rebalance step on, never before it.
     run = result.runs[0]
     first = expected_now[0]
-    want = gpu_load(trace.counts_TLE[first:], target)
-    np.testing.assert_allclose(run.balancedness_T[first:], (want.mean(-1) / want.max(-1)).mean(-1), rtol=1e-6)
+    want = gpu_load(trace.counts_FLE[first:], target)
+    np.testing.assert_allclose(run.balancedness_F[first:], (want.mean(-1) / want.max(-1)).mean(-1), rtol=1e-6)
     assert run.events[0].applied and run.events[0].changed_slots == 24
 
 
@@ -176,12 +176,12 @@ def test_when_the_future_equals_the_past_the_solver_forecast_is_exact(algorithm:
     applied = [e for e in run.events if e.applied]
     assert applied and applied[0].step == 10
     assert applied[0].predicted_balancedness is not None
-    assert applied[0].predicted_balancedness > run.balancedness_T[0]
+    assert applied[0].predicted_balancedness > run.balancedness_F[0]
     # Every step runs on the last applied plan, and scores exactly what that plan predicted.
     for event, next_event in zip(applied, [*applied[1:], None], strict=True):
         stop = trace.num_steps if next_event is None else next_event.step
         np.testing.assert_allclose(
-            run.balancedness_T[event.step : stop], event.predicted_balancedness, rtol=1e-6
+            run.balancedness_F[event.step : stop], event.predicted_balancedness, rtol=1e-6
         )
 
 
@@ -199,7 +199,7 @@ def test_every_input_format_gives_the_same_result(tmp_path: Path) -> None:
     trace.save(tmp_path / "t.safetensors")
     trace.save(tmp_path / "t.npz")
     write_openevolve(trace, tmp_path / "t.json")
-    torch.save({"rank": 0, "logical_count": torch.from_numpy(trace.counts_TLE)}, tmp_path / "stat.pt")
+    torch.save({"rank": 0, "logical_count": torch.from_numpy(trace.counts_FLE)}, tmp_path / "stat.pt")
     # per_pass: physical counts of two ranks under a map with a duplicated expert, summed back.
     p2l = np.array([[*range(8), 0, 3]] * 2)
     for rank in range(2):
@@ -207,7 +207,7 @@ def test_every_input_format_gives_the_same_result(tmp_path: Path) -> None:
         for t in range(trace.num_steps):
             phys = np.zeros((2, 10), dtype=np.int64)
             logical = (
-                trace.counts_TLE[t] // 2 if rank == 0 else trace.counts_TLE[t] - trace.counts_TLE[t] // 2
+                trace.counts_FLE[t] // 2 if rank == 0 else trace.counts_FLE[t] - trace.counts_FLE[t] // 2
             )
             phys[:, :8] = logical
             phys[:, 0], phys[:, 8] = logical[:, 0] - logical[:, 0] // 3, logical[:, 0] // 3
@@ -237,7 +237,7 @@ def test_every_input_format_gives_the_same_result(tmp_path: Path) -> None:
                 if key not in WALL_CLOCK_KEYS:
                     assert a[key] == b[key], key
         for ra, rb in zip(results[0].runs, res.runs, strict=True):
-            np.testing.assert_array_equal(ra.balancedness_T, rb.balancedness_T)
+            np.testing.assert_array_equal(ra.balancedness_F, rb.balancedness_F)
             assert [e.step for e in ra.events] == [e.step for e in rb.events]
     assert any("time order" in n for n in results[3].notes)
 
@@ -275,8 +275,8 @@ def test_threshold_skips_and_fake_dispatch_ignores_the_placement() -> None:
     result = simulate(trace, parse_runs(["deepseek", "none:fake", "deepseek:fake"], "static"), config)
     assert all(not e.applied and "threshold" in e.reason for e in result.run("deepseek:static").events)
     fake_none, fake_ds = result.run("none:fake"), result.run("deepseek:fake")
-    np.testing.assert_array_equal(fake_none.balancedness_T, fake_ds.balancedness_T)
-    assert fake_none.balancedness_T.mean() > result.baseline.balancedness_T.mean()
+    np.testing.assert_array_equal(fake_none.balancedness_F, fake_ds.balancedness_F)
+    assert fake_none.balancedness_F.mean() > result.baseline.balancedness_F.mean()
 
 
 def test_empty_steps_and_one_expert_taking_everything() -> None:
@@ -287,12 +287,12 @@ def test_empty_steps_and_one_expert_taking_everything() -> None:
     config = SimulationConfig(eplb=flags, num_groups=4)
     result = simulate(trace, parse_runs(["none:dynamic", "deepseek:dynamic"], "static"), config)
     none, ds = result.run("none:dynamic"), result.run("deepseek:dynamic")
-    np.testing.assert_array_equal(none.balancedness_T[0::2], 1.0)  # no load is perfectly balanced
+    np.testing.assert_array_equal(none.balancedness_F[0::2], 1.0)  # no load is perfectly balanced
     # Trivial layout: slots 8-11 repeat experts 0-3, so expert 5 has one replica, on GPU 2 of 4.
-    np.testing.assert_allclose(none.balancedness_T[1::2], 0.25)
+    np.testing.assert_allclose(none.balancedness_F[1::2], 0.25)
     # The planner gives the hot expert more replicas on more GPUs, so balance improves after step 4.
-    assert ds.events[0].applied and ds.balancedness_T[5] > 0.25
-    assert np.isfinite(ds.moe_us_T).all() and (ds.moe_us_T[0::2] == 2 * config.cost.base_us).all()
+    assert ds.events[0].applied and ds.balancedness_F[5] > 0.25
+    assert np.isfinite(ds.moe_us_F).all() and (ds.moe_us_F[0::2] == 2 * config.cost.base_us).all()
 
 
 def test_solver_options_reach_the_solver() -> None:

@@ -72,7 +72,7 @@ def test_every_step_loads_the_gpus_as_the_rule_does(seed: int) -> None:
     run = simulate(trace, [RunSpec("none", "lp")], config, initial=pl).runs[0]
     for t in range(trace.num_steps):
         loads = _brute_gpu_loads(counts[t], pl)
-        assert run.balancedness_T[t] == pytest.approx(float(balancedness(loads).mean()), rel=1e-6)
+        assert run.balancedness_F[t] == pytest.approx(float(balancedness(loads).mean()), rel=1e-6)
         # Re-filling never raises an expert's busiest GPU: never above the even split's peak.
         assert (loads.max(axis=1) <= _even_split_peak(counts[t], pl)).all()
 

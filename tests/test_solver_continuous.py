@@ -97,10 +97,10 @@ def _realised(trace: Trace, placement: Placement, start: int, static: bool = Fal
     ``static``: tokens follow the ranks' static dispatch maps (eplb.placement.dispatch_map).
     """
     window = slice(start, start + INTERVAL)
-    counts = trace.counts_TLE[window].astype(np.float64)
+    counts = trace.counts_FLE[window].astype(np.float64)
     per_pass = model_balancedness(counts, placement, _static_weights(placement) if static else None)
     weighted = float(np.average(per_pass, weights=counts.sum(axis=(1, 2))))
-    return weighted, float(per_pass[trace.is_prefill_T[window]].mean())
+    return weighted, float(per_pass[trace.is_prefill_F[window]].mean())
 
 
 def _static_weights(placement: Placement) -> np.ndarray:
@@ -133,7 +133,7 @@ def test_the_prediction_is_calibrated_on_a_drifting_workload(static: bool) -> No
     )
     errors, prefill_errors, gain_errors, forecast_errors = [], [], [], []
     for i, t in enumerate(range(WINDOW, trace.num_steps - INTERVAL + 1, INTERVAL)):
-        plan = solve(trace.counts_TLE[t - WINDOW : t], topology, current, options)
+        plan = solve(trace.counts_FLE[t - WINDOW : t], topology, current, options)
         realised, realised_prefill = _realised(trace, plan.placement, t, static)
         realised_current, _ = _realised(trace, current, t, static)
         if i >= 3:  # the first plans leave the trivial placement: not the regime of interest
@@ -167,7 +167,7 @@ def test_repeated_solves_on_stationary_load_converge_and_then_move_little(static
     )
     applied, copies, realised_gains, start = [], [], [], current
     for t in range(WINDOW, trace.num_steps + 1, INTERVAL):
-        plan = solve(trace.counts_TLE[t - WINDOW : t], topology, current, options)
+        plan = solve(trace.counts_FLE[t - WINDOW : t], topology, current, options)
         applied.append(plan.apply)
         copies.append(plan.stats["copies_moved"] if plan.apply else 0.0)
         if plan.apply:
@@ -184,7 +184,7 @@ def test_repeated_solves_on_stationary_load_converge_and_then_move_little(static
     # What the gate applies pays off in balance on the next interval, the small late plans too.
     assert min(realised_gains[:8]) > 0.005, realised_gains
     assert sum(realised_gains[8:]) > 0, realised_gains
-    tail = trace.counts_TLE[-INTERVAL:].astype(np.float64)
+    tail = trace.counts_FLE[-INTERVAL:].astype(np.float64)
     weights = (_static_weights(current), _static_weights(start)) if static else (None, None)
     assert (
         model_balancedness(tail, current, weights[0]).mean()

@@ -105,10 +105,10 @@ def test_the_search_state_keeps_exact_static_loads_through_swaps_and_replica_cha
     rng = np.random.default_rng(9)
     G, N, E, P, L = 8, 2, 16, 32, 3
     current = Placement.from_phy2log(random_phy2log(rng, L, E, P), G, N)
-    scenarios_KLE = rng.lognormal(0.0, 1.0, size=(1, L, E))
+    scenarios_ZLE = rng.lognormal(0.0, 1.0, size=(1, L, E))
     cost_LGE = np.ones((L, G, E))
     state = moves.make_move_state(
-        scenarios_KLE, current.phy2log_LP, current.logcnt_LE, G, cost_LGE, None, Dispatch("static", N)
+        scenarios_ZLE, current.phy2log_LP, current.logcnt_LE, G, cost_LGE, None, Dispatch("static", N)
     )
     for _ in range(300):
         layer = int(rng.integers(L))
@@ -121,9 +121,9 @@ def test_the_search_state_keeps_exact_static_loads_through_swaps_and_replica_cha
                 moves.apply_replica_change(state, layer, int(rng.choice(givers)), int(rng.integers(E)))
         share_LP = static_share_LP(state.phy2log_LP, E, G, N)
         rows = np.arange(L)[:, None]
-        want_LP = state.norm_KLE[0][rows, state.phy2log_LP] * share_LP
-        np.testing.assert_allclose(state.item_KLP[0], want_LP, atol=1e-12)
-        np.testing.assert_allclose(state.gpu_KLG[0], want_LP.reshape(L, G, -1).sum(axis=-1), atol=1e-9)
+        want_LP = state.norm_ZLE[0][rows, state.phy2log_LP] * share_LP
+        np.testing.assert_allclose(state.item_ZLP[0], want_LP, atol=1e-12)
+        np.testing.assert_allclose(state.gpu_ZLG[0], want_LP.reshape(L, G, -1).sum(axis=-1), atol=1e-9)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

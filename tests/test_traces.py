@@ -21,11 +21,11 @@ def deepseek_trace() -> Trace:
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".npz"])
 def test_deepseek_sized_trace_round_trips_exactly(deepseek_trace: Trace, tmp_path: Path, suffix: str) -> None:
-    assert deepseek_trace.counts_TLE.shape == (120, 58, 256)
+    assert deepseek_trace.counts_FLE.shape == (120, 58, 256)
     path = deepseek_trace.save(tmp_path / f"trace{suffix}")
     loaded = load_trace(path)
     assert loaded.equals(deepseek_trace)
-    assert loaded.counts_TLE.dtype == np.int32 and loaded.is_prefill_T.dtype == np.bool_
+    assert loaded.counts_FLE.dtype == np.int32 and loaded.is_prefill_F.dtype == np.bool_
 
 
 def test_sglang_stat_dump_loads(tmp_path: Path) -> None:
@@ -35,11 +35,11 @@ def test_sglang_stat_dump_loads(tmp_path: Path) -> None:
         {"rank": 0, "logical_count": counts, "average_utilization_rate_over_window": 0.71}, tmp_path / "s.pt"
     )
     trace = load_trace(tmp_path / "s.pt")
-    assert np.array_equal(trace.counts_TLE, counts.numpy())
+    assert np.array_equal(trace.counts_FLE, counts.numpy())
     assert trace.meta["source"] == "sglang-stat" and trace.meta["chronological"] is False
     # A dump with a single [L, E] table is one step.
     torch.save({"rank": 0, "logical_count": counts[0]}, tmp_path / "one.pt")
-    assert load_trace(tmp_path / "one.pt").counts_TLE.shape == (1, 3, 16)
+    assert load_trace(tmp_path / "one.pt").counts_FLE.shape == (1, 3, 16)
 
 
 def test_sglang_per_pass_dumps_sum_ranks_and_map_physical_to_logical(tmp_path: Path) -> None:
@@ -65,7 +65,7 @@ def test_sglang_per_pass_dumps_sum_ranks_and_map_physical_to_logical(tmp_path: P
             [[0 + 1, 0, 0], [1, 1, 1 + 1]],
         ]
     )
-    assert np.array_equal(trace.counts_TLE, expected)
+    assert np.array_equal(trace.counts_FLE, expected)
     assert trace.meta["forward_pass_ids"] == [5, 6]
     assert load_trace([tmp_path / "r0.pt", tmp_path / "r1.pt"]).equals(trace)
 
@@ -129,10 +129,10 @@ def test_openevolve_round_trip_and_same_counts_across_formats(tmp_path: Path) ->
     data = json.loads((tmp_path / "expert-load.json").read_text())
     assert len(data["load_history"]) == 30 and len(data["load_history"][0]["logical_expert_load"]) == 4
     from_json = load_trace(tmp_path / "expert-load.json")
-    torch.save({"rank": 0, "logical_count": torch.from_numpy(trace.counts_TLE)}, tmp_path / "s.pt")
+    torch.save({"rank": 0, "logical_count": torch.from_numpy(trace.counts_FLE)}, tmp_path / "s.pt")
     from_sglang = load_trace(tmp_path / "s.pt")
     for other in (from_json, from_sglang, load_trace(trace.save(tmp_path / "t.npz"))):
-        assert np.array_equal(other.counts_TLE, trace.counts_TLE)
+        assert np.array_equal(other.counts_FLE, trace.counts_FLE)
 
 
 def test_from_counts_refuses_bad_values() -> None:
@@ -147,4 +147,4 @@ def test_from_counts_refuses_bad_values() -> None:
     empty = Trace.from_counts(np.zeros((0, 2, 4), dtype=np.int64))
     assert empty.num_steps == 0 and empty.total_LE().shape == (2, 4)
     # int64 counts that fit are converted explicitly, not wrapped.
-    assert Trace.from_counts(np.array([[[2**31 - 1]]], dtype=np.int64)).counts_TLE.dtype == np.int32
+    assert Trace.from_counts(np.array([[[2**31 - 1]]], dtype=np.int64)).counts_FLE.dtype == np.int32

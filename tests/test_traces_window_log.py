@@ -33,7 +33,7 @@ def test_vllm_plugin_keeps_every_window_it_plans_from(
     assert path.name == "vllm_expert_load_3x8.safetensors"
     trace = load_trace(path)
     expected = np.stack([w for w in got if w.any()])
-    assert np.array_equal(trace.counts_TLE, expected.astype(np.int32))
+    assert np.array_equal(trace.counts_FLE, expected.astype(np.int32))
     assert trace.meta["source"] == "vllm-windows" and trace.meta["row"] == ROW_MEANING
     assert not trace.prefill_known and trace.prefill_note() is not None
     EplbVllmPolicy.reset()
@@ -54,7 +54,7 @@ def test_window_log_is_bounded_and_checks_rows(tmp_path: Path) -> None:
     for row in rows:
         log.append(row)
     trace = load_trace(tmp_path / "w.safetensors")
-    assert np.array_equal(trace.counts_TLE, np.stack(rows[1:]).astype(np.int32))  # the oldest dropped
+    assert np.array_equal(trace.counts_FLE, np.stack(rows[1:]).astype(np.int32))  # the oldest dropped
     assert trace.meta["windows_dropped"] == 1
     with pytest.raises(ValueError, match="differs"):
         log.append(np.ones((2, 8)))

@@ -251,7 +251,7 @@ def test_openevolve_whole_floats_and_other_keys_are_read(tmp_path: Path) -> None
     path.write_text(
         '{"model": {"name": "x"}, "load_history": [{"logical_expert_load": [[1.0, 2], [0, 3]], "t": 1}]}'
     )
-    assert load_trace(path).counts_TLE.tolist() == [[[1, 2], [0, 3]]]
+    assert load_trace(path).counts_FLE.tolist() == [[[1, 2], [0, 3]]]
     path.write_text('{"load_history": [{"logical_expert_load": [[1]]}], "load_history": []}')
     with pytest.raises(TraceFormatError, match="twice"):
         load_trace(path)

@@ -29,23 +29,23 @@ def test_seeded_and_deterministic() -> None:
     b = generate(WorkloadConfig(preset="tiny", num_steps=50, seed=3))
     c = generate(WorkloadConfig(preset="tiny", num_steps=50, seed=4))
     assert a.equals(b)
-    assert not np.array_equal(a.counts_TLE, c.counts_TLE)
+    assert not np.array_equal(a.counts_FLE, c.counts_FLE)
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_presets_have_their_shapes_and_token_conservation(name: str) -> None:
     m = PRESETS[name]
     trace = generate(WorkloadConfig(preset=name, num_steps=20, seed=1))
-    assert trace.counts_TLE.shape == (20, m.num_layers, m.num_experts)
+    assert trace.counts_FLE.shape == (20, m.num_layers, m.num_experts)
     # Every layer routes exactly tokens * top_k choices, and no expert gets more than every token.
-    routed = trace.counts_TLE.sum(axis=2)
-    assert (routed == (trace.num_tokens_T * m.top_k)[:, None]).all()
-    assert (trace.counts_TLE <= trace.num_tokens_T[:, None, None]).all()
+    routed = trace.counts_FLE.sum(axis=2)
+    assert (routed == (trace.num_tokens_F * m.top_k)[:, None]).all()
+    assert (trace.counts_FLE <= trace.num_tokens_F[:, None, None]).all()
     assert trace.meta["top_k"] == m.top_k
 
 
 def test_prefill_and_decode_batch_sizes(deepseek: Trace) -> None:
-    tokens, prefill = deepseek.num_tokens_T, deepseek.is_prefill_T
+    tokens, prefill = deepseek.num_tokens_F, deepseek.is_prefill_F
     assert 0.2 < prefill.mean() < 0.4
     assert tokens[prefill].min() >= 2048 and tokens[prefill].max() <= 16384
     assert tokens[~prefill].min() >= 32 and tokens[~prefill].max() <= 512
@@ -63,10 +63,10 @@ def test_heavy_tail_and_layers_differ(deepseek: Trace) -> None:
 
 
 def test_decode_is_noisier_than_prefill(deepseek: Trace) -> None:
-    share_TLE = deepseek.counts_TLE / deepseek.counts_TLE.sum(axis=2, keepdims=True)
-    mean_LE = share_TLE.mean(axis=0)
-    dev_T = np.abs(share_TLE - mean_LE).sum(axis=(1, 2))
-    assert dev_T[~deepseek.is_prefill_T].mean() > 2 * dev_T[deepseek.is_prefill_T].mean()
+    share_FLE = deepseek.counts_FLE / deepseek.counts_FLE.sum(axis=2, keepdims=True)
+    mean_LE = share_FLE.mean(axis=0)
+    dev_F = np.abs(share_FLE - mean_LE).sum(axis=(1, 2))
+    assert dev_F[~deepseek.is_prefill_F].mean() > 2 * dev_F[deepseek.is_prefill_F].mean()
 
 
 def test_slow_drift_and_workload_shifts() -> None:
@@ -79,7 +79,7 @@ def test_slow_drift_and_workload_shifts() -> None:
         mean_steps_between_shifts=0.0,
     )
     trace = generate(cfg)
-    c = trace.counts_TLE.astype(np.float64)
+    c = trace.counts_FLE.astype(np.float64)
 
     def window(a: int, b: int) -> np.ndarray:
         return np.log(c[a:b].sum(axis=0) + 1).ravel()
@@ -103,11 +103,11 @@ def test_the_meta_names_the_steps_where_the_domain_changes(seed: int, tmp_path: 
         prefill_fraction=1.0,
     )  # fmt: skip
     trace = generate(cfg)
-    share_TX = trace.counts_TLE.reshape(trace.num_steps, -1).astype(np.float64)
-    share_TX /= share_TX.sum(axis=1, keepdims=True)
-    jump_T = np.abs(np.diff(share_TX, axis=0)).sum(axis=1)  # within a domain about 0.03, across one > 1
+    share_Fx = trace.counts_FLE.reshape(trace.num_steps, -1).astype(np.float64)
+    share_Fx /= share_Fx.sum(axis=1, keepdims=True)
+    jump_F = np.abs(np.diff(share_Fx, axis=0)).sum(axis=1)  # within a domain about 0.03, across one > 1
     changes = trace.meta["domain_change_steps"]
-    assert changes == (np.flatnonzero(jump_T > 0.5) + 1).tolist()
+    assert changes == (np.flatnonzero(jump_F > 0.5) + 1).tolist()
     assert len(changes) >= 5 and trace.meta["domain_per_step_changes"] == len(changes)
     assert all(type(t) is int for t in changes)  # JSON-serialisable as they are
     assert json.loads(json.dumps(trace.meta))["domain_change_steps"] == changes

@@ -252,12 +252,12 @@ def demo_rank(
         if config.duration_s is not None and _agreed_stop(start, config.duration_s, ctx.device, G):
             break
         shared = step * G
-        counts_LE = trace.counts_TLE[shared].astype(np.float64)
+        counts_LE = trace.counts_FLE[shared].astype(np.float64)
         bias_LE = torch.from_numpy(np.log((counts_LE + 0.5) / (counts_LE.sum(axis=1, keepdims=True) + 0.5)))
         mine = shared + rank
-        tokens = max(1, int(trace.num_tokens_T[mine]) // config.token_divisor)
+        tokens = max(1, int(trace.num_tokens_F[mine]) // config.token_divisor)
         x = torch.randn(tokens, model_cfg.hidden, generator=gen).to(ctx.device, model_cfg.torch_dtype)
-        manager.on_forward_pass_begin(is_prefill=bool(trace.is_prefill_T[mine]), num_tokens=tokens)
+        manager.on_forward_pass_begin(is_prefill=bool(trace.is_prefill_F[mine]), num_tokens=tokens)
         model(x, bias_LE.to(ctx.device))
         manager.on_forward_pass_end()
         passes += 1

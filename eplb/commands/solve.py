@@ -92,12 +92,12 @@ def run(args: argparse.Namespace) -> int:
     check_outputs(*(out_dir / name for name in files), args.json_out)
     trace = load_input(args, quiet=args.disable_tqdm)
     # The window is the whole trace unless --expert-distribution-recorder-buffer-size says less.
-    recorded_T = trace.is_prefill_T if args.eplb_record_prefill_only else np.ones(trace.num_steps, dtype=bool)
-    num_recorded = int(recorded_T.sum())
+    recorded_F = trace.is_prefill_F if args.eplb_record_prefill_only else np.ones(trace.num_steps, dtype=bool)
+    num_recorded = int(recorded_F.sum())
     window = args.expert_distribution_recorder_buffer_size or num_recorded
     config = simulation_config(args, trace, eplb_rebalance_num_iterations=max(window, 1))
     current = initial_placement(args, trace, config)
-    past = PastView(trace, recorded_T)
+    past = PastView(trace, recorded_F)
     past.now = trace.num_steps
     window_WLE = past.window(window)
     if window_WLE.shape[0] == 0:

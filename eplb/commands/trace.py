@@ -33,7 +33,7 @@ def describe(trace: Any) -> dict[str, Any]:
         "steps": trace.num_steps,
         "layers": trace.num_layers,
         "experts": trace.num_experts,
-        "prefill_steps": int(trace.is_prefill_T.sum()),
+        "prefill_steps": int(trace.is_prefill_F.sum()),
         "routed_total": int(total.sum()),
         "meta": dict(trace.meta),
         **({"note": trace.prefill_note()} if not trace.prefill_known else {}),

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     result = {
         "preset": cfg.preset,
         "steps": trace.num_steps,
-        "prefill_steps": int(trace.is_prefill_T.sum()),
+        "prefill_steps": int(trace.is_prefill_F.sum()),
         "layers": trace.num_layers,
         "experts": trace.num_experts,
         "ep_size": ep_size,

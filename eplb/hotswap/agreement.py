@@ -1,10 +1,10 @@
 """A group's agreement: one all-reduce that tells every rank whether the group landed intact.
 
-Shape legend: n transfers of the group, W checksum words per transfer.
+Shape legend: V views per slot.
 
-The agreement vector is int64 [2 + 2 n W]: the number of ranks that failed, the number of ranks
-that took part, then every transfer's source checksum (added by the sending rank) and destination
-checksum (by the receiving rank). After a sum over the ranks each checksum position has one
+The agreement vector is int64 [2 + 4 V t] for the group's t transfers: the number of ranks that
+failed, the number of ranks that took part, then every transfer's source checksum (2V words, added
+by the sending rank) and destination checksum (by the receiving rank). After a sum over the ranks each checksum position has one
 writer, so a positive first word means some rank failed and equal halves mean intact arrivals.
 On CPU, or with a fault hook, the host sums it right away (:func:`agree_now`); on CUDA it is
 queued behind the group's transfers and checksums (:func:`queue_agreement`) and the host waits

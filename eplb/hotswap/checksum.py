@@ -1,6 +1,6 @@
 """Checksums of expert weights in transit: exact integer sums over the raw bytes, on the device.
 
-Shape legend: n experts, V tensors per expert (views of one slot), W = 2 * V checksum words.
+Shape legend: p slots (a run of consecutive ones), V views per slot (the tensors of one expert).
 
 Sender and receiver must agree bit for bit with no host synchronisation, so the checksum is a pair
 of wrapping integer sums (order-independent) rather than a hash: :func:`block_checksums` defines
@@ -34,7 +34,7 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 
 def block_checksums(blocks: Sequence[torch.Tensor]) -> torch.Tensor:
-    """int64 [m, 2V]: the checksum of each of m consecutive slots held by V block views [m, ...].
+    """int64 [p, 2V]: the checksum of each of p consecutive slots held by V block views [p, ...].
 
     Each tensor's bytes are read as int32 words (int16 or uint8 when its row size demands), grouped
     in rows (its first dimension). Its checksum is two int64 numbers: the sum of all words and the
@@ -78,13 +78,13 @@ def checksum_backends() -> list[str]:
 
 
 class SlotChecksum:
-    """Checksums of slots ``rows`` of a slot buffer [N, ...] into ``out[pos[k]]``, ``out[pos[k] + 1]``.
+    """Checksums of slots ``rows`` of a slot buffer [slots, ...] into ``out[pos[k]]``, ``out[pos[k] + 1]``.
 
     One launch of eplb.kernels.slot_checksum (a bounded grid, adding straight into ``out``) where
     the words are int32 on CUDA, else :func:`block_checksums` per run of consecutive slots.
 
     Built once (index tensors on ``device``); called with the buffer, which may be bound later
-    (hot-swap's staging buffer exists only while a swap runs). ``out`` is int64 [M] and must hold
+    (hot-swap's staging buffer exists only while a swap runs). ``out`` is int64 [length] and must hold
     zeros at those positions before the call.
     """
 

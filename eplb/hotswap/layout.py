@@ -1,6 +1,6 @@
 """Layout adapters: between the plain expert-weight layout and the one an engine's kernels read.
 
-Shape legend: S slots on this rank, N output rows of a projection, Kd its input (reduction) size.
+Shape legend: S slots per GPU (this rank's), I intermediate size, H hidden size.
 
 Plain layout: ``w13 [S, 2I, H]``, ``w2 [S, H, I]`` and optional per-slot scales, row-major.
 Engines (aiter's MegaMoE) may pre-shuffle each slot into tiles their kernels load directly; a
@@ -70,13 +70,13 @@ class PlainLayout:
 
 
 def shuffle_weight_tiles(w: torch.Tensor, tile_n: int = 16, tile_k: int = 16) -> torch.Tensor:
-    """Pre-shuffle [..., N, Kd] into (tile_n x 2*tile_k) tiles of 16-byte packs (aiter's weight order)."""
+    """Pre-shuffle [..., rows, cols] into (tile_n x 2*tile_k) tiles of 16-byte packs (aiter's weight order)."""
     pack = 16 // w.element_size()
     block_k = 2 * tile_k
-    N, Kd = w.shape[-2], w.shape[-1]
-    if N % tile_n or Kd % block_k or block_k % pack:
-        raise ValueError(f"weight [{N}, {Kd}] does not tile into ({tile_n}, {block_k}) blocks")
-    tiles = w.reshape(-1, N // tile_n, tile_n, Kd // block_k, block_k // pack, pack)
+    rows, cols = w.shape[-2], w.shape[-1]
+    if rows % tile_n or cols % block_k or block_k % pack:
+        raise ValueError(f"weight [{rows}, {cols}] does not tile into ({tile_n}, {block_k}) blocks")
+    tiles = w.reshape(-1, rows // tile_n, tile_n, cols // block_k, block_k // pack, pack)
     return tiles.permute(0, 1, 3, 4, 2, 5).contiguous().view(w.shape)
 
 
@@ -84,24 +84,24 @@ def unshuffle_weight_tiles(w: torch.Tensor, tile_n: int = 16, tile_k: int = 16) 
     """Inverse of :func:`shuffle_weight_tiles`."""
     pack = 16 // w.element_size()
     block_k = 2 * tile_k
-    N, Kd = w.shape[-2], w.shape[-1]
-    tiles = w.reshape(-1, N // tile_n, Kd // block_k, block_k // pack, tile_n, pack)
+    rows, cols = w.shape[-2], w.shape[-1]
+    tiles = w.reshape(-1, rows // tile_n, cols // block_k, block_k // pack, tile_n, pack)
     return tiles.permute(0, 1, 4, 2, 3, 5).contiguous().view(w.shape)
 
 
 def shuffle_scale_tiles(s: torch.Tensor) -> torch.Tensor:
-    """Pre-shuffle e8m0 block scales [..., N, Kd/32] in (32 x 8) tiles (aiter's scale order)."""
-    N, C = s.shape[-2], s.shape[-1]
-    if N % 32 or C % 8:
-        raise ValueError(f"scales [{N}, {C}] must have rows divisible by 32 and columns by 8")
-    tiles = s.reshape(-1, N // 32, 2, 16, C // 8, 2, 4)
+    """Pre-shuffle e8m0 block scales [..., rows, weight cols / 32] in (32 x 8) tiles (aiter's scale order)."""
+    rows, cols = s.shape[-2], s.shape[-1]
+    if rows % 32 or cols % 8:
+        raise ValueError(f"scales [{rows}, {cols}] must have rows divisible by 32 and columns by 8")
+    tiles = s.reshape(-1, rows // 32, 2, 16, cols // 8, 2, 4)
     return tiles.permute(0, 1, 4, 6, 3, 5, 2).contiguous().view(s.shape)
 
 
 def unshuffle_scale_tiles(s: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`shuffle_scale_tiles`."""
-    N, C = s.shape[-2], s.shape[-1]
-    tiles = s.reshape(-1, N // 32, C // 8, 4, 16, 2, 2)
+    rows, cols = s.shape[-2], s.shape[-1]
+    tiles = s.reshape(-1, rows // 32, cols // 8, 4, 16, 2, 2)
     return tiles.permute(0, 1, 6, 4, 2, 5, 3).contiguous().view(s.shape)
 
 

@@ -1,7 +1,6 @@
 """One rank's part of a hot-swap plan, compiled ahead of the transfer (used by eplb.hotswap.swap).
 
-Shape legend: L layers, S slots per GPU, G GPUs, V views (tensors) per slot, W = 2 * V checksum
-words per expert, n transfers of a group.
+Shape legend: L layers, S slots per GPU, G GPUs, V views (tensors) per slot.
 
 Each chunk of the plan becomes one :class:`GroupProgram` of this rank: messages cut into pieces,
 local copies and checksum tasks, all as spans of slot or staging rows, and the copies the commit
@@ -136,7 +135,7 @@ class GroupProgram:
       ``piece_fractions`` of what arrives at each GPU: the receiver checksums piece k while piece
       k+1 is on the wire, so only the last (small) piece's checksum follows the transfer. Local
       copies come last.
-    - Checksums land in an agreement vector int64 [2 + 2 n W] (eplb.hotswap.agreement): two
+    - Checksums land in an agreement vector int64 [2 + 4 V t] (eplb.hotswap.agreement): two
       counters, then for each transfer the source's checksum (written by the sending rank) and the
       destination's (by the receiving rank).
     """
@@ -239,9 +238,9 @@ def compile_group(
     cross = [b for b in blocks if b.src_gpu != b.dst_gpu]
     pieces_global = _cut_pieces(cross, piece_fractions, G)
     stages: list[Stage] = []
-    W = 2 * len(view_shapes)
+    words = 2 * len(view_shapes)  # checksum words per transfer
     n = len(chunk.transfers)
-    checks = _CheckBuilder(view_shapes, device, checksum_backend if verify else None, W, n)
+    checks = _CheckBuilder(view_shapes, device, checksum_backend if verify else None, words, n)
     for blocks_of_piece in [*pieces_global, [b for b in blocks if b.src_gpu == b.dst_gpu == rank]]:
         stage = Stage()
         for b in blocks_of_piece:
@@ -263,7 +262,7 @@ def compile_group(
         stages.append(stage)
     checks.bind()
     return GroupProgram(
-        k, n, W if verify else 0, stages[:-1], stages[-1], k > 0, next_row - first_row, commit
+        k, n, words if verify else 0, stages[:-1], stages[-1], k > 0, next_row - first_row, commit
     )
 
 

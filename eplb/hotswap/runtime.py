@@ -1,7 +1,6 @@
 """This rank's side of a hot-swap: its slot and staging buffers, their views, its collectives.
 
-Shape legend: S slots per GPU, V views per slot, R staging rows; spans and checks come from
-eplb.hotswap.program.
+Shape legend: S slots per GPU, V views per slot; spans and checks come from eplb.hotswap.program.
 
 Compiled programs name rows by :class:`~eplb.hotswap.program.Span` (rows of a layer's slot buffer
 or of the staging buffer); :class:`SwapRuntime` turns them into tensor views, point-to-point ops
@@ -51,7 +50,7 @@ class SwapRuntime:
     phase_seconds: dict[str, float] = field(default_factory=dict)
     staging_flat: torch.Tensor | None = None
     staging: list[torch.Tensor] = field(default_factory=list)
-    """One view [R, ...] of ``staging_flat`` per slot view."""
+    """One view [staging rows, ...] of ``staging_flat`` per slot view."""
     _base: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     @classmethod

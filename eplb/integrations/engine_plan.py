@@ -1,7 +1,7 @@
 """One rebalance for an engine: its live map and its load in, a full placement out.
 
-Shape legend: W window (passes or windows), L MoE layers, E logical experts, P physical slots,
-G GPUs (EP ranks), N nodes.
+Shape legend: W window (passes or windows), L layers, E logical experts, P physical slots, G GPUs
+(EP ranks), N nodes.
 
 vLLM and SGLang run their EPLB planner on every rank and trust each rank to reach the same map,
 so everything here is a function of its inputs: no clocks, no randomness (the solver's budgets

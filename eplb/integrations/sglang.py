@@ -1,6 +1,6 @@
 """SGLang plugin: eplb's solver behind ``--eplb-algorithm``, SGLang's own algorithms untouched.
 
-Shape legend: W window (passes), L MoE layers, E logical experts, P physical slots.
+Shape legend: W window (passes), L layers, E logical experts, P physical slots.
 
 SGLang 0.5.23 runs every ``sglang.srt.plugins`` entry point (those ``SGLANG_PLUGINS`` lists, or all
 when it is unset) in each of its processes. Ours, :func:`register`, wraps two functions of

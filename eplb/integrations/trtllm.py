@@ -1,6 +1,6 @@
 """TensorRT-LLM: a placement as the ``moe_config.load_balancer`` file of its offline EP load balancer.
 
-Shape legend: L MoE layers, P physical slots (``num_slots``), G EP ranks.
+Shape legend: L layers, P physical slots (``num_slots``), G GPUs (EP ranks).
 
 TensorRT-LLM's load balancer reads ``num_slots``, ``initial_global_assignments`` ({model layer index:
 [expert id per slot]}, slots rank-major: rank g holds slots [g*P/G, (g+1)*P/G), eplb's layout too)

@@ -1,6 +1,7 @@
 """vLLM plugin: eplb's solver as vLLM's EPLB policy, only when ``EPLB_VLLM_POLICY`` asks for it.
 
-Shape legend: H windows kept, L MoE layers, E logical experts, P physical slots.
+Shape legend: W window (the windows kept, one row each), L layers, E logical experts, P physical
+slots.
 
 vLLM 0.33 runs every ``vllm.general_plugins`` entry point in every process. Ours, :func:`register`,
 does nothing unless ``EPLB_VLLM_POLICY`` is set (``1``: eplb's default algorithm; or a name from
@@ -10,7 +11,7 @@ does nothing unless ``EPLB_VLLM_POLICY`` is set (``1``: eplb's default algorithm
 
 vLLM hands a policy one window already summed to [L, E] per rebalance; the policy keeps the last
 ``EPLB_VLLM_HISTORY`` windows per model shape (1 by default) and plans from them as a window of
-windows [H, L, E] (recent windows weigh more), migration-aware from the live map (``old_global_expert_indices``,
+windows [W, L, E] (recent windows weigh more), migration-aware from the live map (``old_global_expert_indices``,
 -1 for an empty slot). vLLM runs the policy on every rank and each rank applies its own answer, so
 the answer depends only on what vLLM passes and on the history, which every rank builds from the
 same all-reduced windows; a change of EP size starts a new history on every rank alike.
@@ -149,7 +150,7 @@ class EplbVllmPolicy:
                 kept.append(load_LE)
                 del kept[: -cls.history_windows]
                 _WINDOWS.record(load_LE)  # with EPLB_VLLM_DUMP_DIR set (eplb.traces.window_log)
-            window_HLE = np.stack(kept) if kept else load_LE[None]
+            window_WLE = np.stack(kept) if kept else load_LE[None]
             decisions = cls._decisions.setdefault(
                 key, EngineDecisions(num_gpus=num_ranks, num_nodes=num_nodes, passes_per_rebalance=1)
             )
@@ -157,9 +158,9 @@ class EplbVllmPolicy:
         nodes = num_nodes if num_nodes >= 1 and num_ranks % num_nodes == 0 else 1
         current = None
         if old_global_expert_indices is not None:
-            current = engine_placement(old_global_expert_indices, window_HLE.sum(axis=0), num_ranks, nodes)
+            current = engine_placement(old_global_expert_indices, window_WLE.sum(axis=0), num_ranks, nodes)
         plan = decisions.rebalance(
-            window_HLE,
+            window_WLE,
             num_physical=num_replicas,
             num_gpus=num_ranks,
             num_nodes=nodes,
@@ -171,7 +172,7 @@ class EplbVllmPolicy:
         _LOG.info(
             "eplb %s: %s windows, %s (%s)",
             cls.algorithm,
-            window_HLE.shape[0],
+            window_WLE.shape[0],
             "new placement" if plan.applied else "placement kept",
             plan.reason,
         )

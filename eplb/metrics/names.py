@@ -1,6 +1,7 @@
 """Every Prometheus metric eplb exports, named in one place: the exporter, the dashboard and the docs read this.
 
-Shape legend: L layers, E logical experts, G GPUs (EP ranks), K hottest experts kept per layer.
+Shape legend: L layers, E logical experts, G GPUs (EP ranks), e experts (the hottest kept per
+layer).
 
 Conventions (Prometheus naming guide): the ``eplb_`` prefix, base units (seconds, bytes), ``_total``
 on counters, ``_seconds``/``_bytes`` suffixes. Label cardinality is bounded: per layer x rank

@@ -1,6 +1,7 @@
 """The load-window metrics: one host copy of the last window, read at scrape time.
 
-Shape legend: L layers, E logical experts, G GPUs (EP ranks), K hottest experts kept per layer.
+Shape legend: L layers, E logical experts, G GPUs (EP ranks), e experts (the hottest kept per
+layer).
 
 ``on_window`` copies the two arrays it is handed and swaps one reference under a lock; nothing
 else happens on the caller's thread. Everything derived (balancedness, top-K experts, label
@@ -206,10 +207,10 @@ def _derive(snap: _Snapshot, top_k: int, per_expert: bool, const: str) -> list[_
     if k > 0 and L > 0:
         # NaN loads sort as the largest by argsort of the negation; map them to -inf so they come last.
         ranked_LE = np.where(np.isnan(logical_LE), -np.inf, logical_LE)
-        hot_LK = np.argsort(-ranked_LE, axis=1, kind="stable")[:, :k]
-        hot_values = np.take_along_axis(logical_LE, hot_LK, axis=1)
+        hot_Le = np.argsort(-ranked_LE, axis=1, kind="stable")[:, :k]
+        hot_values = np.take_along_axis(logical_LE, hot_Le, axis=1)
         layers, experts = names.index_labels(L), names.index_labels(E)
-        hot_labels = [(layers[i], experts[e]) for i in range(L) for e in hot_LK[i].tolist()]
+        hot_labels = [(layers[i], experts[e]) for i in range(L) for e in hot_Le[i].tolist()]
         out.append(_family(names.HOT_EXPERT_TOKENS, hot_values.ravel().tolist(), const, labels=hot_labels))
     if per_expert:
         out.append(_family(names.EXPERT_TOKENS, logical_LE.ravel().tolist(), const, (L, E)))

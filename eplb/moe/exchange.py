@@ -1,17 +1,17 @@
 """Token exchange between EP ranks: send each (token, k) copy to the rank owning its physical slot.
 
-Shape legend: T tokens on this rank, K top-k, H hidden, G ranks, S slots per rank, C capacity
-(copies one rank may send to one peer), M rows received (G*C when padded).
+Shape legend: T tokens (on this rank), K top-k, H hidden size, G GPUs (ranks), S slots per GPU (this
+rank's), M rows received (G times the capacity when padded).
 
 Two forms with one interface (``dispatch`` -> rows for the local experts, ``combine`` -> [T, H]):
 
 - :class:`ExactExchange`: copies sorted by destination and sent with exact split sizes
   (``all_to_all_single`` with splits; the sizes cross to the host once per call). Traffic and
   expert work follow the routed load, as in a real engine's prefill.
-- :class:`PaddedExchange`: every rank sends a fixed [G, C] block to every peer (unused rows carry
+- :class:`PaddedExchange`: every rank sends a fixed [G, capacity] block to every peer (unused rows carry
   slot -1), so shapes never change and no value is read on the host: the decode step can be
-  captured in a CUDA graph. Copies past C are dropped (counted in ``dropped_1``); C = T*K
-  (the default) never drops.
+  captured in a CUDA graph. Copies past the capacity are dropped (counted in ``dropped_1``); a
+  capacity of T*K (the default) never drops.
 
 With one rank both degrade to local work (no collective).
 """
@@ -94,7 +94,7 @@ class ExactExchange:
 
 
 class PaddedExchange:
-    """Fixed-shape all-to-all of [G, C] blocks: no host sync, CUDA-graph capturable."""
+    """Fixed-shape all-to-all of [G, capacity] blocks: no host sync, CUDA-graph capturable."""
 
     def __init__(
         self,
@@ -113,20 +113,20 @@ class PaddedExchange:
 
     def dispatch(self, hidden_TH: torch.Tensor, phys_TK: torch.Tensor, valid_TK: torch.Tensor) -> Routed:
         T, K = phys_TK.shape
-        G, C = self.world_size, self.capacity
+        G, cap = self.world_size, self.capacity
         device = hidden_TH.device
         dest, local = copy_destinations(phys_TK, valid_TK, self.slots_per_rank, G)
         # Position of each copy among the copies to the same destination (one-hot running count).
         one_hot = one_hot_rows(dest, G + 1)
         pos = torch.gather(torch.cumsum(one_hot, 0), 1, dest.unsqueeze(1)).squeeze(1) - 1
-        keep = (dest < G) & (pos < C)
-        trash = G * C  # row that swallows dropped and invalid copies
-        row = torch.where(keep, dest * C + pos, torch.full_like(dest, trash))
+        keep = (dest < G) & (pos < cap)
+        trash = G * cap  # row that swallows dropped and invalid copies
+        row = torch.where(keep, dest * cap + pos, torch.full_like(dest, trash))
         if self.dropped_1 is None or self.dropped_1.device != device:
             self.dropped_1 = torch.zeros(1, dtype=torch.int64, device=device)
         self.dropped_1.add_(((dest < G) & ~keep).sum())
-        send_x = hidden_TH.new_empty(G * C + 1, hidden_TH.shape[1])
-        send_slot = torch.full((G * C + 1,), -1, dtype=torch.int32, device=device)
+        send_x = hidden_TH.new_empty(G * cap + 1, hidden_TH.shape[1])
+        send_slot = torch.full((G * cap + 1,), -1, dtype=torch.int32, device=device)
         token = torch.arange(T * K, device=device) // K
         send_x.index_copy_(0, row, hidden_TH.index_select(0, token))
         send_slot.index_copy_(0, row, torch.where(keep, local, torch.full_like(local, -1)))
@@ -152,13 +152,13 @@ class PaddedExchange:
 
 
 def one_hot_rows(index: torch.Tensor, num_classes: int) -> torch.Tensor:
-    """int64 [N, num_classes] one-hot rows (torch's one_hot syncs on CUDA to check the range)."""
+    """int64 [x, num_classes] one-hot rows (torch's one_hot syncs on CUDA to check the range)."""
     out = torch.zeros(index.numel(), num_classes, dtype=torch.int64, device=index.device)
     out.scatter_(1, index.unsqueeze(1), 1)
     return out
 
 
-def weighted_sum(per_copy_NH: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
+def weighted_sum(per_copy_xH: torch.Tensor, weights_TK: torch.Tensor) -> torch.Tensor:
     """float32 [T, H]: sum over k of weight[t, k] * copy output[t*K + k] (the combine)."""
     T, K = weights_TK.shape
-    return (per_copy_NH.view(T, K, per_copy_NH.shape[1]) * weights_TK.float().unsqueeze(2)).sum(1)
+    return (per_copy_xH.view(T, K, per_copy_xH.shape[1]) * weights_TK.float().unsqueeze(2)).sum(1)

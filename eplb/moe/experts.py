@@ -1,15 +1,15 @@
 """The expert FFN over every local slot at once: one grouped GEMM per projection, no loop over slots.
 
-Shape legend: M rows (token copies received by this rank), H hidden, I expert intermediate size,
-S slots on this rank.
+Shape legend: M rows received (the token copies this rank's experts compute), H hidden size, I
+intermediate size, S slots per GPU (this rank's).
 
 Weights follow SGLang's MegaMoE contract: ``w13 [S, 2I, H]`` (gate rows, then up rows) and
 ``w2 [S, H, I]``; the FFN of a row routed to slot s is ``w2[s] @ (silu(w13[s, :I] @ x) * w13[s, I:] @ x)``.
 
 Rows are sorted by slot and fed to ``torch._grouped_mm`` with the cumulative row counts as
 offsets. Where that op is missing or refuses the dtype/shape (probed once per configuration), the
-same rows are scattered into a padded [S, C, H] block and multiplied with ``torch.bmm``. Neither
-path reads a device value back to the host except the padded fallback (its C), so the grouped
+same rows are scattered into a padded [S, rows, H] block and multiplied with ``torch.bmm``. Neither
+path reads a device value back to the host except the padded fallback (its row count), so the grouped
 path can be captured in a CUDA graph.
 """
 
@@ -58,14 +58,14 @@ def sort_by_slot(slot_M: torch.Tensor, num_slots: int) -> tuple[torch.Tensor, to
 def expert_ffn(
     x_MH: torch.Tensor,
     slot_M: torch.Tensor,
-    w13_SNH: torch.Tensor,
+    w13_S2IH: torch.Tensor,
     w2_SHI: torch.Tensor,
     *,
     use_grouped_mm: bool | None = None,
 ) -> torch.Tensor:
     """[M, H] FFN outputs of rows ``x_MH`` routed to local slots ``slot_M`` (int32, -1 = padding -> 0)."""
     M, H = x_MH.shape
-    S, two_i, _ = w13_SNH.shape
+    S, two_i, _ = w13_S2IH.shape
     intermediate = two_i // 2
     if M == 0:
         return torch.zeros_like(x_MH)
@@ -74,11 +74,11 @@ def expert_ffn(
     order, sorted_key, ends = sort_by_slot(slot_M, S)
     x_sorted = x_MH.index_select(0, order)
     if use_grouped_mm:
-        h = torch._grouped_mm(x_sorted, w13_SNH.transpose(1, 2), offs=ends)
+        h = torch._grouped_mm(x_sorted, w13_S2IH.transpose(1, 2), offs=ends)
         a = F.silu(h[:, :intermediate]) * h[:, intermediate:]
         y_sorted = torch._grouped_mm(a, w2_SHI.transpose(1, 2), offs=ends)
     else:
-        y_sorted = _padded_bmm_ffn(x_sorted, sorted_key, ends, w13_SNH, w2_SHI)
+        y_sorted = _padded_bmm_ffn(x_sorted, sorted_key, ends, w13_S2IH, w2_SHI)
     # Rows past the last segment are padding; _grouped_mm leaves them undefined.
     valid_sorted = (sorted_key < S).unsqueeze(1)
     y_sorted = torch.where(
@@ -93,12 +93,12 @@ def _padded_bmm_ffn(
     x_sorted_MH: torch.Tensor,
     sorted_key_M: torch.Tensor,
     ends_S: torch.Tensor,
-    w13_SNH: torch.Tensor,
+    w13_S2IH: torch.Tensor,
     w2_SHI: torch.Tensor,
 ) -> torch.Tensor:
-    """The grouped FFN as one padded batch: rows scattered into [S, C, H], C = the fullest slot."""
-    S = w13_SNH.shape[0]
-    intermediate = w13_SNH.shape[1] // 2
+    """The grouped FFN as one padded batch: rows scattered into [S, rows, H], rows = the fullest slot's."""
+    S = w13_S2IH.shape[0]
+    intermediate = w13_S2IH.shape[1] // 2
     M, H = x_sorted_MH.shape
     ends = ends_S.to(torch.int64)
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
@@ -108,7 +108,7 @@ def _padded_bmm_ffn(
     pos = torch.arange(M, device=x_sorted_MH.device) - starts[slot]
     block = x_sorted_MH.new_zeros(S, max(capacity, 1), H)
     block[slot[valid], pos[valid]] = x_sorted_MH[valid]
-    h = torch.bmm(block, w13_SNH.transpose(1, 2))
+    h = torch.bmm(block, w13_S2IH.transpose(1, 2))
     a = F.silu(h[..., :intermediate]) * h[..., intermediate:]
     y_block = torch.bmm(a, w2_SHI.transpose(1, 2))
     y = x_sorted_MH.new_zeros(M, H)

@@ -1,7 +1,7 @@
 """One expert-parallel MoE layer whose routed experts live in fixed physical-slot buffers.
 
-Shape legend: T tokens on this rank, K top-k, H hidden, I intermediate, E logical experts,
-P physical slots, G ranks, S = P / G slots per rank, M rows received.
+Shape legend: T tokens (on this rank), K top-k, H hidden size, I intermediate size, E logical
+experts, P physical slots, G GPUs (ranks), S slots per GPU (P / G, this rank's), M rows received.
 
 Forward: router ids (int32 [T, K]) -> eplb.remap.api.remap_and_record (logical -> physical, counts
 recorded on the device) -> exchange (all-to-all to the ranks owning the slots) -> expert FFN over

@@ -1,7 +1,7 @@
 """A small MoE model on one EP rank: L routed-expert layers in slot buffers, plus its dense reference.
 
-Shape legend: T tokens on this rank, K top-k, H hidden, I intermediate, L layers, E logical
-experts, P physical slots, S slots per rank.
+Shape legend: T tokens (on this rank), K top-k, H hidden size, I intermediate size, L layers, E
+logical experts, P physical slots, S slots per GPU (this rank's), R max replicas.
 
 Each layer: ``x = x + moe(rmsnorm(x))`` with a linear router (softmax, top-k, renormalised
 weights, int32 ids) plus an optional per-layer logit bias (how the demo imposes a workload's

@@ -1,6 +1,6 @@
 """Dense single-process reference of the MoE path: logical experts, no slots, no exchange.
 
-Shape legend: T tokens, K top-k, H hidden, I intermediate, L layers, E logical experts.
+Shape legend: T tokens, K top-k, H hidden size, I intermediate size, L layers, E logical experts.
 
 A plain loop over logical experts (this is a test oracle, not a serving path). It shares nothing
 with the expert-parallel code except the router and norm, so a bug in remap, exchange, grouped
@@ -21,19 +21,19 @@ def dense_moe(
     x_TH: torch.Tensor,
     topk_ids_TK: torch.Tensor,
     topk_weights_TK: torch.Tensor,
-    w13_ENH: torch.Tensor,
+    w13_E2IH: torch.Tensor,
     w2_EHI: torch.Tensor,
 ) -> torch.Tensor:
     """[T, H]: sum over k of weight * FFN of logical expert ids[t, k] (-1 or out-of-range ids: 0)."""
     T, K = topk_ids_TK.shape
-    E = w13_ENH.shape[0]
-    intermediate = w13_ENH.shape[1] // 2
+    E = w13_E2IH.shape[0]
+    intermediate = w13_E2IH.shape[1] // 2
     out_TKH = torch.zeros(T, K, x_TH.shape[1], dtype=torch.float32, device=x_TH.device)
     ids = topk_ids_TK.to(torch.int64)
     for e in range(E):
         t, k = torch.nonzero(ids == e, as_tuple=True)
         if t.numel():
-            h = x_TH[t] @ w13_ENH[e].T
+            h = x_TH[t] @ w13_E2IH[e].T
             out_TKH[t, k] = ((F.silu(h[:, :intermediate]) * h[:, intermediate:]) @ w2_EHI[e].T).float()
     return (out_TKH * topk_weights_TK.float().unsqueeze(2)).sum(1).to(x_TH.dtype)
 

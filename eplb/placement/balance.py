@@ -1,7 +1,7 @@
 """Load per GPU under a placement, and balancedness (mean GPU load / max GPU load).
 
-Shape legend: T steps, L layers, E logical experts, P physical slots, R max replicas,
-G GPUs, S slots per GPU.
+Shape legend: x any leading dimensions, L layers, E logical experts, P physical slots, R max
+replicas, G GPUs, S slots per GPU.
 
 Balancedness of a layer is mean/max over GPUs (1.0 is perfect; a layer with no load counts
 as 1.0); a model's balancedness is the mean over its layers. These are the definitions SGLang

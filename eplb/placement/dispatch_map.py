@@ -1,6 +1,6 @@
 """Per-rank static dispatch maps: which replica each rank sends a logical expert's tokens to.
 
-Shape legend: L layers, E logical experts, R max replicas, G EP ranks, N nodes.
+Shape legend: L layers, E logical experts, R max replicas, G GPUs (EP ranks), N nodes.
 
 Preference for rank r and expert e: a replica on r's own GPU; else one on r's node; else any.
 When several candidates qualify, ranks are spread over them round-robin (the j-th rank that needs

@@ -3,7 +3,8 @@
 The simulator charges it, and the rebalance decision (eplb.policy.decision) prices plans with it,
 so a plan is applied offline exactly when a server would apply it.
 
-Shape legend: T steps, n passes, L layers, E logical experts, G GPUs.
+Shape legend: F steps, n passes, W window (passes), L layers, E logical experts, G GPUs, x any
+leading dimensions.
 
 Per step and layer, GPU g spends ``a + max(b * active_experts_g, c * tokens_g)`` µs on its
 experts (a roofline fitted to grouped-GEMM timings on an H200 with DeepSeek-V3 dims):

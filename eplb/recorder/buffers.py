@@ -1,7 +1,7 @@
 """Storage behind the recorder's modes: the stat window, per_pass host staging, per_token ids.
 
-Shape legend: W window (passes), L layers, E logical experts, P physical slots, K top-k,
-N recorded tokens.
+Shape legend: W window (passes), L layers, E logical experts, P physical slots, C count rows, K
+top-k, T tokens (recorded).
 
 Every store is bounded: the window holds W passes, per_pass keeps at most W finished records
 plus a few in flight, per_token keeps at most a token budget. Per-pass counts are int32 (one
@@ -120,7 +120,7 @@ class TokenBuffer:
     """per_token mode: logical top-k ids of each recorded token, int32 [budget, L, K] on the device."""
 
     def __init__(self, budget: int, num_layers: int, top_k: int, device: torch.device) -> None:
-        self.ids_NLK = torch.full((budget, num_layers, top_k), -1, dtype=torch.int32, device=device)
+        self.ids_TLK = torch.full((budget, num_layers, top_k), -1, dtype=torch.int32, device=device)
         self.pass_of_token: list[int] = []
         self.used = 0
         self.dropped = 0
@@ -128,21 +128,21 @@ class TokenBuffer:
 
     def write(self, layer: int, topk_ids_TK: torch.Tensor) -> None:
         """Store this pass's ids of one layer; tokens past the budget are dropped (and counted)."""
-        room = self.ids_NLK.shape[0] - self.used
+        room = self.ids_TLK.shape[0] - self.used
         T = int(topk_ids_TK.shape[0])
         keep = min(T, room)
         if keep > 0:
-            self.ids_NLK[self.used : self.used + keep, layer].copy_(topk_ids_TK[:keep])
+            self.ids_TLK[self.used : self.used + keep, layer].copy_(topk_ids_TK[:keep])
         self.pending_tokens = max(self.pending_tokens, T)
 
     def commit(self, pass_id: int, keep: bool) -> None:
         """End of pass: keep (or discard) the ids written since the last commit."""
-        room = self.ids_NLK.shape[0] - self.used
+        room = self.ids_TLK.shape[0] - self.used
         tokens = self.pending_tokens
         self.pending_tokens = 0
         if not keep or tokens == 0:
             if tokens:
-                self.ids_NLK[self.used : self.used + min(tokens, room)].fill_(-1)
+                self.ids_TLK[self.used : self.used + min(tokens, room)].fill_(-1)
             return
         kept = min(tokens, room)
         self.dropped += tokens - kept
@@ -150,7 +150,7 @@ class TokenBuffer:
         self.used += kept
 
     def clear(self) -> None:
-        self.ids_NLK.fill_(-1)
+        self.ids_TLK.fill_(-1)
         self.pass_of_token = []
         self.used = 0
         self.dropped = 0

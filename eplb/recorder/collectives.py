@@ -1,6 +1,6 @@
 """The recorder's collectives over its process groups: the prefill flag, window sums, dump facts.
 
-Shape legend: F passes kept.
+Shape legend: F steps (the passes kept).
 
 Each is a no-op (returns its input) outside torch.distributed or in a group of one rank, so a
 single-process recorder never imports or waits on anything distributed.

@@ -1,6 +1,7 @@
 """Recorder dump files: this project's safe format and SGLang's layouts, written from plain arrays.
 
-Shape legend: F passes kept, L layers, E logical experts, P physical slots, G GPUs, N tokens, K top-k.
+Shape legend: F steps (the passes kept), L layers, E logical experts, P physical slots, G GPUs, T
+tokens, K top-k.
 
 Dumps let a recording be replayed offline (``eplb simulate``, SGLang's own tooling), so both
 formats hold plain tensors and numbers only. What to write, and whether it is summed over ranks,
@@ -120,16 +121,16 @@ def save_window(window: WindowDump, path: Path, *, fmt: str) -> Path:
     return path
 
 
-def save_per_token(path: Path, ids_NLK: np.ndarray, pass_N: np.ndarray, dropped: int) -> Path:
-    """Write per_token ids: an npz with ``topk_ids`` int32 [N, L, K], ``forward_pass_id`` int64 [N]
+def save_per_token(path: Path, ids_TLK: np.ndarray, pass_T: np.ndarray, dropped: int) -> Path:
+    """Write per_token ids: an npz with ``topk_ids`` int32 [T, L, K], ``forward_pass_id`` int64 [T]
     and ``dropped_tokens`` (tokens past the budget)."""
     with atomic_path(path, parents=True) as tmp, tmp.open("wb") as f:
         np.savez_compressed(
             f,
             format=np.array(PER_TOKEN_FORMAT),
             version=np.array("1"),
-            topk_ids=ids_NLK,
-            forward_pass_id=pass_N,
+            topk_ids=ids_TLK,
+            forward_pass_id=pass_T,
             dropped_tokens=np.array(dropped, dtype=np.int64),
         )
     return path

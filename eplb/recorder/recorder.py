@@ -1,6 +1,7 @@
 """The expert distribution recorder: per-pass expert load, recorded on the device, for the manager.
 
-Shape legend: W window (passes), L layers, E logical experts, P physical slots, G GPUs, K top-k.
+Shape legend: W window (passes), F steps (the passes kept), L layers, E logical experts, P physical
+slots, C count rows, G GPUs, T tokens, K top-k.
 
 The remap kernel counts each pass's slot loads into fixed device buffers, so a captured CUDA graph
 records by a flag alone; the recorder keeps a bounded window of those counts (eplb.recorder.buffers)
@@ -357,11 +358,11 @@ class ExpertDistributionRecorder:
         return total_LE.cpu().numpy()
 
     def recorded_tokens(self) -> tuple[np.ndarray, np.ndarray, int]:
-        """per_token mode: (ids int32 [N, L, K], forward pass id int64 [N], tokens dropped past the budget)."""
+        """per_token mode: (ids int32 [T, L, K], forward pass id int64 [T], tokens dropped past the budget)."""
         if self._tokens is None:
             raise ValueError("recorded_tokens needs per_token mode")
         t = self._tokens
-        return t.ids_NLK[: t.used].cpu().numpy(), np.asarray(t.pass_of_token, dtype=np.int64), t.dropped
+        return t.ids_TLK[: t.used].cpu().numpy(), np.asarray(t.pass_of_token, dtype=np.int64), t.dropped
 
     def to_logical(self, phys_FLP: np.ndarray, versions: list[int]) -> np.ndarray:
         """int64 [F, L, E]: slot counts -> expert counts, row f through placement ``versions[f]``."""
@@ -390,9 +391,9 @@ class ExpertDistributionRecorder:
         check_dump_format(fmt, self.config.mode)
         rank, world = rank_and_world(self.group)
         if self.config.mode == "per_token":
-            ids_NLK, pass_N, dropped = self.recorded_tokens()
+            ids_TLK, pass_T, dropped = self.recorded_tokens()
             return save_per_token(
-                path if world == 1 else path.with_suffix(f".rank{rank}.npz"), ids_NLK, pass_N, dropped
+                path if world == 1 else path.with_suffix(f".rank{rank}.npz"), ids_TLK, pass_T, dropped
             )
         reduce = reduce and world > 1
         infos, phys_FLP = self.window_passes(reduce=reduce)

@@ -1,6 +1,7 @@
 """Logical -> physical expert remap with load recording: the public entry point and its backends.
 
-Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
+Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R max replicas (the
+replica capacity, P - E + 1), C count rows.
 
 One call per MoE layer per forward pass::
 

@@ -1,6 +1,6 @@
 """The ``lp`` dispatch mode's counts exchange: one all-gather of int32 [G, E] per layer call.
 
-Shape legend: E logical experts, G EP ranks.
+Shape legend: E logical experts, G GPUs (EP ranks), L layers, X replicated experts.
 
 Every rank counts its valid tokens per expert (int32 [E]), :class:`LpExchange` all-gathers those
 counts into int32 [G, E] over the EP group, and every rank then derives the same per-replica
@@ -30,7 +30,7 @@ class LpExchange:
     """
 
     def __init__(self, tables: DispatchTables, *, group: Any = None, gather: GatherFn | None = None) -> None:
-        if tables.lp_expert_LN is None:
+        if tables.lp_expert_LX is None:
             raise ValueError(
                 "these dispatch tables carry no lp tables (build them with DispatchTables.from_placement)"
             )

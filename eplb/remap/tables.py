@@ -1,8 +1,8 @@
 """Per-layer dispatch tables on the device, and the hash every remap backend shares.
 
-Shape legend: L layers, E logical experts, P physical slots, R replica capacity (P - E + 1, the
-most replicas one expert can have), T tokens, K top-k, N and D the ``lp`` mode's capacities
-(eplb.remap.lp_rule).
+Shape legend: L layers, E logical experts, P physical slots, R max replicas (P - E + 1, the most
+replicas one expert can have), T tokens, K top-k, X replicated experts (the ``lp`` mode's rows), D
+GPUs holding one replicated expert (its columns; capacities in eplb.remap.lp_rule).
 
 :class:`DispatchTables` holds what the remap needs for every layer and mode, as device tensors
 of fixed shape and address. After a hot-swap, :meth:`DispatchTables.update_` copies the new
@@ -91,14 +91,14 @@ class DispatchTables:
     the tensors keep their shape and storage for the tables' lifetime (:meth:`update_` copies)."""
     num_gpus: int = 1
     """G, EP ranks (the ``lp`` mode's all-gather spans them)."""
-    lp_expert_LN: torch.Tensor | None = None
-    """int32 [L, N]: replicated experts per layer (eplb.remap.lp_rule.LpTables); None: no ``lp`` mode."""
-    lp_slot_LND: torch.Tensor | None = None
-    """int32 [L, N, D]: each replicated expert's first replica on each GPU holding it."""
+    lp_expert_LX: torch.Tensor | None = None
+    """int32 [L, X]: replicated experts per layer (eplb.remap.lp_rule.LpTables); None: no ``lp`` mode."""
+    lp_slot_LXD: torch.Tensor | None = None
+    """int32 [L, X, D]: each replicated expert's first replica on each GPU holding it."""
     lp_index_LE: torch.Tensor | None = None
-    """int32 [L, E]: an expert's row in ``lp_expert_LN``, -1 with one replica."""
-    lp_slot_LNG: torch.Tensor | None = None
-    """int32 [L, N, G]: ``lp_slot_LND`` by GPU (-1 where the GPU holds no replica), as the kernels read it."""
+    """int32 [L, E]: an expert's row in ``lp_expert_LX``, -1 with one replica."""
+    lp_slot_LXG: torch.Tensor | None = None
+    """int32 [L, X, G]: ``lp_slot_LXD`` by GPU (-1 where the GPU holds no replica), as the kernels read it."""
 
     # Cached: the remap reads these on every call, and the tensors never change shape or device.
     @cached_property
@@ -142,10 +142,10 @@ class DispatchTables:
             placement.num_physical,
             rank,
             num_gpus=placement.num_gpus,
-            lp_expert_LN=_to_torch(host["lp_expert"], device),
-            lp_slot_LND=_to_torch(host["lp_slot"], device),
+            lp_expert_LX=_to_torch(host["lp_expert"], device),
+            lp_slot_LXD=_to_torch(host["lp_slot"], device),
             lp_index_LE=_to_torch(host["lp_index"], device),
-            lp_slot_LNG=_to_torch(host["lp_slot_by_gpu"], device),
+            lp_slot_LXG=_to_torch(host["lp_slot_by_gpu"], device),
         )
 
     @property
@@ -172,10 +172,10 @@ class DispatchTables:
             ("log2phy", self.log2phy_LER),
             ("logcnt", self.logcnt_LE),
             ("cumweights", self.cumweights_LER),
-            ("lp_expert", self.lp_expert_LN),
-            ("lp_slot", self.lp_slot_LND),
+            ("lp_expert", self.lp_expert_LX),
+            ("lp_slot", self.lp_slot_LXD),
             ("lp_index", self.lp_index_LE),
-            ("lp_slot_by_gpu", self.lp_slot_LNG),
+            ("lp_slot_by_gpu", self.lp_slot_LXG),
         ):
             if dst is not None:
                 dst.copy_(_to_torch(host[name], "cpu"))
@@ -210,10 +210,10 @@ def _host_tables(placement: Placement, rank: int, weights_LER: Any) -> dict[str,
         "log2phy": log2phy,
         "logcnt": logcnt,
         "cumweights": cumulative_weights(weights_LER, logcnt, R),
-        "lp_expert": lp.expert_LN,
-        "lp_slot": lp.slot_LND,
+        "lp_expert": lp.expert_LX,
+        "lp_slot": lp.slot_LXD,
         "lp_index": lp.index_LE,
-        "lp_slot_by_gpu": lp.slot_LNG,
+        "lp_slot_by_gpu": lp.slot_LXG,
     }
 
 

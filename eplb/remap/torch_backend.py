@@ -1,6 +1,7 @@
 """The ``torch`` remap backend: a plain reference with the Triton kernel's exact semantics, any device.
 
-Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R replica capacity.
+Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, R max replicas (the
+replica capacity).
 
 Arguments arrive validated by :func:`eplb.remap.api.remap_and_record`, as one
 :class:`eplb.remap.call.RemapCall`. Counting uses ``scatter_add_`` with a 0/1 weight (valid

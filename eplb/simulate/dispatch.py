@@ -1,7 +1,7 @@
 """How each dispatch mode spreads a logical expert's tokens over its replicas, in simulation.
 
-Shape legend: T steps, L layers, E logical experts, P physical slots, R max replicas, G GPUs,
-S slots per GPU.
+Shape legend: F steps, L layers, E logical experts, P physical slots, R max replicas, G GPUs, S
+slots per GPU.
 
 - dynamic: each expert's tokens split evenly over its replicas (a uniform pick per token).
 - weighted: the solver's per-replica weights [L, E, R]; an even split when it gave none.
@@ -28,7 +28,7 @@ from eplb.simulate.dispatch_lp import lp_matrices_parts
 
 @dataclass(frozen=True)
 class DispatchMatrices:
-    """Per-layer matrices that turn logical load into GPU load: ``load_TE @ share_EG``."""
+    """Per-layer matrices that turn logical load into GPU load: ``load_FE @ share_EG``."""
 
     share_LEG: np.ndarray
     """float32 [L, E, G]: fraction of an expert's tokens each GPU receives."""
@@ -78,15 +78,15 @@ def static_weights(placement: Placement) -> np.ndarray:
 
 
 def fake_gpu_load(
-    routed_TL: np.ndarray, num_gpus: int, slots_per_gpu: int, rng: np.random.Generator
+    routed_FL: np.ndarray, num_gpus: int, slots_per_gpu: int, rng: np.random.Generator
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Fake dispatch: (tokens float32 [T, L, G], expected active slots float32 [T, L, G]).
+    """Fake dispatch: (tokens float32 [F, L, G], expected active slots float32 [F, L, G]).
 
     Every routed token lands on a uniformly random slot, so GPU counts are one multinomial draw
     per step and layer; a GPU's active slots are the expected number of distinct slots hit.
     """
-    T, L = routed_TL.shape
+    F, L = routed_FL.shape
     pvals = np.full(num_gpus, 1.0 / num_gpus)
-    tokens_TLG = rng.multinomial(routed_TL.reshape(-1).astype(np.int64), pvals).reshape(T, L, num_gpus)
-    active_TLG = slots_per_gpu * (1.0 - (1.0 - 1.0 / slots_per_gpu) ** tokens_TLG)
-    return tokens_TLG.astype(np.float32), active_TLG.astype(np.float32)
+    tokens_FLG = rng.multinomial(routed_FL.reshape(-1).astype(np.int64), pvals).reshape(F, L, num_gpus)
+    active_FLG = slots_per_gpu * (1.0 - (1.0 - 1.0 / slots_per_gpu) ** tokens_FLG)
+    return tokens_FLG.astype(np.float32), active_FLG.astype(np.float32)

@@ -1,6 +1,6 @@
 """The ``lp`` dispatch mode in simulation: each batch's replicated-expert tokens water-filled over GPUs.
 
-Shape legend: L layers, n steps, E logical experts, R max replicas, G GPUs.
+Shape legend: L layers, n passes (steps), E logical experts, R max replicas, G GPUs.
 
 The other modes turn logical load into GPU load by one fixed matrix per layer
 (``load_LnE @ share_LEG``). Under ``lp`` the split depends on the batch itself (the rule in

@@ -1,6 +1,7 @@
 """The simulation loop: replay a trace under each run's placements, rebalancing every interval.
 
-Shape legend: T steps, n steps of one chunk, W window, L layers, E logical experts, G GPUs.
+Shape legend: F steps, n passes (the steps of one chunk), W window, L layers, E logical experts, G
+GPUs.
 
 Schedule (SGLang's clock in both modes, read from ``config.eplb``): a step is *recorded* (all
 steps, or only prefill steps with ``eplb_record_prefill_only``); after every
@@ -47,16 +48,16 @@ class Chunk:
 
 def rebalance_steps(trace: Trace, config: SimulationConfig) -> np.ndarray:
     """int64 [k]: the steps from which a new plan serves (after every interval-th recorded step)."""
-    recorded_T = recorded_steps_mask(trace, config)
-    count_T = np.cumsum(recorded_T)
-    after = np.flatnonzero(recorded_T & (count_T % config.eplb.rebalance_interval == 0))
+    recorded_F = recorded_steps_mask(trace, config)
+    count_F = np.cumsum(recorded_F)
+    after = np.flatnonzero(recorded_F & (count_F % config.eplb.rebalance_interval == 0))
     return after[after + 1 < trace.num_steps] + 1
 
 
 def recorded_steps_mask(trace: Trace, config: SimulationConfig) -> np.ndarray:
-    """bool [T]: the steps the recorder counts."""
+    """bool [F]: the steps the recorder counts."""
     if config.eplb.eplb_record_prefill_only:
-        return trace.is_prefill_T.copy()
+        return trace.is_prefill_F.copy()
     return np.ones(trace.num_steps, dtype=bool)
 
 
@@ -119,7 +120,7 @@ def simulate(
                 f"{trace.num_steps}-step trace (steps 0-{trace.num_steps - 1})"
             )
         scored_from = config.score_from
-    recorded_T = recorded_steps_mask(trace, config)
+    recorded_F = recorded_steps_mask(trace, config)
     states = [
         RunState(
             spec,
@@ -127,7 +128,7 @@ def simulate(
             _planner_for(spec, config, planners),
             trace,
             config,
-            recorded_T,
+            recorded_F,
             scored_from,
             fitted,
         )
@@ -137,7 +138,7 @@ def simulate(
     # a busy 2-core machine), so one thread it is.
     with threadpool_limits(limits=1, user_api="blas"):
         for chunk in progress(chunks) if progress else chunks:
-            counts_nLE = trace.counts_TLE[chunk.start : chunk.stop]
+            counts_nLE = trace.counts_FLE[chunk.start : chunk.stop]
             load_LnE = counts_nLE.astype(np.float32).transpose(1, 0, 2)
             loaded_LnE = (load_LnE > 0).astype(np.float32)
             for state in states:
@@ -158,7 +159,7 @@ def simulate(
         config=config.to_dict(),
         runs=results[: len(runs)] if baseline_spec not in runs else results,
         baseline=results[specs.index(baseline_spec)],
-        is_prefill_T=trace.is_prefill_T.copy(),
+        is_prefill_F=trace.is_prefill_F.copy(),
         scored_from=scored_from,
         trace_meta={k: v for k, v in trace.meta.items() if k != "generator"},
         notes=notes,

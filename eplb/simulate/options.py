@@ -277,7 +277,7 @@ def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) 
     if periodic and values.get("eplb_rebalance_num_iterations") is None:
         values["eplb_rebalance_num_iterations"] = DEFAULT_INTERVAL  # continuous: EplbConfig's default
     server = EplbConfig.from_namespace(argparse.Namespace(**values))
-    if server.eplb_record_prefill_only and not trace.is_prefill_T.any():
+    if server.eplb_record_prefill_only and not trace.is_prefill_F.any():
         raise ValueError("--eplb-record-prefill-only: the trace has no prefill steps")
     bytes_per_expert = args.bytes_per_expert
     if bytes_per_expert is None:

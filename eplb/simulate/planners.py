@@ -1,6 +1,6 @@
 """Planners the simulator compares, and the guard that lets them see only the past.
 
-Shape legend: T steps, W window (recorded steps), L layers, E logical experts, R max replicas.
+Shape legend: F steps, W window (recorded steps), L layers, E logical experts, R max replicas.
 
 A planner turns the recorded window into a new placement. Everything it learns about the trace
 comes through :class:`PastView`, which refuses (``AssertionError``) any step at or after the
@@ -67,9 +67,9 @@ def parse_runs(texts: Sequence[str], default_dispatch: str) -> list[RunSpec]:
 class PastView:
     """Read access to the recorded steps before ``now``; anything later is an AssertionError."""
 
-    def __init__(self, trace: Trace, recorded_T: np.ndarray) -> None:
-        self._counts_TLE = trace.counts_TLE
-        self._recorded_steps = np.flatnonzero(recorded_T)
+    def __init__(self, trace: Trace, recorded_F: np.ndarray) -> None:
+        self._counts_FLE = trace.counts_FLE
+        self._recorded_steps = np.flatnonzero(recorded_F)
         self.now = 0
         """The first step that will run on the plan being made."""
 
@@ -85,7 +85,7 @@ class PastView:
             f"planning looked at step {latest}, but its plan is used from step {self.now}: "
             "the placement used at step t must be computed from steps before t"
         )
-        return self._counts_TLE[steps]
+        return self._counts_FLE[steps]
 
     def window(self, size: int) -> np.ndarray:
         """int32 [W, L, E]: the last ``size`` recorded steps before ``now`` (fewer at the start)."""

@@ -1,6 +1,6 @@
 """PNG plots of a simulation (matplotlib, imported only here and only when plots are asked for).
 
-Shape legend: T steps, L layers, G GPUs.
+Shape legend: F steps, L layers, G GPUs.
 
 - ``balancedness.png``: balancedness of prefill steps over time per run (rolling mean), with
   the rebalance steps marked;
@@ -48,9 +48,9 @@ def write_plots(result: SimulationResult, out_dir: str | Path) -> list[Path]:
     return paths
 
 
-def rolling_mean(values_T: np.ndarray, width: int) -> np.ndarray:
-    """float64 [T - width + 1]: mean of every ``width`` consecutive values (``width`` >= 1)."""
-    cumsum = np.concatenate([[0.0], np.cumsum(values_T, dtype=np.float64)])
+def rolling_mean(values_F: np.ndarray, width: int) -> np.ndarray:
+    """float64 [F - width + 1]: mean of every ``width`` consecutive values (``width`` >= 1)."""
+    cumsum = np.concatenate([[0.0], np.cumsum(values_F, dtype=np.float64)])
     return (cumsum[width:] - cumsum[:-width]) / width
 
 
@@ -59,12 +59,12 @@ def _runs_with_baseline(result: SimulationResult) -> list[Any]:
 
 
 def _balancedness_over_time(plt: Any, result: SimulationResult, path: Path) -> Path:
-    prefill_T = result.is_prefill_T
-    steps = np.flatnonzero(prefill_T) if prefill_T.any() else np.arange(prefill_T.size)
+    prefill_F = result.is_prefill_F
+    steps = np.flatnonzero(prefill_F) if prefill_F.any() else np.arange(prefill_F.size)
     width = int(np.clip(len(steps) // 60, 1, 50))
     fig, ax = plt.subplots(figsize=(10, 4.5))
     for run in _runs_with_baseline(result):
-        smooth = rolling_mean(run.balancedness_T[steps], width)
+        smooth = rolling_mean(run.balancedness_F[steps], width)
         ax.plot(steps[width - 1 :], smooth, label=run.spec.name, linewidth=1.2)
     for run in result.runs:
         applied = [e.step for e in run.events if e.applied]
@@ -74,7 +74,7 @@ def _balancedness_over_time(plt: Any, result: SimulationResult, path: Path) -> P
             break
     ax.set_xlabel("step (dotted: rebalances)")
     ax.set_ylabel("balancedness (mean/max GPU load)")
-    kind = "prefill steps" if prefill_T.any() else "all steps"
+    kind = "prefill steps" if prefill_F.any() else "all steps"
     ax.set_title(f"Balancedness over time, {kind}, rolling mean of {width}")
     ax.set_ylim(0, 1.02)
     ax.grid(alpha=0.3)
@@ -102,7 +102,7 @@ def _load_heatmaps(plt: Any, result: SimulationResult, path: Path) -> Path:
         ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0][0].set_ylabel("MoE layer")
     fig.colorbar(image, ax=axes[0].tolist(), label="GPU load / layer mean (per step, averaged)")
-    fig.suptitle(f"Load per layer and GPU, steps {result.scored_from}..{result.is_prefill_T.size - 1}")
+    fig.suptitle(f"Load per layer and GPU, steps {result.scored_from}..{result.is_prefill_F.size - 1}")
     with atomic_path(path, parents=True) as tmp:
         fig.savefig(tmp, dpi=110, format="png")
     return path
@@ -111,7 +111,7 @@ def _load_heatmaps(plt: Any, result: SimulationResult, path: Path) -> Path:
 def _balance_vs_migration(plt: Any, result: SimulationResult, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     summaries = {s["name"]: s for s in result.summaries()}
-    baseline = result.baseline.summary(result.baseline, result.is_prefill_T, result.scored_from)
+    baseline = result.baseline.summary(result.baseline, result.is_prefill_F, result.scored_from)
     summaries.setdefault(baseline["name"], baseline)
     for name, s in summaries.items():
         x, y = s["experts_moved_per_rebalance"], s["balancedness_prefill_mean"]

@@ -1,6 +1,6 @@
 """What a simulation returns: per-run timelines, rebalance events, summaries, the terminal table.
 
-Shape legend: T steps, L layers, G GPUs.
+Shape legend: F steps, L layers, G GPUs.
 """
 
 from __future__ import annotations
@@ -56,10 +56,10 @@ class RunResult:
     """The timeline of one simulated configuration."""
 
     spec: RunSpec
-    balancedness_T: np.ndarray
-    """float64 [T]: model balancedness (mean over layers of mean/max GPU load) of each step."""
-    moe_us_T: np.ndarray
-    """float64 [T]: modeled MoE time of each step, µs (sum over layers of the busiest GPU)."""
+    balancedness_F: np.ndarray
+    """float64 [F]: model balancedness (mean over layers of mean/max GPU load) of each step."""
+    moe_us_F: np.ndarray
+    """float64 [F]: modeled MoE time of each step, µs (sum over layers of the busiest GPU)."""
     relative_load_LG: np.ndarray
     """float64 [L, G]: per-step GPU load / layer mean, averaged over the scored steps."""
     events: list[RebalanceEvent] = field(default_factory=list)
@@ -77,16 +77,16 @@ class RunResult:
         """Modeled MoE time of steps ``scored_from`` onwards plus those rebalances' stalls and interference."""
         events = self.scored_events(scored_from)
         overhead = sum(e.stall_seconds + e.interference_seconds for e in events)
-        return float(self.moe_us_T[scored_from:].sum()) * 1e-6 + float(overhead)
+        return float(self.moe_us_F[scored_from:].sum()) * 1e-6 + float(overhead)
 
-    def summary(self, baseline: RunResult, is_prefill_T: np.ndarray, scored_from: int = 0) -> dict[str, Any]:
+    def summary(self, baseline: RunResult, is_prefill_F: np.ndarray, scored_from: int = 0) -> dict[str, Any]:
         """Figures over the scored steps (from ``scored_from``), compared with ``baseline``: every
         count, cost and rate covers only the rebalances made within them (``scored_events``)."""
         events = self.scored_events(scored_from)
         applied = [e for e in events if e.applied]
         solve = np.array([e.solve_seconds for e in events], dtype=np.float64)
-        bal = self.balancedness_T[scored_from:]
-        prefill_bal = bal[is_prefill_T[scored_from:]]
+        bal = self.balancedness_F[scored_from:]
+        prefill_bal = bal[is_prefill_F[scored_from:]]
         total = self.total_seconds(scored_from)
         bytes_moved = int(sum(e.bytes_moved for e in applied))
         pairs = [(e.predicted_balancedness, e.realized_balancedness) for e in applied]
@@ -101,7 +101,7 @@ class RunResult:
             "balancedness_mean": _mean(bal),
             "balancedness_p5": float(np.percentile(bal, 5)) if bal.size else float("nan"),
             "balancedness_prefill_mean": _mean(prefill_bal),
-            "moe_seconds": float(self.moe_us_T[scored_from:].sum()) * 1e-6,
+            "moe_seconds": float(self.moe_us_F[scored_from:].sum()) * 1e-6,
             "transfer_seconds": float(sum(e.transfer_seconds for e in applied)),
             "stall_seconds": float(sum(e.stall_seconds for e in applied)),
             "interference_seconds": float(sum(e.interference_seconds for e in applied)),
@@ -162,8 +162,8 @@ class SimulationResult:
     config: dict[str, Any]
     runs: list[RunResult]
     baseline: RunResult
-    is_prefill_T: np.ndarray
-    """bool [T]: prefill steps of the simulated trace."""
+    is_prefill_F: np.ndarray
+    """bool [F]: prefill steps of the simulated trace."""
     scored_from: int
     """First scored step: the first that can run on a rebalanced placement (0 when none can).
 
@@ -173,7 +173,7 @@ class SimulationResult:
     notes: list[str] = field(default_factory=list)
 
     def summaries(self) -> list[dict[str, Any]]:
-        return [run.summary(self.baseline, self.is_prefill_T, self.scored_from) for run in self.runs]
+        return [run.summary(self.baseline, self.is_prefill_F, self.scored_from) for run in self.runs]
 
     def run(self, name: str) -> RunResult:
         for r in self.runs:
@@ -186,8 +186,8 @@ class SimulationResult:
         out: dict[str, Any] = {
             "config": self.config,
             "trace": self.trace_meta,
-            "steps": int(self.is_prefill_T.size),
-            "prefill_steps": int(self.is_prefill_T.sum()),
+            "steps": int(self.is_prefill_F.size),
+            "prefill_steps": int(self.is_prefill_F.sum()),
             "scored_from": self.scored_from,
             "baseline": self.baseline.spec.name,
             "notes": list(self.notes),
@@ -197,8 +197,8 @@ class SimulationResult:
         if timeline:
             out["timeline"] = {
                 r.spec.name: {
-                    "balancedness": np.round(r.balancedness_T, 5).tolist(),
-                    "moe_us": np.round(r.moe_us_T, 1).tolist(),
+                    "balancedness": np.round(r.balancedness_F, 5).tolist(),
+                    "moe_us": np.round(r.moe_us_F, 1).tolist(),
                 }
                 for r in self.runs
             }

@@ -1,6 +1,7 @@
 """One simulated run as it advances: its placement, the swap in flight, and its timeline so far.
 
-Shape legend: T steps, n steps of one chunk, W window, L layers, E logical experts, G GPUs.
+Shape legend: F steps, n passes (the steps of one chunk), W window, L layers, E logical experts, G
+GPUs.
 
 At a rebalance the run plans from the window. Periodic mode switches to the plan at once and
 stalls for its transfer. Continuous mode keeps serving on the old placement while the swap goes
@@ -58,7 +59,7 @@ class RunState:
         planner: Planner | None,
         trace: Trace,
         config: SimulationConfig,
-        recorded_T: np.ndarray,
+        recorded_F: np.ndarray,
         scored_from: int,
         fitted: bool = False,
     ) -> None:
@@ -68,12 +69,12 @@ class RunState:
         self.placement = initial
         self.weights_LER: np.ndarray | None = None
         self.matrices = dispatch_matrices(initial, spec.dispatch)
-        self.recorded_T = recorded_T
-        self.past = PastView(trace, recorded_T)
+        self.recorded_F = recorded_F
+        self.past = PastView(trace, recorded_F)
         self.scored_from = scored_from
-        T, L, E, G = trace.num_steps, trace.num_layers, trace.num_experts, config.eplb.ep_size
-        self.balancedness_T = np.zeros(T)
-        self.moe_us_T = np.zeros(T)
+        F, L, E, G = trace.num_steps, trace.num_layers, trace.num_experts, config.eplb.ep_size
+        self.balancedness_F = np.zeros(F)
+        self.moe_us_F = np.zeros(F)
         self.relative_load_LG = np.zeros((L, G))
         self.events: list[RebalanceEvent] = []
         self.swap: _Swap | None = None
@@ -85,8 +86,8 @@ class RunState:
         self.served_load = 0.0
         self.eval_seconds = 0.0
         self.apply_seconds = 0.0
-        self.counted_T = np.cumsum(recorded_T) - recorded_T
-        """int [T]: recorded steps before each step (the recorder's count of passes)."""
+        self.counted_F = np.cumsum(recorded_F) - recorded_F
+        """int [F]: recorded steps before each step (the recorder's count of passes)."""
 
     # ---- rebalancing ----------------------------------------------------------------------------
     def rebalance(self, step: int) -> None:
@@ -99,7 +100,7 @@ class RunState:
             )
             self._switch(step)
         self._close_realized()
-        counted = int(self.counted_T[step]) if step < self.counted_T.size else int(self.recorded_T.sum())
+        counted = int(self.counted_F[step]) if step < self.counted_F.size else int(self.recorded_F.sum())
         copies = self._plan(step, counted)
         self.decider.record(counted_pass=counted, applied=copies is not None, copies=copies or 0.0)
 
@@ -230,8 +231,8 @@ class RunState:
                         axis=0
                     )
         stop = start + n
-        self.moe_us_T[start:stop] = moe_us_n
-        self.balancedness_T[start:stop] = balancedness(tokens_LnG).mean(axis=0)
+        self.moe_us_F[start:stop] = moe_us_n
+        self.balancedness_F[start:stop] = balancedness(tokens_LnG).mean(axis=0)
         first = max(start, self.scored_from)
         if first < stop:
             part_LnG = tokens_LnG[:, first - start :]
@@ -239,11 +240,11 @@ class RunState:
             relative_LnG = np.divide(part_LnG, mean_Ln1, out=np.ones_like(part_LnG), where=mean_Ln1 > 0)
             self.relative_load_LG += relative_LnG.sum(axis=1)
         if self.serving is not None:
-            served_n = self.recorded_T[start:stop].copy()
+            served_n = self.recorded_F[start:stop].copy()
             served_n[:switched] = False
             self.served_LE += load_LnE[:, served_n].sum(axis=1, dtype=np.float64)
             weight_n = counts_nLE[served_n].sum(axis=(1, 2), dtype=np.float64)
-            self.served_weighted += float(weight_n @ self.balancedness_T[start:stop][served_n])
+            self.served_weighted += float(weight_n @ self.balancedness_F[start:stop][served_n])
             self.served_load += float(weight_n.sum())
         self.eval_seconds += time.perf_counter() - started
 
@@ -269,8 +270,8 @@ class RunState:
         after = self.trace.num_steps - self.scored_from
         return RunResult(
             spec=self.spec,
-            balancedness_T=self.balancedness_T,
-            moe_us_T=self.moe_us_T,
+            balancedness_F=self.balancedness_F,
+            moe_us_F=self.moe_us_F,
             relative_load_LG=self.relative_load_LG / max(after, 1),
             events=self.events,
             final_placement=self.placement,

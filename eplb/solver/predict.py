@@ -1,6 +1,6 @@
 """Load prediction: from a recorded window of passes to the load the next window will bring.
 
-Shape legend: W window (passes), L layers, E logical experts, K scenarios.
+Shape legend: W window (passes), L layers, E logical experts, Z scenarios.
 
 Expert popularity drifts, so the plain sum of the window is stale by half a window before the next
 one starts (measured in docs/benchmarks.md: fitting the past harder does not help). The predictors:
@@ -29,11 +29,11 @@ class Prediction:
 
     point_LE: np.ndarray
     """float64 [L, E]: the forecast load (scaled like one window)."""
-    scenarios_KLE: np.ndarray
-    """float64 [K, L, E]: scenarios of the next window, each with the forecast's total per layer; K=1
+    scenarios_ZLE: np.ndarray
+    """float64 [Z, L, E]: scenarios of the next window, each with the forecast's total per layer; Z=1
     holds the forecast alone."""
-    scenario_weights_K: np.ndarray
-    """float64 [K]: probability of each scenario (sum 1)."""
+    scenario_weights_Z: np.ndarray
+    """float64 [Z]: probability of each scenario (sum 1)."""
 
 
 def pass_weights(num_passes: int, options: SolveOptions, method: str) -> np.ndarray:
@@ -61,18 +61,18 @@ def predict(load_WLE: np.ndarray, options: SolveOptions, method: str) -> Predict
     point_LE = np.tensordot(pass_weights(W, options, method), load_WLE, axes=1)
     if method != "robust" or W < 2 or options.num_scenarios < 2:
         return Prediction(point_LE, point_LE[None], np.ones(1))
-    K = min(options.num_scenarios, W)
-    bounds = np.linspace(0, W, K + 1).round().astype(int)
-    sums_KLE = np.add.reduceat(load_WLE, bounds[:-1], axis=0)
-    shape_KLE = sums_KLE * _safe_ratio(np.ones(1), sums_KLE.sum(axis=-1))[:, :, None]
-    mean_shape_LE = shape_KLE.mean(axis=0)
-    deviation_KLE = _safe_ratio(shape_KLE, mean_shape_LE[None])
-    deviation_KLE = np.where(mean_shape_LE[None] > 0, deviation_KLE, 1.0)
-    scenarios_KLE = point_LE[None] * deviation_KLE
-    scenarios_KLE *= _safe_ratio(point_LE.sum(axis=-1)[None], scenarios_KLE.sum(axis=-1))[:, :, None]
-    scenarios_KLE = np.concatenate([point_LE[None], scenarios_KLE])
-    weights_K = np.concatenate([[0.5], np.full(K, 0.5 / K)])
-    return Prediction(point_LE, scenarios_KLE, weights_K)
+    Z = min(options.num_scenarios, W)
+    bounds = np.linspace(0, W, Z + 1).round().astype(int)
+    sums_ZLE = np.add.reduceat(load_WLE, bounds[:-1], axis=0)
+    shape_ZLE = sums_ZLE * _safe_ratio(np.ones(1), sums_ZLE.sum(axis=-1))[:, :, None]
+    mean_shape_LE = shape_ZLE.mean(axis=0)
+    deviation_ZLE = _safe_ratio(shape_ZLE, mean_shape_LE[None])
+    deviation_ZLE = np.where(mean_shape_LE[None] > 0, deviation_ZLE, 1.0)
+    scenarios_ZLE = point_LE[None] * deviation_ZLE
+    scenarios_ZLE *= _safe_ratio(point_LE.sum(axis=-1)[None], scenarios_ZLE.sum(axis=-1))[:, :, None]
+    scenarios_ZLE = np.concatenate([point_LE[None], scenarios_ZLE])
+    weights_Z = np.concatenate([[0.5], np.full(Z, 0.5 / Z)])
+    return Prediction(point_LE, scenarios_ZLE, weights_Z)
 
 
 def _safe_ratio(num: np.ndarray, den: np.ndarray) -> np.ndarray:

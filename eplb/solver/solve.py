@@ -203,10 +203,10 @@ def _plan(
     if current is not None and options.budgeted and not (policy.budget_aware and options.incremental):
         # Plans that did not search within the budget keep the whole layers that pay best per copy.
         dispatch = Dispatch(options.dispatch, topology.num_nodes)
-        scenarios_KLE, weights_K = prediction.scenarios_KLE, prediction.scenario_weights_K
+        scenarios_ZLE, weights_Z = prediction.scenarios_ZLE, prediction.scenario_weights_Z
 
         def score_L(p2l_LP: np.ndarray) -> np.ndarray:
-            return layer_scores(p2l_LP, scenarios_KLE, weights_K, topology.num_gpus, dispatch)
+            return layer_scores(p2l_LP, scenarios_ZLE, weights_Z, topology.num_gpus, dispatch)
 
         gain_L = score_L(phy2log_LP) - score_L(current.phy2log_LP)
         fitted_LP = fit_layers(phy2log_LP, current, gain_L, budget_of(options))

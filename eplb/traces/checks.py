@@ -1,6 +1,6 @@
 """Checks that run before anything read from a trace file is trusted or allocated.
 
-Shape legend: T steps, L layers, E logical experts, P physical slots.
+Shape legend: F steps, L layers, E logical experts, P physical slots.
 
 A file is untrusted input: its declared shapes, ids and sizes are checked against sane limits and
 against the bytes the file actually holds before any array is allocated from them, so a small

@@ -1,6 +1,6 @@
 """OpenEvolve / ADRS EPLB traces: ``{"load_history": [{"logical_expert_load": [L][E]}, ...]}``.
 
-Shape legend: T steps, L layers, E logical experts.
+Shape legend: F steps, L layers, E logical experts.
 
 One entry per step. Their evaluation plans on window i and scores on window i+1; so does ours.
 The reader decodes one entry at a time, so memory stays close to the file's size and progress
@@ -63,7 +63,7 @@ def write_openevolve(
     path = Path(path)
     with atomic_path(path, outputs=outputs) as tmp, tmp.open("w") as f:
         f.write('{"load_history":[')
-        for t, step_LE in enumerate(trace.counts_TLE):
+        for t, step_LE in enumerate(trace.counts_FLE):
             f.write(',{"logical_expert_load":' if t else '{"logical_expert_load":')
             f.write(json.dumps(step_LE.tolist(), separators=(",", ":")))
             f.write("}")

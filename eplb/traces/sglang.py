@@ -1,6 +1,6 @@
 """Read SGLang expert-distribution dumps (stat and per_pass) into a :class:`Trace`.
 
-Shape legend: W window steps, T steps, L layers, E logical experts, P physical slots.
+Shape legend: W window (steps), F steps, L layers, E logical experts, P physical slots.
 
 SGLang writes these with ``torch.save``. They are loaded with ``weights_only=True`` only, so a
 file that carries code (or any object beyond tensors, numbers, strings, lists and dicts) is
@@ -159,8 +159,8 @@ def _per_pass_trace(
         raise TraceFormatError(f"{', '.join(sources)}: per_pass dump holds no records")
     ids = sorted(by_pass)
     meta = {"source": "sglang-per-pass", "forward_pass_ids": ids, "chronological": True}
-    counts_TLE = np.stack([by_pass[i] for i in ids])
-    return Trace.from_counts(count_array(counts_TLE, f"{', '.join(sources)}: summed counts"), meta=meta)
+    counts_FLE = np.stack([by_pass[i] for i in ids])
+    return Trace.from_counts(count_array(counts_FLE, f"{', '.join(sources)}: summed counts"), meta=meta)
 
 
 def _checked_map(p2l_LP: np.ndarray, source: str) -> np.ndarray:

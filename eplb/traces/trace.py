@@ -1,9 +1,9 @@
 """``Trace``: per-step logical expert counts with per-step metadata, and this project's file format.
 
-Shape legend: T steps (forward passes), L MoE layers, E logical experts.
+Shape legend: F steps (forward passes), L layers, E logical experts.
 
 The own format is a safetensors file (or ``.npz``, read with ``allow_pickle=False``) holding
-``counts`` int32 [T, L, E], ``is_prefill`` uint8 [T] and ``num_tokens`` int64 [T], plus a JSON
+``counts`` int32 [F, L, E], ``is_prefill`` uint8 [F] and ``num_tokens`` int64 [F], plus a JSON
 metadata string. Neither reader can execute code from the file, and both check the shapes a file
 declares against the bytes it holds before reading an array (eplb.traces.checks). Writes are
 atomic (eplb.fileio): a failed or interrupted save leaves no partial file.
@@ -41,35 +41,35 @@ ProgressFn = Callable[[int, int], None]
 class Trace:
     """Recorded (or synthetic) logical expert load, one row per forward pass."""
 
-    counts_TLE: np.ndarray
-    """int32 [T, L, E]: tokens routed to each logical expert in each step."""
-    is_prefill_T: np.ndarray
-    """bool [T]: whether the step carried prefill tokens."""
-    num_tokens_T: np.ndarray
-    """int64 [T]: tokens in the step (each routed to top-k experts)."""
+    counts_FLE: np.ndarray
+    """int32 [F, L, E]: tokens routed to each logical expert in each step."""
+    is_prefill_F: np.ndarray
+    """bool [F]: whether the step carried prefill tokens."""
+    num_tokens_F: np.ndarray
+    """int64 [F]: tokens in the step (each routed to top-k experts)."""
     meta: Mapping[str, Any] = field(default_factory=dict)
     """JSON-serialisable facts: model, top_k, source, generator parameters..."""
 
     def __post_init__(self) -> None:
-        c = self.counts_TLE
+        c = self.counts_FLE
         if not isinstance(c, np.ndarray) or c.dtype != np.int32 or c.ndim != 3:
             raise ValueError(
-                f"counts must be an int32 [T, L, E] array, got {getattr(c, 'dtype', type(c))} "
+                f"counts must be an int32 [F, L, E] array, got {getattr(c, 'dtype', type(c))} "
                 f"{getattr(c, 'shape', '')}"
             )
-        T = c.shape[0]
-        if self.is_prefill_T.shape != (T,) or self.is_prefill_T.dtype != np.bool_:
+        F = c.shape[0]
+        if self.is_prefill_F.shape != (F,) or self.is_prefill_F.dtype != np.bool_:
             raise ValueError(
-                f"is_prefill must be bool [{T}], got {self.is_prefill_T.dtype} {self.is_prefill_T.shape}"
+                f"is_prefill must be bool [{F}], got {self.is_prefill_F.dtype} {self.is_prefill_F.shape}"
             )
-        if self.num_tokens_T.shape != (T,) or self.num_tokens_T.dtype != np.int64:
+        if self.num_tokens_F.shape != (F,) or self.num_tokens_F.dtype != np.int64:
             raise ValueError(
-                f"num_tokens must be int64 [{T}], got {self.num_tokens_T.dtype} {self.num_tokens_T.shape}"
+                f"num_tokens must be int64 [{F}], got {self.num_tokens_F.dtype} {self.num_tokens_F.shape}"
             )
         check_dims(c.shape[1], c.shape[2], "trace")
         if c.size and c.min() < 0:
             raise ValueError("counts must be non-negative")
-        if T and self.num_tokens_T.min() < 0:
+        if F and self.num_tokens_F.min() < 0:
             raise ValueError("num_tokens must be non-negative")
 
     @classmethod
@@ -81,7 +81,7 @@ class Trace:
         num_tokens: Any = None,
         meta: Mapping[str, Any] | None = None,
     ) -> Trace:
-        """Build from any array-like of counts [T, L, E] (or one step [L, E]), checking values.
+        """Build from any array-like of counts [F, L, E] (or one step [L, E]), checking values.
 
         NaN, infinite, negative, fractional and boolean counts are refused, as are L = 0 and E = 0.
         Unknown ``is_prefill`` counts every step as prefill and says so in the metadata
@@ -95,22 +95,22 @@ class Trace:
         if arr.ndim == 2:
             arr = arr[None]
         if arr.ndim != 3:
-            raise ValueError(f"counts must be [T, L, E] or [L, E], got shape {arr.shape}")
+            raise ValueError(f"counts must be [F, L, E] or [L, E], got shape {arr.shape}")
         check_dims(arr.shape[1], arr.shape[2], "counts")
-        counts_TLE = count_array(arr, "counts")
-        T = counts_TLE.shape[0]
+        counts_FLE = count_array(arr, "counts")
+        F = counts_FLE.shape[0]
         prefill = (
-            np.ones(T, dtype=bool) if is_prefill is None else np.asarray(is_prefill, dtype=bool).reshape(T)
+            np.ones(F, dtype=bool) if is_prefill is None else np.asarray(is_prefill, dtype=bool).reshape(F)
         )
         if num_tokens is None:
             top_k = int(meta.get("top_k", 1))
             routed = (
-                counts_TLE.sum(axis=2, dtype=np.int64).max(axis=1, initial=0) if T else np.zeros(0, np.int64)
+                counts_FLE.sum(axis=2, dtype=np.int64).max(axis=1, initial=0) if F else np.zeros(0, np.int64)
             )
             tokens = routed // max(top_k, 1)
         else:
-            tokens = np.asarray(num_tokens, dtype=np.int64).reshape(T)
-        return cls(counts_TLE, prefill, tokens.astype(np.int64), meta)
+            tokens = np.asarray(num_tokens, dtype=np.int64).reshape(F)
+        return cls(counts_FLE, prefill, tokens.astype(np.int64), meta)
 
     @property
     def prefill_known(self) -> bool:
@@ -131,15 +131,15 @@ class Trace:
     # ---- shape and slicing --------------------------------------------------------------------
     @property
     def num_steps(self) -> int:
-        return int(self.counts_TLE.shape[0])
+        return int(self.counts_FLE.shape[0])
 
     @property
     def num_layers(self) -> int:
-        return int(self.counts_TLE.shape[1])
+        return int(self.counts_FLE.shape[1])
 
     @property
     def num_experts(self) -> int:
-        return int(self.counts_TLE.shape[2])
+        return int(self.counts_FLE.shape[2])
 
     def __len__(self) -> int:
         return self.num_steps
@@ -147,22 +147,22 @@ class Trace:
     def slice(self, start: int, stop: int) -> Trace:
         """Steps [start, stop) as a new Trace sharing memory."""
         s = slice(start, stop)
-        return Trace(self.counts_TLE[s], self.is_prefill_T[s], self.num_tokens_T[s], dict(self.meta))
+        return Trace(self.counts_FLE[s], self.is_prefill_F[s], self.num_tokens_F[s], dict(self.meta))
 
     def prefill_only(self) -> Trace:
         """Only the steps that carried prefill tokens."""
-        keep = self.is_prefill_T
-        return Trace(self.counts_TLE[keep], keep[keep], self.num_tokens_T[keep], dict(self.meta))
+        keep = self.is_prefill_F
+        return Trace(self.counts_FLE[keep], keep[keep], self.num_tokens_F[keep], dict(self.meta))
 
     def total_LE(self) -> np.ndarray:
         """int64 [L, E]: counts summed over all steps."""
-        return self.counts_TLE.sum(axis=0, dtype=np.int64)
+        return self.counts_FLE.sum(axis=0, dtype=np.int64)
 
     def equals(self, other: Trace) -> bool:
         return (
-            np.array_equal(self.counts_TLE, other.counts_TLE)
-            and np.array_equal(self.is_prefill_T, other.is_prefill_T)
-            and np.array_equal(self.num_tokens_T, other.num_tokens_T)
+            np.array_equal(self.counts_FLE, other.counts_FLE)
+            and np.array_equal(self.is_prefill_F, other.is_prefill_F)
+            and np.array_equal(self.num_tokens_F, other.num_tokens_F)
             and dict(self.meta) == dict(other.meta)
         )
 
@@ -176,9 +176,9 @@ class Trace:
         """
         path = Path(path)
         arrays = {
-            "counts": self.counts_TLE,
-            "is_prefill": self.is_prefill_T.astype(np.uint8),
-            "num_tokens": self.num_tokens_T,
+            "counts": self.counts_FLE,
+            "is_prefill": self.is_prefill_F.astype(np.uint8),
+            "num_tokens": self.num_tokens_F,
         }
         header = {
             "format": FORMAT_NAME,
@@ -243,7 +243,7 @@ def _check_shapes(path: Path, shapes: Mapping[str, Any]) -> None:
         raise TraceFormatError(f"{path}: eplb trace lacks {sorted(missing)}")
     counts = list(shapes["counts"])
     if len(counts) != 3:
-        raise TraceFormatError(f"{path}: counts must be [T, L, E], got shape {counts}")
+        raise TraceFormatError(f"{path}: counts must be [F, L, E], got shape {counts}")
     check_dims(counts[1], counts[2], str(path))
     for key in ("is_prefill", "num_tokens"):
         if list(shapes[key]) != counts[:1]:

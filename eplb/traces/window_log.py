@@ -1,6 +1,6 @@
 """An engine's load windows kept as an eplb trace file, one row per window.
 
-Shape legend: H windows kept, L layers, E logical experts.
+Shape legend: F steps (one per window kept), L layers, E logical experts.
 
 vLLM records expert load but never writes it out. When ``EPLB_VLLM_DUMP_DIR`` names a folder,
 eplb's vLLM plugin hands every rebalance window it receives (vLLM's ``window_size`` passes summed,
@@ -46,7 +46,7 @@ class WindowLog:
         if self._rows and row_LE.shape != self._rows[0].shape:
             raise ValueError(f"window shape {row_LE.shape} differs from {self._rows[0].shape} in {self.path}")
         trace = Trace.from_counts(row_LE)  # checks the counts (whole, finite, non-negative, int32)
-        self._rows.append(trace.counts_TLE[0])
+        self._rows.append(trace.counts_FLE[0])
         if len(self._rows) > self.max_windows:
             del self._rows[0]
             self.dropped += 1

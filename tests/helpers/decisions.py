@@ -148,19 +148,19 @@ def decision_trace(*, idle: bool = False) -> Trace:
             popularity_sigma=POPULARITY_SIGMA,
         )
     )
-    counts_TLE, tokens_T = base.counts_TLE.copy(), base.num_tokens_T.copy()
-    counts_TLE[slice(*UNIFORM_STEPS)] = UNIFORM_COUNT
-    tokens_T[slice(*UNIFORM_STEPS)] = UNIFORM_COUNT * MODEL.num_experts // MODEL.top_k
-    is_prefill_T = base.is_prefill_T.copy()
-    is_prefill_T[slice(*UNIFORM_STEPS)] = True
+    counts_FLE, tokens_F = base.counts_FLE.copy(), base.num_tokens_F.copy()
+    counts_FLE[slice(*UNIFORM_STEPS)] = UNIFORM_COUNT
+    tokens_F[slice(*UNIFORM_STEPS)] = UNIFORM_COUNT * MODEL.num_experts // MODEL.top_k
+    is_prefill_F = base.is_prefill_F.copy()
+    is_prefill_F[slice(*UNIFORM_STEPS)] = True
     rng = np.random.default_rng(99)
     for layer in range(MODEL.num_layers):
-        counts_TLE[SHIFT_AT:, layer] = counts_TLE[SHIFT_AT:, layer][:, rng.permutation(MODEL.num_experts)]
+        counts_FLE[SHIFT_AT:, layer] = counts_FLE[SHIFT_AT:, layer][:, rng.permutation(MODEL.num_experts)]
     if idle:
-        counts_TLE[slice(*IDLE_STEPS)] = 0
-        tokens_T[slice(*IDLE_STEPS)] = 0
+        counts_FLE[slice(*IDLE_STEPS)] = 0
+        tokens_F[slice(*IDLE_STEPS)] = 0
     meta = {**base.meta, "bytes_per_expert": BYTES_PER_EXPERT}
-    return Trace(counts_TLE, is_prefill_T, tokens_T, meta)
+    return Trace(counts_FLE, is_prefill_F, tokens_F, meta)
 
 
 def server_flags(mode: str, **overrides: Any) -> EplbConfig:
@@ -244,7 +244,7 @@ def feed(manager: EplbManager, model: MoEModel, counts_LE: np.ndarray, mode: str
 
 
 def manager_run(
-    ctx: RankContext, flags: EplbConfig, counts_TLE: np.ndarray, is_prefill_T: np.ndarray
+    ctx: RankContext, flags: EplbConfig, counts_FLE: np.ndarray, is_prefill_F: np.ndarray
 ) -> dict[str, Any]:
     """Replay the trace through this rank's manager; rank 0 also returns its planner's calls.
 
@@ -253,20 +253,20 @@ def manager_run(
     """
     calls: list[PlanCall] = []
     solved = threading.Event()
-    half_TLE = counts_TLE // 2
-    mine_TLE = half_TLE if ctx.rank == 0 else counts_TLE - half_TLE
+    half_FLE = counts_FLE // 2
+    mine_FLE = half_FLE if ctx.rank == 0 else counts_FLE - half_FLE
     with recording_plans(calls, solved):
-        L, E = counts_TLE.shape[1:]
+        L, E = counts_FLE.shape[1:]
         placement = Placement.trivial(L, E, ctx.world_size, num_redundant=flags.ep_num_redundant_experts)
         model = MoEModel(MODEL, placement, rank=ctx.rank, device=ctx.device, remap_backend="torch")
         manager = EplbManager(flags, model, placement, device=ctx.device)
         checks: list[tuple[int, float, bool]] = []
         after: list[tuple[tuple[int, ...], ...]] = []
-        for t in range(counts_TLE.shape[0]):
+        for t in range(counts_FLE.shape[0]):
             manager.on_forward_pass_begin(
-                is_prefill=bool(is_prefill_T[t]), num_tokens=int(mine_TLE[t, 0].sum())
+                is_prefill=bool(is_prefill_F[t]), num_tokens=int(mine_FLE[t, 0].sum())
             )
-            feed(manager, model, mine_TLE[t], flags.dispatch_algorithm)
+            feed(manager, model, mine_FLE[t], flags.dispatch_algorithm)
             manager.on_forward_pass_end()
             state = manager.state()
             if len(state.windows) > len(checks):

@@ -1,7 +1,7 @@
 """DeepSeek's published EPLB algorithm (global and hierarchical), in numpy, and its policy objects.
 
-Shape legend: X rows (layers, or layers x nodes), E logical experts, P physical slots, M items to
-pack, B bins (packs), L layers, N nodes, G GPUs, S slots per GPU.
+Shape legend: x any leading dimensions (rows: layers, or layers x nodes), E logical experts, P
+physical slots, U items to pack, B bins (packs), L layers, N nodes, G GPUs, S slots per GPU.
 
 This is this project's own implementation of the algorithm DeepSeek describes (and SGLang vendors):
 
@@ -31,24 +31,24 @@ from eplb.solver.types import SolveOptions, Topology
 INT64 = np.int64
 
 
-def replicate(weight_XE: np.ndarray, num_physical: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def replicate(weight_xE: np.ndarray, num_physical: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Replica counts that minimise the largest load per replica, greedily.
 
     Args:
-        weight_XE: float32 [X, E] load of each logical expert.
+        weight_xE: float32 [x, E] load of each logical expert.
         num_physical: P >= E slots to fill.
 
     Returns:
-        phy2log_XP int64 [X, P] (slot p < E holds expert p; redundant slots in the order given),
-        rank_XP int64 [X, P] (replica index of each slot within its expert), logcnt_XE int64 [X, E].
+        phy2log_xP int64 [x, P] (slot p < E holds expert p; redundant slots in the order given),
+        rank_xP int64 [x, P] (replica index of each slot within its expert), logcnt_xE int64 [x, E].
     """
-    X, E = weight_XE.shape
+    x, E = weight_xE.shape
     assert num_physical >= E
-    weight = weight_XE.astype(np.float32, copy=False)
-    phy2log = np.tile(np.arange(num_physical, dtype=INT64), (X, 1))
-    rank = np.zeros((X, num_physical), dtype=INT64)
-    logcnt = np.ones((X, E), dtype=INT64)
-    rows = np.arange(X)
+    weight = weight_xE.astype(np.float32, copy=False)
+    phy2log = np.tile(np.arange(num_physical, dtype=INT64), (x, 1))
+    rank = np.zeros((x, num_physical), dtype=INT64)
+    logcnt = np.ones((x, E), dtype=INT64)
+    rows = np.arange(x)
     for slot in range(E, num_physical):
         best = np.argmax(weight / logcnt.astype(np.float32), axis=1)
         phy2log[:, slot] = best
@@ -57,29 +57,29 @@ def replicate(weight_XE: np.ndarray, num_physical: int) -> tuple[np.ndarray, np.
     return phy2log, rank, logcnt
 
 
-def balanced_packing(weight_XM: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
-    """Pack M items into B bins of M/B items each, heaviest item first into the lightest open bin.
+def balanced_packing(weight_xU: np.ndarray, num_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pack U items into B bins of U/B items each, heaviest item first into the lightest open bin.
 
     Args:
-        weight_XM: float [X, M] item weights; M divisible by ``num_bins``.
+        weight_xU: float [x, U] item weights; U divisible by ``num_bins``.
 
     Returns:
-        bin_XM int64 [X, M] (bin of each item), rank_XM int64 [X, M] (position inside its bin).
+        bin_xU int64 [x, U] (bin of each item), rank_xU int64 [x, U] (position inside its bin).
     """
-    X, M = weight_XM.shape
-    assert M % num_bins == 0
-    per_bin = M // num_bins
+    x, U = weight_xU.shape
+    assert U % num_bins == 0
+    per_bin = U // num_bins
     if per_bin == 1:
-        return np.tile(np.arange(M, dtype=INT64), (X, 1)), np.zeros((X, M), dtype=INT64)
-    weight32 = weight_XM.astype(np.float32, copy=False)
-    order_XM = np.argsort(-weight32, axis=1, kind="stable")
-    rows = np.arange(X)
-    bin_load = np.zeros((X, num_bins), dtype=np.float64)
-    bin_count = np.zeros((X, num_bins), dtype=INT64)
-    bin_of = np.empty((X, M), dtype=INT64)
-    rank_of = np.empty((X, M), dtype=INT64)
-    for step in range(M):
-        item = order_XM[:, step]
+        return np.tile(np.arange(U, dtype=INT64), (x, 1)), np.zeros((x, U), dtype=INT64)
+    weight32 = weight_xU.astype(np.float32, copy=False)
+    order_xU = np.argsort(-weight32, axis=1, kind="stable")
+    rows = np.arange(x)
+    bin_load = np.zeros((x, num_bins), dtype=np.float64)
+    bin_count = np.zeros((x, num_bins), dtype=INT64)
+    bin_of = np.empty((x, U), dtype=INT64)
+    rank_of = np.empty((x, U), dtype=INT64)
+    for step in range(U):
+        item = order_xU[:, step]
         chosen = np.argmin(np.where(bin_count < per_bin, bin_load, np.inf), axis=1)
         bin_of[rows, item] = chosen
         rank_of[rows, item] = bin_count[rows, chosen]
@@ -88,10 +88,10 @@ def balanced_packing(weight_XM: np.ndarray, num_bins: int) -> tuple[np.ndarray, 
     return bin_of, rank_of
 
 
-def _inverse(perm_XM: np.ndarray) -> np.ndarray:
-    """int64 [X, M]: the inverse permutation of each row."""
-    inv = np.empty_like(perm_XM)
-    np.put_along_axis(inv, perm_XM, np.broadcast_to(np.arange(perm_XM.shape[1]), perm_XM.shape), axis=1)
+def _inverse(perm_xU: np.ndarray) -> np.ndarray:
+    """int64 [x, U]: the inverse permutation of each row."""
+    inv = np.empty_like(perm_xU)
+    np.put_along_axis(inv, perm_xU, np.broadcast_to(np.arange(perm_xU.shape[1]), perm_xU.shape), axis=1)
     return inv
 
 

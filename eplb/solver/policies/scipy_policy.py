@@ -1,6 +1,6 @@
 """The ``scipy`` policy (:data:`SCIPY`): replica counts, packing, polishing, migration-aware placement.
 
-Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU.
+Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU.
 
 Fresh plan (no current placement, or ``incremental=False``, and a candidate for every layer of an
 incremental plan):
@@ -72,24 +72,24 @@ def scipy_phy2log(
     """int64 [L, P]: the placement the scipy algorithm proposes; fills ``stats``."""
     G, N = topology.num_gpus, topology.num_nodes
     dispatch = Dispatch(options.dispatch, N)
-    scenarios_KLE, weights_K = prediction.scenarios_KLE, prediction.scenario_weights_K
+    scenarios_ZLE, weights_Z = prediction.scenarios_ZLE, prediction.scenario_weights_Z
     budget = budget_of(options)
     if current is not None and options.incremental and options.budgeted:
-        return budgeted_phy2log(scenarios_KLE, weights_K, current, budget, stats, dispatch)
+        return budgeted_phy2log(scenarios_ZLE, weights_Z, current, budget, stats, dispatch)
     fresh_LP = _fresh_phy2log(prediction, topology, options, dispatch, stats)
     if current is None:
         return fresh_LP
     fresh_LP = relabel(fresh_LP, current.phy2log_LP, G, N, keep_nodes=dispatch.static)
-    value_fresh_L = layer_scores(fresh_LP, scenarios_KLE, weights_K, G, dispatch)
+    value_fresh_L = layer_scores(fresh_LP, scenarios_ZLE, weights_Z, G, dispatch)
     origin_LGE = current.gpu_has_expert()
     if not options.incremental:
         # Keep the current layers that the fresh plan does not beat on the forecast.
         base_LP = current.phy2log_LP.astype(np.int64)
-        value_base_L = layer_scores(base_LP, scenarios_KLE, weights_K, G, dispatch)
+        value_base_L = layer_scores(base_LP, scenarios_ZLE, weights_Z, G, dispatch)
     else:
-        base_LP = budgeted_phy2log(scenarios_KLE, weights_K, current, budget, stats, dispatch)
+        base_LP = budgeted_phy2log(scenarios_ZLE, weights_Z, current, budget, stats, dispatch)
         price = options.copy_cost or 0.0
-        value_base_L = layer_scores(base_LP, scenarios_KLE, weights_K, G, dispatch)
+        value_base_L = layer_scores(base_LP, scenarios_ZLE, weights_Z, G, dispatch)
         value_base_L -= price * arrivals_L(holds_per_gpu(base_LP, G, current.num_logical), origin_LGE)
         value_fresh_L -= price * arrivals_L(holds_per_gpu(fresh_LP, G, current.num_logical), origin_LGE)
     take_fresh_L = value_fresh_L > value_base_L + 1e-12
@@ -112,8 +112,8 @@ def _fresh_phy2log(
         # breaks the spread the static maps need: the static packing stands as it is.
         return static_fresh_phy2log(point_LE, P, G, N)[0]
     fresh_LP, _, fresh_cnt_LE = deepseek_rebalance(point_LE, P, 1, 1, G)
-    state = ls.make_swap_state(fresh_LP, prediction.scenarios_KLE, fresh_cnt_LE, G)
-    stats["fresh_swaps"] = ls.swap_search(state, prediction.scenario_weights_K, G)
+    state = ls.make_swap_state(fresh_LP, prediction.scenarios_ZLE, fresh_cnt_LE, G)
+    stats["fresh_swaps"] = ls.swap_search(state, prediction.scenario_weights_Z, G)
     fresh_LP = state.phy2log_LP
     if options.milp_max_solves > 0 and options.time_budget_s != 0:
         from eplb.solver.search.milp import milp_polish

@@ -1,7 +1,7 @@
 """How the server splits a logical expert's tokens over its replicas: one object per dispatch mode.
 
-Shape legend: L layers, l layers scored, n passes, E logical experts, P physical slots, G GPUs,
-R max replicas.
+Shape legend: L layers, l layers (scored), n passes, E logical experts, P physical slots, G GPUs, R
+max replicas.
 
 The solver scores placements as the server will dispatch on them: a slot carries its expert's
 load times its *share*, and a pass's GPU loads follow. :class:`Dispatch` is built from the

@@ -1,7 +1,7 @@
 """What a placement will get over the passes it serves, predicted from the window it was planned on.
 
-Shape legend: W window (passes), n passes, L layers, l layers scored, E logical experts,
-P physical slots, G GPUs.
+Shape legend: W window (passes), n passes, L layers, l layers (scored), E logical experts, P
+physical slots, G GPUs.
 
 A plan serves the ``H`` passes until the next rebalance (from ``delay`` passes on, where its swap
 runs beside them). What it gets there is the mean over those passes of its model balancedness,

@@ -1,6 +1,6 @@
 """A placement as the server dispatches on it: its slot shares, and its balancedness on a load.
 
-Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, R max replicas.
+Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, R max replicas.
 
 A slot carries its expert's load times its *share* (eplb.solver.scoring.dispatch: static maps'
 shares, weights, or an even split); GPU loads, and so balancedness, follow. The solver scores
@@ -72,33 +72,33 @@ def scored_balancedness(load_LE: np.ndarray, scored: Scored, num_gpus: int) -> f
     return float(balancedness(slot_LP.reshape(slot_LP.shape[0], num_gpus, -1).sum(axis=-1)).mean())
 
 
-def expected_balancedness(gpu_KLG: np.ndarray, weights_K: np.ndarray) -> np.ndarray:
+def expected_balancedness(gpu_ZLG: np.ndarray, weights_Z: np.ndarray) -> np.ndarray:
     """float64 [L]: sum_k pi_k mean_k / max_k (1 where a scenario has no load)."""
-    peak = gpu_KLG.max(axis=-1)
-    mean = gpu_KLG.mean(axis=-1)
+    peak = gpu_ZLG.max(axis=-1)
+    mean = gpu_ZLG.mean(axis=-1)
     ratio = np.where(peak > 0, mean / np.where(peak > 0, peak, 1.0), 1.0)
-    return np.tensordot(weights_K, ratio, axes=1)
+    return np.tensordot(weights_Z, ratio, axes=1)
 
 
 def layer_scores(
     phy2log_LP: np.ndarray,
-    scenarios_KLE: np.ndarray,
-    weights_K: np.ndarray,
+    scenarios_ZLE: np.ndarray,
+    weights_Z: np.ndarray,
     num_gpus: int,
     dispatch: Dispatch,
 ) -> np.ndarray:
     """float64 [L]: expected balancedness of each layer over the scenarios, each slot carrying its
     expert's load times its share as ``dispatch`` splits it."""
-    K, L, E = scenarios_KLE.shape
+    Z, L, E = scenarios_ZLE.shape
     layer = np.arange(L)[:, None]
     cnt_LE = np.stack([np.bincount(row, minlength=E) for row in phy2log_LP])
     share_LP = dispatch.share_LP(phy2log_LP, cnt_LE, num_gpus)
-    item_KLP = scenarios_KLE[:, layer, phy2log_LP] * share_LP
-    return expected_balancedness(item_KLP.reshape(K, L, num_gpus, -1).sum(axis=-1), weights_K)
+    item_ZLP = scenarios_ZLE[:, layer, phy2log_LP] * share_LP
+    return expected_balancedness(item_ZLP.reshape(Z, L, num_gpus, -1).sum(axis=-1), weights_Z)
 
 
-def expectation(weights_K: np.ndarray, values_K: np.ndarray) -> np.ndarray:
+def expectation(weights_Z: np.ndarray, values_Z: np.ndarray) -> np.ndarray:
     """sum_k pi_k values[k] over the scenarios (no tensordot copy for the one-scenario case)."""
-    if weights_K.shape[0] == 1:
-        return np.asarray(values_K[0] * weights_K[0])
-    return np.tensordot(weights_K, values_K, axes=1)
+    if weights_Z.shape[0] == 1:
+        return np.asarray(values_Z[0] * weights_Z[0])
+    return np.tensordot(weights_Z, values_Z, axes=1)

@@ -1,7 +1,7 @@
 """Replica shares under static dispatch: what each slot receives when ranks use fixed maps.
 
-Shape legend: L layers, l layers computed, E logical experts, P physical slots, G GPUs (ranks),
-N nodes, X replicated (layer, expert) pairs, R replicas of the most replicated one.
+Shape legend: L layers, l layers (computed), E logical experts, P physical slots, G GPUs (ranks), N
+nodes, X replicated experts ((layer, expert) pairs), R max replicas (of the most replicated pair).
 
 With static dispatch (SGLang's with EPLB on) every rank sends all its tokens of an expert to the
 one replica its static map picks (``eplb.placement.dispatch_map``: a replica on its own GPU, else

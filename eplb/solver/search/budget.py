@@ -1,6 +1,6 @@
 """Budgeted plans: the moves that buy the most balance per expert copy, within a move budget.
 
-Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, N nodes.
+Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, N nodes.
 
 From the current placement, every layer proposes its best move (eplb.solver.search.moves): a swap (a
 slot of the layer's hot GPU trades its expert with a slot of one of the lightest GPUs: a replica
@@ -89,8 +89,8 @@ def fit_layers(target_LP: np.ndarray, current: Placement, gain_L: np.ndarray, bu
 
 
 def budgeted_phy2log(
-    scenarios_KLE: np.ndarray,
-    weights_K: np.ndarray,
+    scenarios_ZLE: np.ndarray,
+    weights_Z: np.ndarray,
     current: Placement,
     budget: Budget,
     stats: dict[str, float],
@@ -108,7 +108,7 @@ def budgeted_phy2log(
     weighted_LGE, plain_LGE = arrival_costs(current, budget.cross_node_weight)
     separate_plain = np.isfinite(budget.plain) and budget.cross_node_weight != 1.0
     state = moves.make_move_state(
-        scenarios_KLE,
+        scenarios_ZLE,
         current.phy2log_LP,
         current.logcnt_LE,
         current.num_gpus,
@@ -117,7 +117,7 @@ def budgeted_phy2log(
         dispatch,
     )
     L = current.num_layers
-    active_L = (scenarios_KLE.sum(axis=-1) > 0).all(axis=0) & (current.num_gpus > 1)
+    active_L = (scenarios_ZLE.sum(axis=-1) > 0).all(axis=0) & (current.num_gpus > 1)
     dirty_L = np.ones(L, dtype=bool)
     net_L, gain_L = np.full(L, -np.inf), np.zeros(L)
     weighted_L, plain_L = np.zeros(L), np.zeros(L)
@@ -131,14 +131,14 @@ def budgeted_phy2log(
     # Static dispatch: each layer's exact soft balancedness, to check every move against.
     soft_L = np.zeros(L)
     if checked:
-        soft_L[:] = [moves.soft_balancedness(state, layer, weights_K) for layer in range(L)]
+        soft_L[:] = [moves.soft_balancedness(state, layer, weights_Z) for layer in range(L)]
     spent_total = 0.0
     for _ in range(MAX_ROUNDS):
         stale_L = active_L & (dirty_L | (weighted_L > left_w + _TOL) | (plain_L > left_p + _TOL))
         if stale_L.any():
             layers = np.flatnonzero(stale_L)
             p = moves.propose(
-                state, layers, weights_K, budget.copy_cost, left_w, left_p, swaps_only_L[layers]
+                state, layers, weights_Z, budget.copy_cost, left_w, left_p, swaps_only_L[layers]
             )
             net_L[layers], gain_L[layers] = p.net_l, p.gain_l
             weighted_L[layers], plain_L[layers] = p.weighted_l, p.plain_l
@@ -167,7 +167,7 @@ def budgeted_phy2log(
                 moves.apply_replica_change(state, layer, slot_b, int(expert_L[layer]))
             else:
                 moves.apply_swap(state, layer, slot_a, slot_b)
-            after = moves.soft_balancedness(state, layer, weights_K) if checked else 0.0
+            after = moves.soft_balancedness(state, layer, weights_Z) if checked else 0.0
             if checked and after - before <= MIN_STEP_GAIN:
                 # The proposal's even-split estimate did not hold under the static maps' shares:
                 # undo it. A failed replica change leaves the layer to swaps (whose gains are

@@ -1,6 +1,7 @@
 """The swap polish of a fresh plan, on the expected balancedness over the forecast's scenarios.
 
-Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU.
+Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU, l
+layers (being searched), B bins (the partner GPUs of the critical one), Q partner slots.
 
 A layer's score is the expected balancedness ``sum_k pi_k mean_k / max_k`` of its GPU loads over
 the scenarios (eplb.solver.scoring.served.layer_scores; one scenario: the plain balancedness). The
@@ -31,15 +32,15 @@ class SwapState:
 
     phy2log_LP: np.ndarray
     """int64 [L, P]: expert in each slot."""
-    item_KLP: np.ndarray
-    """float64 [K, L, P]: load each slot carries in each scenario."""
+    item_ZLP: np.ndarray
+    """float64 [Z, L, P]: load each slot carries in each scenario."""
     holds_LGE: np.ndarray
     """int64 [L, G, E]: replicas of expert e on GPU g."""
 
 
 def make_swap_state(
     phy2log_LP: np.ndarray,
-    scenarios_KLE: np.ndarray,
+    scenarios_ZLE: np.ndarray,
     logcnt_LE: np.ndarray,
     num_gpus: int,
 ) -> SwapState:
@@ -47,13 +48,13 @@ def make_swap_state(
     L = phy2log_LP.shape[0]
     E = logcnt_LE.shape[1]
     layer = np.arange(L)[:, None]
-    item_KLP = scenarios_KLE[:, layer, phy2log_LP] / logcnt_LE[layer, phy2log_LP]
-    return SwapState(phy2log_LP.astype(np.int64), item_KLP, holds_per_gpu(phy2log_LP, num_gpus, E))
+    item_ZLP = scenarios_ZLE[:, layer, phy2log_LP] / logcnt_LE[layer, phy2log_LP]
+    return SwapState(phy2log_LP.astype(np.int64), item_ZLP, holds_per_gpu(phy2log_LP, num_gpus, E))
 
 
 def swap_search(
     state: SwapState,
-    weights_K: np.ndarray,
+    weights_Z: np.ndarray,
     num_gpus: int,
     max_rounds: int = 10_000,
     min_gain: float = 1e-5,
@@ -61,7 +62,7 @@ def swap_search(
     """Improve ``state`` in place by single swaps on the expected balancedness (the busiest GPU);
     returns the number of swaps made. ``max_rounds`` caps the rounds (a count, so every rank finds
     the same swaps); a swap must gain more than ``min_gain``."""
-    _, L, P = state.item_KLP.shape
+    _, L, P = state.item_ZLP.shape
     G, S = num_gpus, P // num_gpus
     active = np.ones(L, dtype=bool)
     swaps = 0
@@ -69,10 +70,10 @@ def swap_search(
         layers = np.flatnonzero(active)
         if layers.size == 0:
             break
-        found, slot_a, slot_b = _best_swaps(state, layers, weights_K, G, S, min_gain)
+        found, slot_a, slot_b = _best_swaps(state, layers, weights_Z, G, S, min_gain)
         active[layers[~found]] = False
         for layer, a, b in zip(layers[found], slot_a[found], slot_b[found], strict=True):
-            swap_slots(state.phy2log_LP[layer], state.item_KLP[:, layer], state.holds_LGE[layer], a, b, S)
+            swap_slots(state.phy2log_LP[layer], state.item_ZLP[:, layer], state.holds_LGE[layer], a, b, S)
             swaps += 1
     return swaps
 
@@ -80,7 +81,7 @@ def swap_search(
 def _best_swaps(
     state: SwapState,
     layers: np.ndarray,
-    weights_K: np.ndarray,
+    weights_Z: np.ndarray,
     G: int,
     S: int,
     min_gain: float,
@@ -90,16 +91,16 @@ def _best_swaps(
     Partners are the slots of the lighter GPUs only (the lightest half, at least four GPUs): a
     swap with a GPU near the top cannot lower the top, and halving the candidates halves the work.
     """
-    item = state.item_KLP[:, layers]  # [K, l, P]
-    K, nl, _ = item.shape
+    item = state.item_ZLP[:, layers]  # [Z, l, P]
+    Z, nl, _ = item.shape
     rows = np.arange(nl)
     if G == 1:
         nothing = np.zeros(nl, dtype=np.int64)
         return np.zeros(nl, dtype=bool), nothing, nothing
-    gpu_KlG = item.reshape(K, nl, G, S).sum(axis=-1)
-    mean_Kl = np.maximum(gpu_KlG.mean(axis=-1), 1e-300)
-    hot_l = _critical_gpu(gpu_KlG, mean_Kl, weights_K)
-    expected_lG = expectation(weights_K, gpu_KlG / mean_Kl[..., None])
+    gpu_ZlG = item.reshape(Z, nl, G, S).sum(axis=-1)
+    mean_Zl = np.maximum(gpu_ZlG.mean(axis=-1), 1e-300)
+    hot_l = _critical_gpu(gpu_ZlG, mean_Zl, weights_Z)
+    expected_lG = expectation(weights_Z, gpu_ZlG / mean_Zl[..., None])
     expected_lG[rows, hot_l] = np.inf
     num_partners = max(1, min(G - 1, max(4, G // 2)))
     partner_gpu_lB = np.argsort(expected_lG, axis=1, kind="stable")[:, :num_partners]
@@ -108,13 +109,13 @@ def _best_swaps(
     Q = partner_lQ.shape[1]
 
     hot_slots_lS = hot_l[:, None] * S + np.arange(S)
-    a_KlS = np.take_along_axis(item, np.broadcast_to(hot_slots_lS, (K, nl, S)), axis=-1)
-    b_KlQ = np.take_along_axis(item, np.broadcast_to(partner_lQ, (K, nl, Q)), axis=-1)
-    hot_load_Kl = gpu_KlG[:, rows, hot_l]
-    other_load_KlQ = np.take_along_axis(gpu_KlG, np.broadcast_to(gpu_lQ, (K, nl, Q)), axis=-1)
-    new_hot = hot_load_Kl[:, :, None, None] - a_KlS[..., None] + b_KlQ[:, :, None, :]
-    new_other = other_load_KlQ[:, :, None, :] - b_KlQ[:, :, None, :] + a_KlS[..., None]
-    gain_lSQ = _peak_gain(gpu_KlG, mean_Kl, hot_l, gpu_lQ, new_hot, new_other, weights_K)
+    a_ZlS = np.take_along_axis(item, np.broadcast_to(hot_slots_lS, (Z, nl, S)), axis=-1)
+    b_ZlQ = np.take_along_axis(item, np.broadcast_to(partner_lQ, (Z, nl, Q)), axis=-1)
+    hot_load_Zl = gpu_ZlG[:, rows, hot_l]
+    other_load_ZlQ = np.take_along_axis(gpu_ZlG, np.broadcast_to(gpu_lQ, (Z, nl, Q)), axis=-1)
+    new_hot = hot_load_Zl[:, :, None, None] - a_ZlS[..., None] + b_ZlQ[:, :, None, :]
+    new_other = other_load_ZlQ[:, :, None, :] - b_ZlQ[:, :, None, :] + a_ZlS[..., None]
+    gain_lSQ = _peak_gain(gpu_ZlG, mean_Zl, hot_l, gpu_lQ, new_hot, new_other, weights_Z)
 
     p2l = state.phy2log_LP[layers]
     expert_a_lS = np.take_along_axis(p2l, hot_slots_lS, axis=1)
@@ -128,55 +129,55 @@ def _best_swaps(
     return found, hot_slots_lS[rows, s_idx], partner_lQ[rows, q_idx]
 
 
-def _critical_gpu(gpu_KlG: np.ndarray, mean_Kl: np.ndarray, weights_K: np.ndarray) -> np.ndarray:
+def _critical_gpu(gpu_ZlG: np.ndarray, mean_Zl: np.ndarray, weights_Z: np.ndarray) -> np.ndarray:
     """int [l]: the GPU whose reduction gains the most expected balancedness to first order.
 
     d(mean/peak)/d(peak) = -mean/peak**2; scaled by the mean (scenarios share one total per layer)
     that is (mean/peak)**2, credited to each scenario's busiest GPU.
     """
-    K, nl, G = gpu_KlG.shape
-    peak_Kl = gpu_KlG.max(axis=-1)
-    ratio_Kl = np.where(peak_Kl > 0, mean_Kl / np.where(peak_Kl > 0, peak_Kl, 1.0), 0.0)
+    Z, nl, G = gpu_ZlG.shape
+    peak_Zl = gpu_ZlG.max(axis=-1)
+    ratio_Zl = np.where(peak_Zl > 0, mean_Zl / np.where(peak_Zl > 0, peak_Zl, 1.0), 0.0)
     urgency_lG = np.zeros((nl, G))
     np.add.at(
         urgency_lG,
-        (np.broadcast_to(np.arange(nl), (K, nl)), gpu_KlG.argmax(axis=-1)),
-        weights_K[:, None] * ratio_Kl**2,
+        (np.broadcast_to(np.arange(nl), (Z, nl)), gpu_ZlG.argmax(axis=-1)),
+        weights_Z[:, None] * ratio_Zl**2,
     )
     return np.asarray(urgency_lG.argmax(axis=1))
 
 
 def _peak_gain(
-    gpu_KlG: np.ndarray,
-    mean_Kl: np.ndarray,
+    gpu_ZlG: np.ndarray,
+    mean_Zl: np.ndarray,
     hot_l: np.ndarray,
     gpu_lQ: np.ndarray,
     new_hot: np.ndarray,
     new_other: np.ndarray,
-    weights_K: np.ndarray,
+    weights_Z: np.ndarray,
 ) -> np.ndarray:
     """float64 [l, S, Q]: change in expected balancedness of each candidate swap."""
-    G = gpu_KlG.shape[-1]
-    order = np.argsort(-gpu_KlG, axis=-1)[..., : min(3, G)]
-    top_val = np.take_along_axis(gpu_KlG, order, axis=-1)
-    peak_Kl = top_val[..., 0]
+    G = gpu_ZlG.shape[-1]
+    order = np.argsort(-gpu_ZlG, axis=-1)[..., : min(3, G)]
+    top_val = np.take_along_axis(gpu_ZlG, order, axis=-1)
+    peak_Zl = top_val[..., 0]
     # Busiest GPU other than the hot one and the partner's GPU, per partner slot.
-    other_max_KlQ = _max_excluding(top_val, order, hot_l, gpu_lQ)
-    new_peak = np.maximum(np.maximum(new_hot, new_other), other_max_KlQ[:, :, None, :])
-    ratio_new = np.where(new_peak > 0, mean_Kl[..., None, None] / np.where(new_peak > 0, new_peak, 1.0), 1.0)
-    ratio_old = np.where(peak_Kl > 0, mean_Kl / np.where(peak_Kl > 0, peak_Kl, 1.0), 1.0)
-    return expectation(weights_K, ratio_new - ratio_old[..., None, None])
+    other_max_ZlQ = _max_excluding(top_val, order, hot_l, gpu_lQ)
+    new_peak = np.maximum(np.maximum(new_hot, new_other), other_max_ZlQ[:, :, None, :])
+    ratio_new = np.where(new_peak > 0, mean_Zl[..., None, None] / np.where(new_peak > 0, new_peak, 1.0), 1.0)
+    ratio_old = np.where(peak_Zl > 0, mean_Zl / np.where(peak_Zl > 0, peak_Zl, 1.0), 1.0)
+    return expectation(weights_Z, ratio_new - ratio_old[..., None, None])
 
 
 def _max_excluding(
     top_val: np.ndarray, order: np.ndarray, hot_l: np.ndarray, gpu_lQ: np.ndarray
 ) -> np.ndarray:
-    """float64 [K, l, Q]: largest GPU load among GPUs other than the hot GPU and partner q's GPU."""
-    K, nl, T = top_val.shape
+    """float64 [Z, l, Q]: largest GPU load among GPUs other than the hot GPU and partner q's GPU."""
+    Z, nl, top = top_val.shape
     Q = gpu_lQ.shape[1]
-    result = np.zeros((K, nl, Q))
-    done = np.zeros((K, nl, Q), dtype=bool)
-    for t in range(T):
+    result = np.zeros((Z, nl, Q))
+    done = np.zeros((Z, nl, Q), dtype=bool)
+    for t in range(top):
         idx = order[..., t][..., None]
         ok = (idx != hot_l[None, :, None]) & (idx != gpu_lQ[None]) & ~done
         result = np.where(ok, top_val[..., t][..., None], result)
@@ -185,7 +186,7 @@ def _max_excluding(
 
 
 def swap_slots(
-    phy2log_P: np.ndarray, item_KP: np.ndarray, holds_GE: np.ndarray, a: int, b: int, S: int
+    phy2log_P: np.ndarray, item_ZP: np.ndarray, holds_GE: np.ndarray, a: int, b: int, S: int
 ) -> tuple[int, int, int, int]:
     """Slots ``a`` and ``b`` of one layer trade experts, loads and GPU counts (in place).
 
@@ -194,7 +195,7 @@ def swap_slots(
     ea, eb = int(phy2log_P[a]), int(phy2log_P[b])
     ga, gb = a // S, b // S
     phy2log_P[a], phy2log_P[b] = eb, ea
-    item_KP[:, [a, b]] = item_KP[:, [b, a]]
+    item_ZP[:, [a, b]] = item_ZP[:, [b, a]]
     holds_GE[ga, ea] -= 1
     holds_GE[ga, eb] += 1
     holds_GE[gb, eb] -= 1

@@ -1,7 +1,7 @@
 """Exact repacking of a layer's critical GPUs with ``scipy.optimize.milp`` (HiGHS), within a solve count.
 
-Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU,
-I items (replicas) on the chosen GPUs, B chosen GPUs.
+Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU, U
+items to pack (the replicas on the bins), B bins (the chosen GPUs).
 
 Single swaps (local_search) stop at a local optimum; a MILP over the items of the critical GPU and
 the least loaded GPUs finds exchanges of several items at once. Per subproblem: binary x[i, b]
@@ -49,11 +49,11 @@ def milp_polish(
     G = num_gpus
     L, P = phy2log_LP.shape
     S = P // G
-    weights_K = prediction.scenario_weights_K
+    weights_Z = prediction.scenario_weights_Z
     out = phy2log_LP.copy()
     layer_idx = np.arange(L)[:, None]
-    item_KLP = prediction.scenarios_KLE[:, layer_idx, out] / cnt_LE[layer_idx, out]
-    score_L = expected_balancedness(item_KLP.reshape(-1, L, G, S).sum(axis=-1), weights_K)
+    item_ZLP = prediction.scenarios_ZLE[:, layer_idx, out] / cnt_LE[layer_idx, out]
+    score_L = expected_balancedness(item_ZLP.reshape(-1, L, G, S).sum(axis=-1), weights_Z)
     improved_layers = 0
     solves = 0
     for layer in np.argsort(score_L, kind="stable") if G > 1 else ():
@@ -63,21 +63,21 @@ def milp_polish(
         for _ in range(G):
             if solves >= max_solves or time.perf_counter() > deadline:
                 break
-            items_KP = item_KLP[:, layer]
-            gpu_KG = items_KP.reshape(-1, G, S).sum(axis=-1)
-            chosen = _choose_gpus(gpu_KG, weights_K, min(gpus_per_subproblem, G))
-            perm = _solve_subproblem(items_KP, gpu_KG, chosen, S, weights_K, deadline)
+            items_ZP = item_ZLP[:, layer]
+            gpu_ZG = items_ZP.reshape(-1, G, S).sum(axis=-1)
+            chosen = _choose_gpus(gpu_ZG, weights_Z, min(gpus_per_subproblem, G))
+            perm = _solve_subproblem(items_ZP, gpu_ZG, chosen, S, weights_Z, deadline)
             solves += 1
             if perm is None:
                 break
             slots = (chosen[:, None] * S + np.arange(S)).ravel()
-            trial = items_KP.copy()
-            trial[:, slots] = items_KP[:, slots[perm]]
-            new_score = expected_balancedness(trial.reshape(-1, 1, G, S).sum(axis=-1), weights_K)[0]
+            trial = items_ZP.copy()
+            trial[:, slots] = items_ZP[:, slots[perm]]
+            new_score = expected_balancedness(trial.reshape(-1, 1, G, S).sum(axis=-1), weights_Z)[0]
             if new_score <= score_L[layer] + 1e-12:
                 break
             out[layer, slots] = out[layer, slots[perm]]
-            item_KLP[:, layer] = trial
+            item_ZLP[:, layer] = trial
             score_L[layer] = new_score
             layer_improved = True
         improved_layers += int(layer_improved)
@@ -89,55 +89,55 @@ def milp_polish(
     return out
 
 
-def _choose_gpus(gpu_KG: np.ndarray, weights_K: np.ndarray, count: int) -> np.ndarray:
+def _choose_gpus(gpu_ZG: np.ndarray, weights_Z: np.ndarray, count: int) -> np.ndarray:
     """int [B]: the critical GPU (busiest in the most scenario weight) and the least loaded others."""
-    urgency_G = np.zeros(gpu_KG.shape[1])
-    np.add.at(urgency_G, gpu_KG.argmax(axis=1), weights_K)
+    urgency_G = np.zeros(gpu_ZG.shape[1])
+    np.add.at(urgency_G, gpu_ZG.argmax(axis=1), weights_Z)
     hot = int(urgency_G.argmax())
-    expected_G = weights_K @ gpu_KG
+    expected_G = weights_Z @ gpu_ZG
     others = [g for g in np.argsort(expected_G, kind="stable") if g != hot][: count - 1]
     return np.array([hot, *others], dtype=np.int64)
 
 
 def _solve_subproblem(
-    items_KP: np.ndarray,
-    gpu_KG: np.ndarray,
+    items_ZP: np.ndarray,
+    gpu_ZG: np.ndarray,
     chosen_B: np.ndarray,
     S: int,
-    weights_K: np.ndarray,
+    weights_Z: np.ndarray,
     deadline: float,
 ) -> np.ndarray | None:
-    """int [I]: for each position of the chosen GPUs' slots, which of their items goes there; None if no solution."""
-    K = items_KP.shape[0]
+    """int [U]: for each position of the chosen GPUs' slots, which of their items goes there; None if no solution."""
+    Z = items_ZP.shape[0]
     B = chosen_B.shape[0]
     slots = (chosen_B[:, None] * S + np.arange(S)).ravel()
     # Loads in units of each scenario's mean GPU load: HiGHS sees O(1) numbers whatever the counts.
-    mean_K = np.maximum(gpu_KG.mean(axis=1), 1e-300)
-    a_KI = items_KP[:, slots] / mean_K[:, None]
+    mean_Z = np.maximum(gpu_ZG.mean(axis=1), 1e-300)
+    a_ZU = items_ZP[:, slots] / mean_Z[:, None]
     num_items = slots.size
-    rest = np.delete(gpu_KG, chosen_B, axis=1)
-    floor_K = rest.max(axis=1) / mean_K if rest.shape[1] else np.zeros(K)
-    # Variables: x[i, b] (I*B binaries, item-major), then z[k].
+    rest = np.delete(gpu_ZG, chosen_B, axis=1)
+    floor_Z = rest.max(axis=1) / mean_Z if rest.shape[1] else np.zeros(Z)
+    # Variables: x[i, b] (U*B binaries, item-major), then z[k].
     n_x = num_items * B
     item_of = np.repeat(np.arange(num_items), B)
     gpu_of = np.tile(np.arange(B), num_items)
     one_gpu = sp.csr_matrix((np.ones(n_x), (item_of, np.arange(n_x))), shape=(num_items, n_x))
     s_per_gpu = sp.csr_matrix((np.ones(n_x), (gpu_of, np.arange(n_x))), shape=(B, n_x))
-    rows = (np.arange(K)[:, None] * B + gpu_of[None, :]).ravel()
-    cols = np.tile(np.arange(n_x), K)
-    load = sp.csr_matrix((a_KI[:, item_of].ravel(), (rows, cols)), shape=(K * B, n_x))
+    rows = (np.arange(Z)[:, None] * B + gpu_of[None, :]).ravel()
+    cols = np.tile(np.arange(n_x), Z)
+    load = sp.csr_matrix((a_ZU[:, item_of].ravel(), (rows, cols)), shape=(Z * B, n_x))
     z_part = sp.csr_matrix(
-        (-np.ones(K * B), (np.arange(K * B), np.repeat(np.arange(K), B))), shape=(K * B, K)
+        (-np.ones(Z * B), (np.arange(Z * B), np.repeat(np.arange(Z), B))), shape=(Z * B, Z)
     )
     constraints = [
-        LinearConstraint(sp.hstack([one_gpu, sp.csr_matrix((num_items, K))]), 1, 1),
-        LinearConstraint(sp.hstack([s_per_gpu, sp.csr_matrix((B, K))]), S, S),
+        LinearConstraint(sp.hstack([one_gpu, sp.csr_matrix((num_items, Z))]), 1, 1),
+        LinearConstraint(sp.hstack([s_per_gpu, sp.csr_matrix((B, Z))]), S, S),
         LinearConstraint(sp.hstack([load, z_part]), -np.inf, 0),
     ]
-    cost = np.concatenate([np.zeros(n_x), weights_K])
-    integrality = np.concatenate([np.ones(n_x), np.zeros(K)])
+    cost = np.concatenate([np.zeros(n_x), weights_Z])
+    integrality = np.concatenate([np.ones(n_x), np.zeros(Z)])
     bounds = Bounds(
-        np.concatenate([np.zeros(n_x), floor_K]), np.concatenate([np.ones(n_x), np.full(K, np.inf)])
+        np.concatenate([np.zeros(n_x), floor_Z]), np.concatenate([np.ones(n_x), np.full(Z, np.inf)])
     )
     options: dict[str, float | bool] = {"node_limit": NODE_LIMIT, "disp": False}
     if np.isfinite(deadline):
@@ -148,8 +148,8 @@ def _solve_subproblem(
     res = milp(cost, constraints=constraints, integrality=integrality, bounds=bounds, options=options)
     if res.x is None:
         return None
-    x_IB = np.asarray(res.x[:n_x]).reshape(num_items, B) > 0.5
-    if not (x_IB.sum(axis=1) == 1).all() or not (x_IB.sum(axis=0) == S).all():
+    x_UB = np.asarray(res.x[:n_x]).reshape(num_items, B) > 0.5
+    if not (x_UB.sum(axis=1) == 1).all() or not (x_UB.sum(axis=0) == S).all():
         return None
     # Position p (GPU p // S of the chosen ones) receives the items assigned to that GPU.
-    return np.concatenate([np.flatnonzero(x_IB[:, b]) for b in range(B)])
+    return np.concatenate([np.flatnonzero(x_UB[:, b]) for b in range(B)])

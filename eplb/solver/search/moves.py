@@ -1,7 +1,8 @@
 """The moves of the budgeted search: its state, each layer's best swap and replica change, applying them.
 
-Shape legend: K scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU,
-l layers being searched, Q partner slots, J giver slots, X receiving experts per layer.
+Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU, l
+layers (being searched), B bins (the partner GPUs of the hot one), Q partner slots, J giver slots, e
+experts (receiving a replica), c candidate moves.
 
 Loads are in units of the layer's mean GPU load (per scenario), so a layer's soft maximum
 ``smax = (sum_g x_g**32)**(1/32)`` is at least 1 and its soft balancedness is ``1 / smax``.
@@ -65,12 +66,12 @@ class MoveState:
     """int64 [L, P]."""
     cnt_LE: np.ndarray
     """int64 [L, E]: replicas per expert."""
-    norm_KLE: np.ndarray
-    """float64 [K, L, E]: expert load / mean GPU load of the layer."""
-    item_KLP: np.ndarray
-    """float64 [K, L, P]: load each slot carries."""
-    gpu_KLG: np.ndarray
-    """float64 [K, L, G]."""
+    norm_ZLE: np.ndarray
+    """float64 [Z, L, E]: expert load / mean GPU load of the layer."""
+    item_ZLP: np.ndarray
+    """float64 [Z, L, P]: load each slot carries."""
+    gpu_ZLG: np.ndarray
+    """float64 [Z, L, G]."""
     holds_LGE: np.ndarray
     """int64 [L, G, E]: replicas of e on g."""
     weighted: CopyPrices
@@ -88,7 +89,7 @@ class MoveState:
 
 
 def make_move_state(
-    scenarios_KLE: np.ndarray,
+    scenarios_ZLE: np.ndarray,
     phy2log_LP: np.ndarray,
     cnt_LE: np.ndarray,
     num_gpus: int,
@@ -103,21 +104,21 @@ def make_move_state(
     G = num_gpus
     p2l = phy2log_LP.astype(np.int64)
     cnt = cnt_LE.astype(np.int64)
-    mean_KL = scenarios_KLE.sum(axis=-1) / G
-    norm_KLE = scenarios_KLE / np.where(mean_KL > 0, mean_KL, 1.0)[..., None]
+    mean_ZL = scenarios_ZLE.sum(axis=-1) / G
+    norm_ZLE = scenarios_ZLE / np.where(mean_ZL > 0, mean_ZL, 1.0)[..., None]
     L, P = p2l.shape
     layer = np.arange(L)[:, None]
     dispatch = dispatch or Dispatch("dynamic")
-    item_KLP = norm_KLE[:, layer, p2l] * dispatch.share_LP(p2l, cnt, G)
-    gpu_KLG = item_KLP.reshape(-1, L, G, P // G).sum(axis=-1)
+    item_ZLP = norm_ZLE[:, layer, p2l] * dispatch.share_LP(p2l, cnt, G)
+    gpu_ZLG = item_ZLP.reshape(-1, L, G, P // G).sum(axis=-1)
     holds = holds_per_gpu(p2l, G, cnt.shape[1])
     plain = None if plain_LGE is None else CopyPrices.of(plain_LGE, holds)
     return MoveState(
         p2l,
         cnt,
-        norm_KLE,
-        item_KLP,
-        gpu_KLG,
+        norm_ZLE,
+        item_ZLP,
+        gpu_ZLG,
         holds,
         CopyPrices.of(weighted_LGE, holds),
         plain,
@@ -162,7 +163,7 @@ def _inv_root32(u: np.ndarray) -> np.ndarray:
 def propose(
     state: MoveState,
     layers: np.ndarray,
-    weights_K: np.ndarray,
+    weights_Z: np.ndarray,
     copy_cost: float,
     left_w: float,
     left_p: float,
@@ -173,13 +174,13 @@ def propose(
     G = state.num_gpus
     nl = layers.size
     rows = np.arange(nl)
-    x_KlG = state.gpu_KLG[:, layers]
-    xp_KlG = _pow32(x_KlG.copy())
-    U_Kl = xp_KlG.sum(axis=-1)
-    base_Kl = _inv_root32(U_Kl.copy())
+    x_ZlG = state.gpu_ZLG[:, layers]
+    xp_ZlG = _pow32(x_ZlG.copy())
+    U_Kl = xp_ZlG.sum(axis=-1)
+    base_Zl = _inv_root32(U_Kl.copy())
     # Hot GPU: the largest expected share of the soft maximum; partners: the lightest GPUs.
-    hot_l = expectation(weights_K, xp_KlG / U_Kl[..., None]).argmax(axis=1)
-    light_lG = expectation(weights_K, x_KlG).copy()
+    hot_l = expectation(weights_Z, xp_ZlG / U_Kl[..., None]).argmax(axis=1)
+    light_lG = expectation(weights_Z, x_ZlG).copy()
     light_lG[rows, hot_l] = np.inf
     num_partners = max(1, min(G - 1, max(4, G // 4)))
     partners_lB = np.argsort(light_lG, axis=1, kind="stable")[:, :num_partners]
@@ -191,7 +192,7 @@ def propose(
         mates_lB = np.where(node_lB == hot_l[:, None], partners_lB[:, :1], node_lB)
         partners_lB = np.concatenate([partners_lB, mates_lB], axis=1)
     ctx = _Context(
-        state, layers, rows, hot_l, x_KlG, xp_KlG, U_Kl, base_Kl, weights_K, copy_cost, left_w, left_p
+        state, layers, rows, hot_l, x_ZlG, xp_ZlG, U_Kl, base_Zl, weights_Z, copy_cost, left_w, left_p
     )
     swap = _best_swap(ctx, partners_lB)
     repl = _best_replica_change(ctx)
@@ -211,41 +212,41 @@ class _Context:
     layers: np.ndarray
     rows: np.ndarray
     hot_l: np.ndarray
-    x_KlG: np.ndarray
-    xp_KlG: np.ndarray
+    x_ZlG: np.ndarray
+    xp_ZlG: np.ndarray
     U_Kl: np.ndarray
-    base_Kl: np.ndarray
-    weights_K: np.ndarray
+    base_Zl: np.ndarray
+    weights_Z: np.ndarray
     copy_cost: float
     left_w: float
     left_p: float
 
     def best(
         self,
-        gain_lC: np.ndarray,
-        weighted_lC: np.ndarray,
-        plain_lC: np.ndarray,
-        ok_lC: np.ndarray,
-        moves_lC: tuple[np.ndarray, np.ndarray, np.ndarray],
+        gain_lc: np.ndarray,
+        weighted_lc: np.ndarray,
+        plain_lc: np.ndarray,
+        ok_lc: np.ndarray,
+        moves_lc: tuple[np.ndarray, np.ndarray, np.ndarray],
         replica: bool,
     ) -> MoveProposal:
-        """Each layer's best candidate among those that fit; ``moves_lC``: slot a, slot b, expert."""
-        ok_lC &= weighted_lC <= self.left_w + _TOL
+        """Each layer's best candidate among those that fit; ``moves_lc``: slot a, slot b, expert."""
+        ok_lc &= weighted_lc <= self.left_w + _TOL
         if self.state.plain is not None:
-            ok_lC &= plain_lC <= self.left_p + _TOL
-        net_lC = np.where(ok_lC, gain_lC - self.copy_cost * weighted_lC, -np.inf)
+            ok_lc &= plain_lc <= self.left_p + _TOL
+        net_lc = np.where(ok_lc, gain_lc - self.copy_cost * weighted_lc, -np.inf)
         rows = self.rows
-        best_l = net_lC.argmax(axis=1)
-        slot_a_lC, slot_b_lC, expert_lC = (np.broadcast_to(m, gain_lC.shape) for m in moves_lC)
+        best_l = net_lc.argmax(axis=1)
+        slot_a_lc, slot_b_lc, expert_lc = (np.broadcast_to(m, gain_lc.shape) for m in moves_lc)
         return MoveProposal(
-            net_l=net_lC[rows, best_l],
-            gain_l=gain_lC[rows, best_l],
-            weighted_l=weighted_lC[rows, best_l],
-            plain_l=plain_lC[rows, best_l],
+            net_l=net_lc[rows, best_l],
+            gain_l=gain_lc[rows, best_l],
+            weighted_l=weighted_lc[rows, best_l],
+            plain_l=plain_lc[rows, best_l],
             replica_l=np.full(rows.size, replica),
-            slot_a_l=slot_a_lC[rows, best_l],
-            slot_b_l=slot_b_lC[rows, best_l],
-            expert_l=expert_lC[rows, best_l],
+            slot_a_l=slot_a_lc[rows, best_l],
+            slot_b_l=slot_b_lc[rows, best_l],
+            expert_l=expert_lc[rows, best_l],
         )
 
 
@@ -275,36 +276,36 @@ def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> MoveProposal:
     gpu_lQ = np.repeat(partners_lB, S, axis=1)
     partner_lQ = gpu_lQ * S + np.tile(np.arange(S), partners_lB.shape[1])
     Q = partner_lQ.shape[1]
-    a_KlS = st.item_KLP[:, lay_l1, hot_slots_lS]
-    b_KlQ = st.item_KLP[:, lay_l1, partner_lQ]
-    xh_Kl = ctx.x_KlG[:, rows, hot_l]
-    xg_KlQ = ctx.x_KlG[:, rows[:, None], gpu_lQ]
+    a_ZlS = st.item_ZLP[:, lay_l1, hot_slots_lS]
+    b_ZlQ = st.item_ZLP[:, lay_l1, partner_lQ]
+    xh_Zl = ctx.x_ZlG[:, rows, hot_l]
+    xg_ZlQ = ctx.x_ZlG[:, rows[:, None], gpu_lQ]
     # The rest of the sum of powers, without the two GPUs that change.
-    rest_KlQ = (ctx.U_Kl - ctx.xp_KlG[:, rows, hot_l])[..., None] - ctx.xp_KlG[:, rows[:, None], gpu_lQ]
-    d_KlSQ = b_KlQ[:, :, None, :] - a_KlS[..., None]
-    U_new = _pow32(d_KlSQ + xh_Kl[..., None, None])
-    np.subtract(xg_KlQ[:, :, None, :], d_KlSQ, out=d_KlSQ)
-    U_new += _pow32(d_KlSQ)
-    U_new += rest_KlQ[:, :, None, :]
+    rest_ZlQ = (ctx.U_Kl - ctx.xp_ZlG[:, rows, hot_l])[..., None] - ctx.xp_ZlG[:, rows[:, None], gpu_lQ]
+    d_ZlSQ = b_ZlQ[:, :, None, :] - a_ZlS[..., None]
+    U_new = _pow32(d_ZlSQ + xh_Zl[..., None, None])
+    np.subtract(xg_ZlQ[:, :, None, :], d_ZlSQ, out=d_ZlSQ)
+    U_new += _pow32(d_ZlSQ)
+    U_new += rest_ZlQ[:, :, None, :]
     np.maximum(U_new, 1.0, out=U_new)  # loads in units of the mean: the sum of powers is >= 1
-    gain_lC = expectation(ctx.weights_K, _inv_root32(U_new) - ctx.base_Kl[..., None, None]).reshape(nl, -1)
+    gain_lc = expectation(ctx.weights_Z, _inv_root32(U_new) - ctx.base_Zl[..., None, None]).reshape(nl, -1)
 
     ea_lS = st.phy2log_LP[lay_l1, hot_slots_lS]
     eb_lQ = st.phy2log_LP[lay_l1, partner_lQ]
-    weighted_lC = _copy_terms(st.weighted, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ).reshape(nl, -1)
-    plain_lC = (
-        weighted_lC
+    weighted_lc = _copy_terms(st.weighted, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ).reshape(nl, -1)
+    plain_lc = (
+        weighted_lc
         if st.plain is None
         else _copy_terms(st.plain, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ).reshape(nl, -1)
     )
     ok_lSQ = ea_lS[:, :, None] != eb_lQ[:, None, :]
     if st.dispatch.static:
         ok_lSQ &= _keeps_static_shares(st, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ)
-    ok_lC = ok_lSQ.reshape(nl, -1)
-    slot_a_lC = np.repeat(hot_slots_lS, Q, axis=1)
-    slot_b_lC = np.tile(partner_lQ, (1, S))
+    ok_lc = ok_lSQ.reshape(nl, -1)
+    slot_a_lc = np.repeat(hot_slots_lS, Q, axis=1)
+    slot_b_lc = np.tile(partner_lQ, (1, S))
     return ctx.best(
-        gain_lC, weighted_lC, plain_lC, ok_lC, (slot_a_lC, slot_b_lC, np.zeros((nl, 1), np.int64)), False
+        gain_lc, weighted_lc, plain_lc, ok_lc, (slot_a_lc, slot_b_lc, np.zeros((nl, 1), np.int64)), False
     )
 
 
@@ -345,72 +346,76 @@ def _best_replica_change(ctx: _Context) -> MoveProposal:
     lay_l1 = ctx.layers[:, None]
     p2l_lP = st.phy2log_LP[ctx.layers]
     cnt_lE = st.cnt_LE[ctx.layers]
-    item_lP = expectation(ctx.weights_K, st.item_KLP[:, ctx.layers])
+    item_lP = expectation(ctx.weights_Z, st.item_ZLP[:, ctx.layers])
     # Receivers: the experts of the hot GPU's heaviest replicas.
     hot_slots_lS = hot_l[:, None] * S + np.arange(S)
-    X = min(RECEIVERS, S)
-    heavy_lX = np.argsort(-item_lP[rows[:, None], hot_slots_lS], axis=1, kind="stable")[:, :X]
-    ex_lX = p2l_lP[rows[:, None], hot_slots_lS[rows[:, None], heavy_lX]]
+    num_receivers = min(RECEIVERS, S)
+    heavy_le = np.argsort(-item_lP[rows[:, None], hot_slots_lS], axis=1, kind="stable")[:, :num_receivers]
+    ex_le = p2l_lP[rows[:, None], hot_slots_lS[rows[:, None], heavy_le]]
     # Givers: slots of experts with another replica, off the hot GPU: light GPUs and a small rise
     # of the giver's other replicas first.
     cnt_lP = cnt_lE[rows[:, None], p2l_lP]
     gpu_P = np.arange(P) // S
     giver_lP = (cnt_lP >= 2) & (gpu_P != hot_l[:, None])
-    score_lP = expectation(ctx.weights_K, ctx.x_KlG)[:, gpu_P] + item_lP / np.maximum(cnt_lP - 1, 1)
+    score_lP = expectation(ctx.weights_Z, ctx.x_ZlG)[:, gpu_P] + item_lP / np.maximum(cnt_lP - 1, 1)
     J = min(GIVER_SLOTS, P)
     slot_lJ = np.argsort(np.where(giver_lP, score_lP, np.inf), axis=1, kind="stable")[:, :J]
     valid_lJ = giver_lP[rows[:, None], slot_lJ]
     ey_lJ = p2l_lP[rows[:, None], slot_lJ]
     gj_lJ = slot_lJ // S
 
-    norm_KlE = st.norm_KLE[:, ctx.layers]
-    cx_lX = cnt_lE[rows[:, None], ex_lX]
+    norm_ZlE = st.norm_ZLE[:, ctx.layers]
+    cx_le = cnt_lE[rows[:, None], ex_le]
     cy_lJ = cnt_lE[rows[:, None], ey_lJ]
-    wx_KlX = norm_KlE[:, rows[:, None], ex_lX]
-    wy_KlJ = norm_KlE[:, rows[:, None], ey_lJ]
-    x_new_KlX = wx_KlX / (cx_lX + 1)
-    y_new_KlJ = wy_KlJ / np.maximum(cy_lJ - 1, 1)
+    wx_Zle = norm_ZlE[:, rows[:, None], ex_le]
+    wy_ZlJ = norm_ZlE[:, rows[:, None], ey_lJ]
+    x_new_Zle = wx_Zle / (cx_le + 1)
+    y_new_ZlJ = wy_ZlJ / np.maximum(cy_lJ - 1, 1)
     g_G = np.arange(G)
     lay_l11 = ctx.layers[:, None, None]
-    hx_lXG = st.holds_LGE[lay_l11, g_G, ex_lX[:, :, None]]
+    hx_leG = st.holds_LGE[lay_l11, g_G, ex_le[:, :, None]]
     hy_lJG = st.holds_LGE[lay_l11, g_G, ey_lJ[:, :, None]]
-    # New GPU loads [K, l, X, J, G]: every replica of x lighter, every replica of y heavier, and
+    # New GPU loads [Z, l, e, J, G]: every replica of x lighter, every replica of y heavier, and
     # the given slot now holding x's new share instead of y's.
-    K, J = wy_KlJ.shape[0], slot_lJ.shape[1]
-    new = np.empty((K, nl, X, J, G))
-    new[...] = (ctx.x_KlG[:, :, None, :] + hx_lXG[None] * (x_new_KlX - wx_KlX / cx_lX)[..., None])[
+    Z, J = wy_ZlJ.shape[0], slot_lJ.shape[1]
+    new = np.empty((Z, nl, num_receivers, J, G))
+    new[...] = (ctx.x_ZlG[:, :, None, :] + hx_leG[None] * (x_new_Zle - wx_Zle / cx_le)[..., None])[
         :, :, :, None, :
     ]
-    new += hy_lJG[None, :, None, :, :] * (y_new_KlJ - wy_KlJ / cy_lJ)[:, :, None, :, None]
+    new += hy_lJG[None, :, None, :, :] * (y_new_ZlJ - wy_ZlJ / cy_lJ)[:, :, None, :, None]
     new += (gj_lJ[:, :, None] == g_G)[None, :, None] * (
-        x_new_KlX[..., None, None] - y_new_KlJ[:, :, None, :, None]
+        x_new_Zle[..., None, None] - y_new_ZlJ[:, :, None, :, None]
     )
     U_new = np.maximum(_pow32(new).sum(axis=-1), 1.0)
-    gain_lC = expectation(ctx.weights_K, _inv_root32(U_new) - ctx.base_Kl[..., None, None]).reshape(nl, -1)
+    gain_lc = expectation(ctx.weights_Z, _inv_root32(U_new) - ctx.base_Zl[..., None, None]).reshape(nl, -1)
 
     def copies(prices: CopyPrices) -> np.ndarray:
-        arrive_lXJ = prices.arrive_LGE[lay_l11, gj_lJ[:, None, :], ex_lX[:, :, None]]
-        return (arrive_lXJ - prices.leave_LGE[lay_l1, gj_lJ, ey_lJ][:, None, :]).reshape(nl, -1)
+        arrive_leJ = prices.arrive_LGE[lay_l11, gj_lJ[:, None, :], ex_le[:, :, None]]
+        return (arrive_leJ - prices.leave_LGE[lay_l1, gj_lJ, ey_lJ][:, None, :]).reshape(nl, -1)
 
-    weighted_lC = copies(st.weighted)
-    plain_lC = weighted_lC if st.plain is None else copies(st.plain)
-    ok_lC = (valid_lJ[:, None, :] & (ex_lX[:, :, None] != ey_lJ[:, None, :])).reshape(nl, -1)
-    moves_lC = (np.zeros((nl, 1), np.int64), np.tile(slot_lJ, (1, X)), np.repeat(ex_lX, J, axis=1))
-    return ctx.best(gain_lC, weighted_lC, plain_lC, ok_lC, moves_lC, True)
+    weighted_lc = copies(st.weighted)
+    plain_lc = weighted_lc if st.plain is None else copies(st.plain)
+    ok_lc = (valid_lJ[:, None, :] & (ex_le[:, :, None] != ey_lJ[:, None, :])).reshape(nl, -1)
+    moves_lc = (
+        np.zeros((nl, 1), np.int64),
+        np.tile(slot_lJ, (1, num_receivers)),
+        np.repeat(ex_le, J, axis=1),
+    )
+    return ctx.best(gain_lc, weighted_lc, plain_lc, ok_lc, moves_lc, True)
 
 
 def apply_swap(state: MoveState, layer: int, a: int, b: int) -> None:
     """Slots ``a`` and ``b`` of ``layer`` trade experts."""
-    items = state.item_KLP[:, layer]
+    items = state.item_ZLP[:, layer]
     ea, eb, ga, gb = swap_slots(
         state.phy2log_LP[layer], items, state.holds_LGE[layer], a, b, state.slots_per_gpu
     )
     if state.dispatch.static and max(state.cnt_LE[layer, ea], state.cnt_LE[layer, eb]) > 1:
         _reshare(state, layer, (ea, eb))  # a replicated expert moved: its shares follow its replicas
     else:  # single replicas take all their expert's tokens wherever they sit
-        delta_K = items[:, a] - items[:, b]
-        state.gpu_KLG[:, layer, ga] += delta_K
-        state.gpu_KLG[:, layer, gb] -= delta_K
+        delta_Z = items[:, a] - items[:, b]
+        state.gpu_ZLG[:, layer, ga] += delta_Z
+        state.gpu_ZLG[:, layer, gb] -= delta_Z
     _update_prices(state, layer, [ga, ga, gb, gb], [ea, eb, eb, ea])
 
 
@@ -427,18 +432,18 @@ def apply_replica_change(state: MoveState, layer: int, slot: int, expert: int) -
         _reshare(state, layer, (giver, expert))
     else:
         touched = np.flatnonzero((p2l == expert) | (p2l == giver))
-        state.item_KLP[:, layer, touched] = state.norm_KLE[:, layer, p2l[touched]] / cnt[p2l[touched]]
-        state.gpu_KLG[:, layer] = state.item_KLP[:, layer].reshape(-1, G, S).sum(axis=-1)
+        state.item_ZLP[:, layer, touched] = state.norm_ZLE[:, layer, p2l[touched]] / cnt[p2l[touched]]
+        state.gpu_ZLG[:, layer] = state.item_ZLP[:, layer].reshape(-1, G, S).sum(axis=-1)
     g = slot // S
     state.holds_LGE[layer, g, giver] -= 1
     state.holds_LGE[layer, g, expert] += 1
     _update_prices(state, layer, [g, g], [giver, expert])
 
 
-def soft_balancedness(state: MoveState, layer: int, weights_K: np.ndarray) -> float:
+def soft_balancedness(state: MoveState, layer: int, weights_Z: np.ndarray) -> float:
     """Expected soft balancedness ``1 / smax`` of ``layer`` in the state as it is."""
-    u_K = _pow32(state.gpu_KLG[:, layer].copy()).sum(axis=-1)
-    return float(expectation(weights_K, _inv_root32(np.maximum(u_K, 1.0))))
+    u_Z = _pow32(state.gpu_ZLG[:, layer].copy()).sum(axis=-1)
+    return float(expectation(weights_Z, _inv_root32(np.maximum(u_Z, 1.0))))
 
 
 def _reshare(state: MoveState, layer: int, experts: tuple[int, int]) -> None:
@@ -449,11 +454,11 @@ def _reshare(state: MoveState, layer: int, experts: tuple[int, int]) -> None:
     for e in set(experts):
         slots = np.flatnonzero(p2l == e)
         if slots.size == 1:  # a single replica takes all its expert's tokens
-            state.item_KLP[:, layer, slots[0]] = state.norm_KLE[:, layer, e]
+            state.item_ZLP[:, layer, slots[0]] = state.norm_ZLE[:, layer, e]
             continue
         shares = expert_static_shares(slots.tolist(), layer * E + e, G, S, state.dispatch.num_nodes)
-        state.item_KLP[:, layer, slots] = state.norm_KLE[:, layer, e, None] * np.asarray(shares)
-    state.gpu_KLG[:, layer] = state.item_KLP[:, layer].reshape(-1, G, S).sum(axis=-1)
+        state.item_ZLP[:, layer, slots] = state.norm_ZLE[:, layer, e, None] * np.asarray(shares)
+    state.gpu_ZLG[:, layer] = state.item_ZLP[:, layer].reshape(-1, G, S).sum(axis=-1)
 
 
 def _update_prices(state: MoveState, layer: int, gpus: list[int], experts: list[int]) -> None:

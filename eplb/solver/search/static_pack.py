@@ -1,7 +1,7 @@
 """Fresh placements for static dispatch: replica counts the static maps split evenly, spread over nodes.
 
-Shape legend: L layers, E logical experts, P physical slots, G GPUs, N nodes, S slots per GPU,
-R replica counts.
+Shape legend: L layers, E logical experts, P physical slots, G GPUs, N nodes, S slots per GPU, R max
+replicas (tables over replica counts), U items to pack (a layer's replicas).
 
 Under static dispatch a replica receives the fraction of ranks mapped to it
 (eplb.solver.scoring.static_share), and that fraction depends on how the expert's replicas sit on nodes:
@@ -98,9 +98,9 @@ def static_spread_phy2log(
     G, N = num_gpus, num_nodes
     S, gpn = P // G, G // N
     rows = np.arange(L)
-    expert_LM = np.stack([np.repeat(np.arange(E), row) for row in cnt_LE])
-    item_LM = load_LE[rows[:, None], expert_LM] * share_R[cnt_LE[rows[:, None], expert_LM]]
-    order_LM = np.argsort(-item_LM, axis=1, kind="stable")
+    expert_LU = np.stack([np.repeat(np.arange(E), row) for row in cnt_LE])
+    item_LU = load_LE[rows[:, None], expert_LU] * share_R[cnt_LE[rows[:, None], expert_LU]]
+    order_LU = np.argsort(-item_LU, axis=1, kind="stable")
     per_node_LE = -(-cnt_LE // N)
     node_load_LN, node_free_LN = np.zeros((L, N)), np.full((L, N), gpn * S)
     gpu_load_LG, gpu_fill_LG = np.zeros((L, G)), np.zeros((L, G), dtype=np.int64)
@@ -109,8 +109,8 @@ def static_spread_phy2log(
     out_LP = np.full((L, P), -1, dtype=np.int64)
     gpu_of_node_NG = np.arange(N)[:, None] * gpn + np.arange(gpn)
     for m in range(P):
-        idx = order_LM[:, m]
-        e, w = expert_LM[rows, idx], item_LM[rows, idx]
+        idx = order_LU[:, m]
+        e, w = expert_LU[rows, idx], item_LU[rows, idx]
         # A node with room; among those, prefer one below the expert's per-node count (always
         # exists unless capacity forces a doubling), then the lightest.
         crowded_LN = node_cnt_LNE[rows, :, e] >= per_node_LE[rows, e][:, None]
