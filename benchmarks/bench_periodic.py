@@ -1,6 +1,6 @@
 """Periodic rebalancing against SGLang's DeepSeek EPLB on drifting load, and how well every prediction holds.
 
-Shape legend: T steps, L layers, E logical experts.
+Shape legend: F steps, L layers, E logical experts.
 
 Periodic cases (``--periodic``): each workload below (the deepseek-v3 preset and drifting
 deepseek-v3-shaped variants made with ``eplb.workloads``' knobs: AR drift without shifts, domain

@@ -161,7 +161,8 @@ class PassTimes:
         E = load_WLE.shape[2]
         tokens_WL = load_WLE.sum(axis=-1) / num_gpus
         # Every loaded expert's replicas receive tokens; replicas spread over the GPUs.
-        active_WL = (load_WLE > 0).sum(axis=-1) * (num_physical / E) / num_gpus
+        # (loads are never negative: nonzero is loaded, and counting needs no boolean copy)
+        active_WL = np.count_nonzero(load_WLE, axis=-1) * (num_physical / E) / num_gpus
         return cls(tokens_WL, active_WL, cost)
 
     def token_seconds(self, balancedness: float) -> float:

@@ -33,7 +33,7 @@ from eplb.solver.scoring.served import layer_scores
 from eplb.solver.search import local_search as ls
 from eplb.solver.search.budget import budget_of, budgeted_phy2log
 from eplb.solver.search.copies import arrivals_L, holds_per_gpu
-from eplb.solver.search.migration import relabel
+from eplb.solver.search.migration import relabel, retarget_replicas
 from eplb.solver.search.static_pack import static_fresh_phy2log
 from eplb.solver.types import SolveOptions, Topology
 
@@ -87,10 +87,26 @@ def scipy_phy2log(
         base_LP = current.phy2log_LP.astype(np.int64)
         value_base_L = layer_scores(base_LP, scenarios_ZLE, weights_Z, G, dispatch)
     else:
-        base_LP = budgeted_phy2log(scenarios_ZLE, weights_Z, current, budget, stats, dispatch)
         price = options.copy_cost or 0.0
-        value_base_L = layer_scores(base_LP, scenarios_ZLE, weights_Z, G, dispatch)
-        value_base_L -= price * arrivals_L(holds_per_gpu(base_LP, G, current.num_logical), origin_LGE)
+
+        def value_L(phy2log_LP: np.ndarray) -> np.ndarray:
+            held_LGE = holds_per_gpu(phy2log_LP, G, current.num_logical)
+            score_L = layer_scores(phy2log_LP, scenarios_ZLE, weights_Z, G, dispatch)
+            return score_L - price * arrivals_L(held_LGE, origin_LGE)
+
+        base_LP = budgeted_phy2log(scenarios_ZLE, weights_Z, current, budget, stats, dispatch)
+        value_base_L = value_L(base_LP)
+        # The same search from the current placement retargeted to the fresh plan's replica
+        # counts: one move at a time, the search stops where no single swap or replica change
+        # pays, short of the large count changes an unfitted or drifted placement needs.
+        fresh_cnt_LE = holds_per_gpu(fresh_LP, G, current.num_logical).sum(axis=1)
+        start_LP = retarget_replicas(current.phy2log_LP, fresh_cnt_LE, prediction.point_LE, G)
+        warm_LP = budgeted_phy2log(scenarios_ZLE, weights_Z, current, budget, {}, dispatch, start_LP)
+        value_warm_L = value_L(warm_LP)
+        take_warm_L = value_warm_L > value_base_L + 1e-12
+        stats["warm_layers"] = float(take_warm_L.sum())
+        base_LP = np.where(take_warm_L[:, None], warm_LP, base_LP)
+        value_base_L = np.where(take_warm_L, value_warm_L, value_base_L)
         value_fresh_L -= price * arrivals_L(holds_per_gpu(fresh_LP, G, current.num_logical), origin_LGE)
     take_fresh_L = value_fresh_L > value_base_L + 1e-12
     stats["fresh_layers"] = float(take_fresh_L.sum())

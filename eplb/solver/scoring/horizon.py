@@ -49,7 +49,9 @@ class PassScores:
     """A window's passes, ready to score placements pass by pass as the server dispatches."""
 
     def __init__(self, load_WLE: np.ndarray, dispatch: Dispatch, num_gpus: int) -> None:
-        self.load_LWE = np.ascontiguousarray(load_WLE.transpose(1, 0, 2), dtype=np.float32)
+        # float32 in the window's own layout: a transposed view is a strided matrix per layer that
+        # the products read as they are (no copy), the same numbers as a contiguous [L, W, E].
+        self.load_WLE = load_WLE.astype(np.float32)
         total_W = load_WLE.sum(axis=(1, 2))
         self.weight_W = (
             total_W / total_W.sum() if total_W.sum() > 0 else np.full(total_W.size, 1 / total_W.size)
@@ -64,14 +66,17 @@ class PassScores:
 
     @property
     def num_passes(self) -> int:
-        return self.load_LWE.shape[1]
+        return self.load_WLE.shape[0]
 
     def layer_pass(self, scored: Scored, layers: np.ndarray, start: int, stop: int) -> np.ndarray:
         """float64 [l, n]: balancedness of ``layers`` on passes [start, stop)."""
         if layers.size == 0 or stop <= start:
             return np.zeros((layers.size, max(stop - start, 0)))
+        rows_nLE = self.load_WLE[start:stop]
+        if layers.size != rows_nLE.shape[1] or (layers != np.arange(layers.size)).any():
+            rows_nLE = rows_nLE[:, layers]
         gpu_lnG = self.dispatch.gpu_load(
-            self.load_LWE[layers, start:stop],
+            rows_nLE.transpose(1, 0, 2),
             scored.phy2log_LP[layers],
             scored.share_LP[layers],
             self.num_gpus,

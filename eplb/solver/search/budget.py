@@ -95,22 +95,32 @@ def budgeted_phy2log(
     budget: Budget,
     stats: dict[str, float],
     dispatch: Dispatch | None = None,
+    start_LP: np.ndarray | None = None,
 ) -> np.ndarray:
     """int64 [L, P]: ``current`` changed by the best-paying moves within ``budget``; fills ``stats``.
 
     ``dispatch``: how the server splits an expert's tokens (static: the static maps' shares,
     eplb.solver.scoring.static_share, every move checked exactly); None: an even split over replicas.
+    ``start_LP``: search from this placement instead (its copies from ``current`` priced like
+    the search's own; only without a budget, which would not count them).
     """
+    assert start_LP is None or not np.isfinite(budget.weighted), "a warm start needs no budget"
     if budget.weighted <= 0 or budget.plain <= 0:
         # A budget of 0 moves nothing, not even slots refilled from a replica on the same GPU.
         stats["budget_copies"] = 0.0
         return current.phy2log_LP.astype(np.int64)
     weighted_LGE, plain_LGE = arrival_costs(current, budget.cross_node_weight)
     separate_plain = np.isfinite(budget.plain) and budget.cross_node_weight != 1.0
+    start = current.phy2log_LP if start_LP is None else start_LP
+    cnt_LE = (
+        current.logcnt_LE
+        if start_LP is None
+        else holds_per_gpu(start_LP, current.num_gpus, current.num_logical).sum(axis=1)
+    )
     state = moves.make_move_state(
         scenarios_ZLE,
-        current.phy2log_LP,
-        current.logcnt_LE,
+        start,
+        cnt_LE,
         current.num_gpus,
         weighted_LGE,
         plain_LGE if separate_plain else None,

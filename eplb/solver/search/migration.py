@@ -5,6 +5,9 @@ Shape legend: L layers, E logical experts, P physical slots, G GPUs, N nodes, S 
 :func:`relabel`: a fresh placement's GPUs are interchangeable, so map them onto the current GPUs
 with ``scipy.optimize.linear_sum_assignment`` to copy the fewest experts across nodes, then across
 GPUs, and give each expert that stays on a GPU its old slot.
+
+:func:`retarget_replicas`: the current placement with the replica counts of another, in as few
+slots as possible: the start of a search that needs large count changes (eplb.solver.policies.scipy_policy).
 """
 
 from __future__ import annotations
@@ -87,4 +90,43 @@ def _align_slots(new_experts_S: np.ndarray, current_S: np.ndarray) -> np.ndarray
             remaining.remove(expert)
             out[slot] = expert
     out[out < 0] = remaining
+    return out
+
+
+def retarget_replicas(
+    phy2log_LP: np.ndarray, target_cnt_LE: np.ndarray, load_LE: np.ndarray, num_gpus: int
+) -> np.ndarray:
+    """int64 [L, P]: ``phy2log_LP`` rewritten in as few slots as possible to ``target_cnt_LE`` replicas.
+
+    An expert with surplus replicas gives up those on its busiest GPUs (by ``load_LE`` split evenly
+    over its replicas); experts short of replicas take the freed slots, the heaviest new replica
+    first, each onto the least loaded GPU among the free slots. Every other slot keeps its expert.
+    """
+    L, P = phy2log_LP.shape
+    E = target_cnt_LE.shape[1]
+    S = P // num_gpus
+    out = phy2log_LP.astype(np.int64).copy()
+    cur_LE = holds_per_gpu(out, num_gpus, E).sum(axis=1)
+    delta_LE = target_cnt_LE.astype(np.int64) - cur_LE
+    assert (delta_LE.sum(axis=1) == 0).all(), "the target counts must fill the same slots"
+    for layer in np.flatnonzero((delta_LE != 0).any(axis=1)):
+        row, delta_E, new_E = out[layer], delta_LE[layer], target_cnt_LE[layer]
+        item_P = load_LE[layer, row] / cur_LE[layer, row]
+        gpu_G = item_P.reshape(num_gpus, S).sum(axis=1)
+        freed: list[int] = []
+        for expert in np.flatnonzero(delta_E < 0):
+            slots = np.flatnonzero(row == expert)
+            busiest = slots[np.argsort(-gpu_G[slots // S], kind="stable")]
+            freed.extend(busiest[: -delta_E[expert]].tolist())
+        for slot in freed:
+            gpu_G[slot // S] -= item_P[slot]
+        takers = np.repeat(np.flatnonzero(delta_E > 0), delta_E[delta_E > 0])
+        takers = takers[np.argsort(-load_LE[layer, takers] / new_E[takers], kind="stable")]
+        free = np.asarray(freed, dtype=np.int64)
+        open_ = np.ones(free.size, dtype=bool)
+        for expert in takers:
+            pick = np.flatnonzero(open_)[np.argmin(gpu_G[free[open_] // S])]
+            row[free[pick]] = expert
+            gpu_G[free[pick] // S] += load_LE[layer, expert] / new_E[expert]
+            open_[pick] = False
     return out
