@@ -14,7 +14,7 @@ from eplb.solver import SolveOptions, Topology, solve
 from eplb.solver.predict import Prediction, pass_weights, predict
 from eplb.solver.search import local_search as ls
 from eplb.solver.search.copies import holds_per_gpu
-from eplb.solver.search.migration import relabel
+from eplb.solver.search.migration import relabel, retarget_replicas
 from eplb.solver.search.milp import milp_polish
 from tests.helpers.placements import random_phy2log
 
@@ -111,6 +111,30 @@ def test_relabel_undoes_a_gpu_permutation_and_keeps_loads() -> None:
     assert (
         diff_placements(cur, b).experts_moved_across_gpus <= diff_placements(cur, a).experts_moved_across_gpus
     )
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_retarget_replicas_reaches_the_counts_in_the_fewest_slots(seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    G, S, E, L = 8, 5, 30, 4
+    current = random_phy2log(rng, L, E, G * S).astype(np.int64)
+    target = random_phy2log(rng, L, E, G * S).astype(np.int64)
+    load = rng.random((L, E)) * 100
+
+    def cnt(p2l: np.ndarray) -> np.ndarray:
+        return np.stack([np.bincount(row, minlength=E) for row in p2l])
+
+    out = retarget_replicas(current, cnt(target), load, G)
+    np.testing.assert_array_equal(cnt(out), cnt(target))
+    # Brute-force lower bound: every replica an expert gains needs a slot of its own.
+    need_L = np.maximum(cnt(target) - cnt(current), 0).sum(axis=1)
+    np.testing.assert_array_equal((out != current).sum(axis=1), need_L)
+    # Only surplus experts give slots up.
+    changed = out != current
+    surplus = cnt(current) > cnt(target)
+    assert all(surplus[layer, current[layer, slot]] for layer, slot in zip(*np.nonzero(changed), strict=True))
+    # Already at the target: nothing moves.
+    np.testing.assert_array_equal(retarget_replicas(current, cnt(current), load, G), current)
 
 
 def test_forecasts() -> None:

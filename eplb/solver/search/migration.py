@@ -102,7 +102,7 @@ def retarget_replicas(
     over its replicas); experts short of replicas take the freed slots, the heaviest new replica
     first, each onto the least loaded GPU among the free slots. Every other slot keeps its expert.
     """
-    L, P = phy2log_LP.shape
+    P = phy2log_LP.shape[1]
     E = target_cnt_LE.shape[1]
     S = P // num_gpus
     out = phy2log_LP.astype(np.int64).copy()
