@@ -285,7 +285,10 @@ def test_an_idle_connection_is_closed_after_the_timeout() -> None:
 
 def test_connections_and_threads_are_bounded() -> None:
     threads_before = threading.active_count()
-    with MetricsExporter(PrometheusSink(), max_connections=3, idle_timeout_s=30.0) as exporter:
+    # The silent connections below hold their slots for the whole test (the deadline is not under test).
+    with MetricsExporter(
+        PrometheusSink(), max_connections=3, idle_timeout_s=30.0, request_deadline_s=30.0
+    ) as exporter:
         idle = [socket.create_connection(("127.0.0.1", exporter.port)) for _ in range(3)]
         try:
             wait_until(lambda: exporter.open_connections == 3)
@@ -306,14 +309,14 @@ def test_connections_and_threads_are_bounded() -> None:
 
 def test_stop_closes_open_connections_and_their_threads() -> None:
     threads_before = threading.active_count()
-    exporter = MetricsExporter(PrometheusSink(), idle_timeout_s=60.0).start()
+    exporter = MetricsExporter(PrometheusSink(), idle_timeout_s=60.0, request_deadline_s=60.0).start()
     idle = [socket.create_connection(("127.0.0.1", exporter.port)) for _ in range(4)]
     try:
         wait_until(lambda: exporter.open_connections == 4)
         exporter.stop()
         for sock in idle:
             sock.settimeout(5)
-            assert sock.recv(1) == b""  # closed by stop(), not 60 s later
+            assert sock.recv(1) == b""  # closed by stop(), not 60 s later (idle timeout and deadline)
         wait_until(lambda: threading.active_count() <= threads_before)
     finally:
         for sock in idle:
