@@ -295,6 +295,40 @@ def _rebalance_panels(y: int) -> list[dict]:
     ]
 
 
+def _rebalancer_panels(y: int) -> list[dict]:
+    phase = _stat(
+        "Manager phase",
+        "What the rebalance manager does now: idle, solving (rank 0, in the background), applying "
+        "(a chunk of layers per pass) or stopped (for good; its log says why).",
+        (0, y + 1, 6, 6),
+        _target(f"{_sel(m.MANAGER_PHASE)} == 1", "{{phase}}"),
+    )
+    phase["options"]["textMode"] = "name"
+    phase["options"]["graphMode"] = "none"
+    return [
+        _row("Rebalancer health", y),
+        phase,
+        _timeseries(
+            "Rebalance in flight",
+            "Seconds the rebalance in progress (solve, agreement, transfer) has been in flight, 0 "
+            "between rebalances; past the watchdog's bound it is ended (failed_watchdog) and the "
+            "manager's log names the phase. Grows while the manager is blocked.",
+            (6, y + 1, 12, 6),
+            [_target(_sel(m.IN_FLIGHT_SECONDS), "in flight")],
+            unit="s",
+            min=0,
+        ),
+        _stat(
+            "Since the last rebalance",
+            "Seconds since the last rebalance ended (any outcome); growing past the rebalance "
+            "interval means the rebalancer stalls or stopped.",
+            (18, y + 1, 6, 6),
+            _target(_sel(m.LAST_REBALANCE_AGE), "age"),
+            unit="s",
+        ),
+    ]
+
+
 def _recorder_panels(y: int) -> list[dict]:
     recorded = _sel(m.FORWARD_PASSES, 'recorded="true"')
     topology = _panel(
@@ -392,7 +426,13 @@ def _variables() -> list[dict]:
 
 def build_dashboard() -> dict:
     """The dashboard as a JSON-ready dict (deterministic: same input, same bytes)."""
-    panels = [*_balance_panels(0), *_load_panels(8), *_rebalance_panels(40), *_recorder_panels(49)]
+    panels = [
+        *_balance_panels(0),
+        *_load_panels(8),
+        *_rebalance_panels(40),
+        *_rebalancer_panels(49),
+        *_recorder_panels(56),
+    ]
     for i, panel in enumerate(panels, start=1):
         panel["id"] = i
     return {

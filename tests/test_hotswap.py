@@ -16,7 +16,7 @@ from eplb.hotswap.layout import (
     unshuffle_scale_tiles,
     unshuffle_weight_tiles,
 )
-from eplb.hotswap.swap import HotSwapOptions, hot_swap
+from eplb.hotswap.swap import HotSwapOptions, HotSwapShapeError, hot_swap
 from eplb.moe.model import slot_buffers
 from eplb.placement.model import Placement
 from tests.helpers.placements import random_phy2log
@@ -139,8 +139,14 @@ def test_placements_must_match_the_group() -> None:
     w = logical(0)
     old = Placement.trivial(L, E, 2, num_redundant=4)
     slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match="2 GPUs but the group has 1"):
+    with pytest.raises(ValueError, match="2 GPUs but the group has 1") as raised:
         hot_swap(slots_L, old, old)
+    # A ValueError that carries the swap's cause and the rank that found it.
+    assert isinstance(raised.value, HotSwapShapeError) and (raised.value.cause, raised.value.rank) == (
+        "shape",
+        0,
+    )
+    assert str(raised.value).startswith("shape: rank 0 cannot run this hot-swap")
 
 
 # ---- checksums -------------------------------------------------------------------------------

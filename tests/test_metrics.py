@@ -90,6 +90,8 @@ def full_sink(*, per_expert: bool = False, top_k: int = 3) -> tuple[PrometheusSi
         balancedness_before=0.61,
         balancedness_after=0.93,
     )
+    sink.phase.clock = lambda: 107.5  # the phase gauges derive seconds at scrape time: a fixed clock
+    sink.on_phase(phase="solving", in_flight_since=100.0, last_rebalance_at=40.0)
     return sink, logical_LE, gpu_LG
 
 
@@ -152,6 +154,22 @@ def test_event_values() -> None:
         "num_nodes": "2",
     }
     assert sample_value(sink, names.INFO, info) == 1
+
+
+def test_phase_in_flight_and_age_are_derived_when_scraped() -> None:
+    sink, _, _ = full_sink()
+    phases = by_name(sink.render(), names.MANAGER_PHASE)
+    assert phases == {(("phase", p),): float(p == "solving") for p in names.MANAGER_PHASES}
+    assert by_name(sink.render(), names.IN_FLIGHT_SECONDS) == {(): 7.5}
+    assert by_name(sink.render(), names.LAST_REBALANCE_AGE) == {(): 67.5}
+    sink.phase.clock = lambda: 110.0  # nothing reported meanwhile (the manager may be blocked)
+    assert by_name(sink.render(), names.IN_FLIGHT_SECONDS) == {(): 10.0}
+    sink.on_phase(phase="idle", in_flight_since=None, last_rebalance_at=109.0)
+    assert by_name(sink.render(), names.IN_FLIGHT_SECONDS) == {(): 0.0}
+    assert by_name(sink.render(), names.LAST_REBALANCE_AGE) == {(): 1.0}
+    assert by_name(sink.render(), names.MANAGER_PHASE)[(("phase", "idle"),)] == 1.0
+    with pytest.raises(ValueError, match="phase"):
+        sink.on_phase(phase="resting", in_flight_since=None, last_rebalance_at=0.0)  # type: ignore[arg-type]
 
 
 def test_skipped_rebalance_counts_but_moves_nothing() -> None:
@@ -346,7 +364,13 @@ def test_windows_faster_than_the_render_interval_are_served_from_the_last_render
 def test_before_any_event_nothing_is_made_up() -> None:
     sink = PrometheusSink()
     exported = {n for n, _, _ in samples(sink.render())}
-    for name in (names.RANK_TOKENS, names.LAST_REBALANCE_BALANCEDNESS, names.LAST_REBALANCE_TIMESTAMP):
+    for name in (
+        names.RANK_TOKENS,
+        names.LAST_REBALANCE_BALANCEDNESS,
+        names.LAST_REBALANCE_TIMESTAMP,
+        names.MANAGER_PHASE,
+        names.IN_FLIGHT_SECONDS,
+    ):
         assert name not in exported
     assert sorted(samples(sink.render())) == sorted(samples(generate_latest(sink.registry)))
     # The version is known from the start; the topology joins it once reported.

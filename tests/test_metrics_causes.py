@@ -65,6 +65,26 @@ SWAP = "hot-swap of layers [3, 4] failed and was rolled back: "
             "preparing the swap failed: ValueError: the placement spans 4 GPUs but the group has 2 ranks",
             "failed_shape",
         ),
+        ("failed", "rebalance watchdog: in flight over the bound of 600 s, in the solve", "failed_watchdog"),
+        (
+            "failed",
+            SWAP
+            + "timeout: rebalance watchdog: in flight over the bound of 600 s, in the transfer; the swap's "
+            "process group was dropped",
+            "failed_watchdog",
+        ),
+        ("failed", SWAP + "timeout: rank 1 (at chunk 1) timed out: rank 0 waited 2.0 s", "failed_timeout"),
+        ("failed", SWAP + "peer lost: rank 1 left the swap at chunk 1 (KeyboardInterrupt: )", "failed_peer"),
+        (
+            "failed",
+            "preparing the swap failed: HotSwapShapeError: shape: rank 1 cannot run this hot-swap: x",
+            "failed_shape",
+        ),
+        (
+            "failed",
+            "cannot make a fresh swap group: after a swap given up, the ranks disagree on the placement they hold",
+            "failed_peer",
+        ),
         ("failed", SWAP + "chunk 0 post: RuntimeError: NCCL error", "failed_other"),
         ("failed", "", "failed_other"),
     ],

@@ -2,13 +2,16 @@
 
 ``hot_swap`` = ``prepare_swap`` + ``PreparedSwap.execute``; every tensor keeps its storage, so
 captured CUDA graphs stay valid; every rank ends on the old or the new placement, whatever a peer
-does, and ``committed_placement`` tells a restarted rank which one its group serves.
+does, and ``committed_placement`` tells a restarted rank which one its group serves. Swaps run on
+a process group of their own (``swap_group``), never the one the model serves with.
 """
 
 from __future__ import annotations
 
+from eplb.hotswap.check import HotSwapShapeError
 from eplb.hotswap.control import committed_placement
 from eplb.hotswap.layout import PlainLayout, SlotLayout, available_layouts, get_layout
+from eplb.hotswap.runtime import swap_group
 from eplb.hotswap.swap import (
     FaultHook,
     HotSwapError,
@@ -24,6 +27,7 @@ __all__ = [
     "HotSwapError",
     "HotSwapOptions",
     "HotSwapResult",
+    "HotSwapShapeError",
     "PlainLayout",
     "PreparedSwap",
     "SlotLayout",
@@ -32,4 +36,5 @@ __all__ = [
     "get_layout",
     "hot_swap",
     "prepare_swap",
+    "swap_group",
 ]

@@ -3,8 +3,8 @@
 Each rank publishes one value through the swap's control (eplb.hotswap.control): a digest of the
 swap's input, its shape, whether it could allocate its staging, and a problem of its own (a
 placement of another shape). Every rank gets every value and reaches the same verdict, so a rank
-that alone got another placement makes every rank refuse the swap, naming it, before any byte
-moves and with the group still usable.
+that alone got another placement makes every rank refuse the swap with a
+:class:`HotSwapShapeError` naming it, before any byte moves and with the group still usable.
 """
 
 from __future__ import annotations
@@ -16,6 +16,24 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
+from eplb.hotswap.control import Cause
+
+
+class HotSwapShapeError(ValueError):
+    """A swap refused before anything moved: a rank's placements or slot buffers do not fit it.
+
+    A ValueError (the caller passed placements or buffers of the wrong shape) with the swap's
+    cause, ``shape``, and the rank it names (None: unknown). After the check (collective), every
+    rank raises it alike and the group stays usable; ``prepare_swap(check=False)`` raises it on the
+    rank that found it only.
+    """
+
+    cause: Cause = "shape"
+
+    def __init__(self, message: str, *, rank: int | None) -> None:
+        super().__init__(message)
+        self.rank = rank
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -41,14 +59,16 @@ class CheckValue:
 
 
 def verdict(values: Sequence[CheckValue], staging_bytes: int) -> None:
-    """Raise on every rank unless every rank runs this swap (ValueError) and staged it (RuntimeError)."""
+    """Raise on every rank unless every rank runs this swap and staged it: HotSwapShapeError (a
+    rank's shapes), ValueError (ranks plan different swaps) or RuntimeError (no staging memory)."""
     for r, v in enumerate(values):
         if v.problem is not None:
-            raise ValueError(f"shape: rank {r} cannot run this hot-swap: {v.problem}")
+            raise HotSwapShapeError(f"shape: rank {r} cannot run this hot-swap: {v.problem}", rank=r)
     odd, usual = _odd_one([v.shape for v in values])
     if odd is not None:
-        raise ValueError(
-            f"shape: rank {odd} swaps {values[odd].shape}, rank {usual} swaps {values[usual].shape}"
+        raise HotSwapShapeError(
+            f"shape: rank {odd} swaps {values[odd].shape}, rank {usual} swaps {values[usual].shape}",
+            rank=odd,
         )
     odd, usual = _odd_one([v.fingerprint for v in values])
     if odd is not None:

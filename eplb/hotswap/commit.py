@@ -38,11 +38,17 @@ class HotSwapError(RuntimeError):
     """The swap was given up without every rank's vote, or this rank could not finish its side.
 
     ``cause``: ``peer lost`` (a rank died or left the swap, or the store is unreachable),
-    ``timeout`` (a rank was late past ``timeout_s``) or ``error``; ``rank``: the rank it names
-    (None: unknown). ``committed``: this rank holds the new placement (weights and maps) of every
-    layer of the swap, else the old one. ``consistent`` is False only when ``update_maps`` or
-    ``restore_maps`` raised here: this rank's maps are then undefined. The group's ranks may be
-    out of step or gone: do not use it for another collective.
+    ``timeout`` (a rank was late past ``timeout_s``, or the manager's watchdog ended the swap) or
+    ``error``; ``rank``: the rank it names (None: unknown). ``committed``: this rank holds the new
+    placement (weights and maps) of every layer of the swap, else the old one. ``consistent`` is
+    False when this rank is in neither state: ``update_maps`` or ``restore_maps`` raised here (the
+    maps are undefined; ``committed`` says which weights the slots hold), or the commit's copy of
+    staging into the slots failed (the slots are undefined). ``alive`` is False when a process may
+    be gone (a heartbeat stopped, a connection broke, the store is unreachable); True when every
+    rank is alive (late or interrupted), so all can meet again on a fresh group. The group's ranks
+    may be out of step (transfers still posted) or gone: do not use it for another collective;
+    a swap needs a group of its own (:func:`eplb.hotswap.runtime.swap_group`), never the one the
+    model serves with, so giving one up leaves serving intact.
     """
 
     def __init__(
@@ -53,9 +59,16 @@ class HotSwapError(RuntimeError):
         rank: int | None,
         committed: bool = False,
         consistent: bool = True,
+        alive: bool = True,
     ) -> None:
         super().__init__(message)
         self.cause, self.rank, self.committed, self.consistent = cause, rank, committed, consistent
+        self.alive = alive
+
+    @classmethod
+    def of(cls, failure: SwapFailure) -> HotSwapError:
+        """The error of a swap given up for ``failure`` (nothing committed)."""
+        return cls(failure.detail, cause=failure.cause, rank=failure.rank, alive=failure.alive)
 
 
 @dataclass(frozen=True)
@@ -83,6 +96,8 @@ class SwapRun:
         self.maps_touched = False
         self.runs: list[GroupRun] = []
         self.step = 0
+        self.decision: Decision | None = None
+        """The swap's decision once this rank knows it (a caller that sees an exception reads it)."""
 
     def execute(self, plan: SwapPlan, target: Placement, layers: tuple[int, ...]) -> Outcome:
         leaving: BaseException | None = None
@@ -96,6 +111,7 @@ class SwapRun:
         except BaseException as exc:  # KeyboardInterrupt included: leave, consistent, then re-raise
             leaving = exc
             decision = self._give_up(self._left(exc))
+        self.decision = decision
         if decision.commit:
             self._commit(target, layers, leaving)
         else:
@@ -243,6 +259,7 @@ class SwapRun:
                     cause=failure.cause,
                     rank=failure.rank,
                     consistent=False,
+                    alive=failure.alive,
                 ) from exc
         if failure.group_usable:
             self.rt.release_staging()

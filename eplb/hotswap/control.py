@@ -37,8 +37,11 @@ from eplb.hotswap.heartbeat import (
 from eplb.placement.model import Placement
 
 Cause = Literal["peer lost", "timeout", "checksum", "shape", "error"]
-"""Why a swap failed: a rank died or left it, a rank was late, an arrival was corrupted, ranks
-disagreed on its shape, or an exception (a fault hook's, ``update_maps``') on a rank."""
+"""Why a swap failed: a rank died or left it, a rank was late (or the manager's watchdog ended the
+swap), an arrival was corrupted, ranks disagreed on its shape, or an exception (a fault hook's,
+``update_maps``') on a rank. ``peer lost`` and ``timeout`` end a swap with a
+:class:`~eplb.hotswap.commit.HotSwapError`, ``checksum`` and ``error`` with a failed result, and
+``shape`` with a :class:`~eplb.hotswap.check.HotSwapShapeError` before anything moved."""
 
 POLL_S = 0.01
 """Longest pause between two looks at the store while waiting."""
@@ -47,21 +50,41 @@ _T = TypeVar("_T")
 
 
 class SwapFailure(Exception):
-    """Why this swap is abandoned, the same on every rank that follows the decision."""
+    """Why this swap is abandoned, the same on every rank that follows the decision.
 
-    def __init__(self, cause: Cause, rank: int | None, detail: str, *, group_usable: bool = False) -> None:
+    ``group_usable``: every rank settled every transfer it posted, so the group may run another
+    collective. ``alive``: no process is known gone (False: a heartbeat stopped, a connection
+    broke or the store is unreachable), so the ranks can all meet again, on a fresh group.
+    """
+
+    def __init__(
+        self,
+        cause: Cause,
+        rank: int | None,
+        detail: str,
+        *,
+        group_usable: bool = False,
+        alive: bool = True,
+    ) -> None:
         super().__init__(detail)
-        self.cause, self.rank, self.detail, self.group_usable = cause, rank, detail, group_usable
+        self.cause, self.rank, self.detail = cause, rank, detail
+        self.group_usable, self.alive = group_usable, alive
 
     def encode(self) -> str:
         return json.dumps(
-            {"cause": self.cause, "rank": self.rank, "detail": self.detail, "usable": self.group_usable}
+            {
+                "cause": self.cause,
+                "rank": self.rank,
+                "detail": self.detail,
+                "usable": self.group_usable,
+                "alive": self.alive,
+            }
         )
 
     @classmethod
     def decode(cls, text: str) -> SwapFailure:
         d = json.loads(text)
-        return cls(d["cause"], d["rank"], d["detail"], group_usable=bool(d["usable"]))
+        return cls(d["cause"], d["rank"], d["detail"], group_usable=bool(d["usable"]), alive=bool(d["alive"]))
 
 
 @dataclass(frozen=True)
@@ -161,6 +184,7 @@ class SwapControl:
                 r,
                 f"peer lost: rank {r}'s heartbeat stopped {still:.1f} s ago (last at {label_of(value)}) "
                 f"while rank {self.rank} was at {self.label}",
+                alive=False,
             )
 
     def late(self, what: str) -> SwapFailure:
@@ -209,7 +233,7 @@ class SwapControl:
                 failure.detail = f"{failure.detail}; {detail}"
                 return failure
             time.sleep(POLL_S)
-        return SwapFailure("peer lost", None, f"peer lost: {detail}")
+        return SwapFailure("peer lost", None, f"peer lost: {detail}", alive=False)
 
     # ---- exchanges and the decision -----------------------------------------------------------
     def key(self, name: str, seq: int | None = None) -> str:
@@ -282,6 +306,7 @@ class SwapControl:
                 "peer lost",
                 None,
                 f"peer lost: the store is unreachable ({type(exc).__name__}: {str(exc)[:120]})",
+                alive=False,
             ) from exc
 
 

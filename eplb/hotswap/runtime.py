@@ -187,6 +187,43 @@ def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return _CONTROL_GROUPS[key]
 
 
+def swap_group(serving: dist.ProcessGroup | None, device: torch.device) -> dist.ProcessGroup:
+    """A new process group over the ranks of ``serving`` for hot-swaps alone: Gloo for CPU slot
+    buffers, NCCL for CUDA ones.
+
+    A swap given up with transfers still posted (a late or interrupted peer: HotSwapError) leaves
+    its group out of step, and the next collective on it may abort the process (Gloo: a size
+    mismatch, then ``terminate``). So swaps run on a group of their own, never on the one the model
+    serves with, and the caller drops this one after a HotSwapError and makes another once every
+    rank is back.
+
+    Collective over the ranks of ``serving`` only (``use_local_synchronization``): each of them
+    calls it at the same point. torch names the group after its ranks and the number of groups
+    the calling process holds (:func:`group_count`), so every rank must hold as many groups as the
+    others, or the ranks wait for each other under different names until the group's timeout.
+    Groups given up are kept, never destroyed: destroying one would lower that count and hand the
+    next group the name, and store keys, of an earlier one.
+    """
+    ranks = (
+        dist.get_process_group_ranks(serving) if serving is not None else list(range(dist.get_world_size()))
+    )
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+    if backend == "nccl":
+        # NCCL builds a communicator at its first operation, which every rank must join: here,
+        # rather than in a swap's point-to-point batches, which leave some ranks out.
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
+    return group
+
+
+def group_count() -> int:
+    """How many process groups this process holds (the default group included): part of the name
+    torch gives the next group made with ``use_local_synchronization`` (see :func:`swap_group`)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_names)
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 view of contiguous ``t`` (same storage): fp8 and other dtypes travel as raw bytes."""
     return t.reshape(-1).view(torch.uint8)

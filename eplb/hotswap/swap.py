@@ -12,6 +12,7 @@ whatever a peer does.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -20,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from eplb.hotswap.check import CheckValue, fingerprint, verdict
+from eplb.hotswap.check import CheckValue, HotSwapShapeError, fingerprint, verdict
 from eplb.hotswap.checksum import checksum_backends
 from eplb.hotswap.commit import HotSwapError, Outcome, SwapRun
 from eplb.hotswap.control import Cause, SwapControl, SwapFailure
@@ -94,7 +95,8 @@ class HotSwapResult:
     verify, agree, vote, commit). On CUDA without a fault hook the host does not wait for the
     transfers: "agree" then holds that wait too."""
     cause: Cause | None = None
-    """Why it failed (``checksum``, ``error``), the same on every rank."""
+    """Why it failed (``checksum``, ``error``; a caller that turns a ``HotSwapShapeError`` or a
+    ``HotSwapError`` into a result, as the manager does, keeps its cause), the same on every rank."""
     rank: int | None = None
     """The rank the failure names (where the corrupted arrival landed, or that raised)."""
 
@@ -139,6 +141,11 @@ class PreparedSwap:
         self.executed = False
         self.checked = False
         self.control: SwapControl | None = None
+        self._run: SwapRun | None = None
+        self._started = 0.0
+        self._lock = threading.Lock()
+        self._abort: SwapFailure | None = None
+        """Set by :meth:`abort` (another thread): proposed as the decision once the control exists."""
         # Index tensors were copied to the device on the preparing thread's stream.
         self.bound: torch.cuda.Event | None = None
         if runtime.device.type == "cuda":
@@ -148,8 +155,9 @@ class PreparedSwap:
     def check(self, fault: FaultHook | None = None) -> None:
         """Collective (through the store): reserve staging; raise unless every rank runs this swap.
 
-        ValueError (shapes or placements differ) or RuntimeError (no memory for staging): on every
-        rank, nothing moved, the group usable. HotSwapError: a rank was lost or late.
+        HotSwapShapeError (a rank's shapes differ), ValueError (placements differ) or RuntimeError
+        (no memory for staging): on every rank, nothing moved, the group usable. HotSwapError: a
+        rank was lost or late.
         """
         if self.checked:
             return
@@ -160,7 +168,11 @@ class PreparedSwap:
                 rt.reserve_staging(self.program.staging_rows)
             except Exception:  # out of memory here is reported on every rank below
                 staged = False
-            self.control = SwapControl.for_group(rt.group, self.options.timeout_s)
+            control = SwapControl.for_group(rt.group, self.options.timeout_s)
+            with self._lock:
+                self.control, pending = control, self._abort
+            if pending is not None and control is not None:
+                control.give_up(pending)
             value = replace(self.value, staged=staged)
             try:
                 values = [value] if self.control is None else run_check(self.control, value, fault)
@@ -188,18 +200,47 @@ class PreparedSwap:
         if self.executed:
             raise RuntimeError("a prepared swap runs once; prepare again from the current placement")
         self.executed = True
-        start = time.perf_counter()
+        self._started = time.perf_counter()
         self.check(fault)
         if self.bound is not None:
             torch.cuda.current_stream(self.runtime.device).wait_event(self.bound)
-        run = SwapRun(self.runtime, self.program, self.control, fault, update_maps, restore_maps)
-        outcome = run.execute(self.plan, self.target, self.layers)
-        return self._result(outcome, time.perf_counter() - start)
+        self._run = SwapRun(self.runtime, self.program, self.control, fault, update_maps, restore_maps)
+        outcome = self._run.execute(self.plan, self.target, self.layers)
+        return self._result(outcome, time.perf_counter() - self._started)
+
+    def decided(self) -> HotSwapResult:
+        """What :meth:`execute` would have returned, after it raised something else (this rank was
+        interrupted, e.g. by KeyboardInterrupt, and re-raised once its side was done): the swap's
+        decision as a result, or HotSwapError when it was given up without every rank's vote or
+        before this rank knew a decision (the other ranks then see this rank leave)."""
+        decision = self._run.decision if self._run is not None else None
+        if decision is None:
+            rank = self.runtime.rank
+            raise HotSwapError(
+                f"peer lost: rank {rank} left the swap before its decision", cause="peer lost", rank=rank
+            )
+        return self._result(Outcome(decision.failure), time.perf_counter() - self._started)
+
+    def abort(self, detail: str) -> None:
+        """End this swap on every rank, from any thread (the manager's watchdog, while a peer hangs):
+        propose a ``timeout`` failure naming ``detail`` as its decision, now or as soon as its
+        control exists. Every rank's waits see it and give the swap up (HotSwapError); a swap
+        already decided keeps its decision (the first proposal wins)."""
+        failure = SwapFailure("timeout", None, f"timeout: {detail}")
+        with self._lock:
+            self._abort, control = failure, self.control
+        if control is not None:
+            control.give_up(failure)
+
+    def where(self) -> str:
+        """The protocol step this rank is at (``check``, ``chunk 1 agreement``, ``vote``, ...)."""
+        control = self.control
+        return "check" if control is None else control.label
 
     def _result(self, outcome: Outcome, seconds: float) -> HotSwapResult:
         failure = outcome.failure
         if failure is not None and not failure.group_usable:
-            raise HotSwapError(failure.detail, cause=failure.cause, rank=failure.rank)
+            raise HotSwapError.of(failure)
         experts, nbytes, local = self.moved
         return HotSwapResult(
             ok=failure is None,
@@ -226,9 +267,7 @@ def run_check(control: SwapControl, value: CheckValue, fault: FaultHook | None) 
     except SwapFailure as failure:
         decided = control.give_up(failure)
         assert decided.failure is not None, "nothing commits before every rank checked"
-        raise HotSwapError(
-            decided.failure.detail, cause=decided.failure.cause, rank=decided.failure.rank
-        ) from None
+        raise HotSwapError.of(decided.failure) from None
     except BaseException as exc:
         control.give_up(control.left(exc))
         raise
@@ -275,12 +314,14 @@ def prepare_swap(
     messages of consecutive slots, pieces and checksum tasks, and its staging rows.
 
     ``slots_L[l]`` maps tensor names to this rank's slot buffers [S, ...] of layer l (weights,
-    scales), in the engine layout that ``layout`` describes. With ``check`` (collective over the
-    ranks of ``group``, through its store) it reserves the staging buffer (every expert the swap
-    writes on this rank, held until executed) and makes sure every rank runs this swap: a rank
-    whose placements do not fit (another shape) takes part and every rank raises ValueError
-    naming it. Without, it is host work only (a helper thread may run it) and raises such errors
-    on its own; :meth:`PreparedSwap.execute` checks first.
+    scales), in the engine layout that ``layout`` describes. ``group``: the swap's own process
+    group (:func:`eplb.hotswap.runtime.swap_group`), never the one the model serves with: a swap
+    given up with transfers in flight leaves its group unusable. With ``check`` (collective over
+    the ranks of ``group``, through its store) it reserves the staging buffer (every expert the
+    swap writes on this rank, held until executed) and makes sure every rank runs this swap: a
+    rank whose placements or buffers do not fit (another shape) takes part and every rank raises
+    HotSwapShapeError naming it. Without, it is host work only (a helper thread may run it) and
+    raises such errors on its own; :meth:`PreparedSwap.execute` checks first.
     """
     options = options or HotSwapOptions()
     layer_list = tuple(sorted(set(range(old.num_layers) if layers is None else (int(x) for x in layers))))
@@ -295,13 +336,14 @@ def prepare_swap(
             raise ValueError(
                 f"old and new placements differ in shape or topology: {_shape(old)} and {_shape(new)}"
             )
-    except ValueError as exc:
+    except ValueError as exc:  # the placements or buffers do not fit: a shape problem of this rank
         if check and (control := SwapControl.for_group(group, options.timeout_s)) is not None:
             values = run_check(
                 control, CheckValue(fingerprint=0, shape="", staged=True, problem=str(exc)), fault
             )
             verdict(values, 0)  # raises on every rank, naming the first rank with a problem
-        raise
+        rank = _rank_in(group)
+        raise HotSwapShapeError(f"shape: rank {rank} cannot run this hot-swap: {exc}", rank=rank) from exc
     cur_LP = old.phy2log_LP
     tgt_LP = cur_LP.copy()
     tgt_LP[list(layer_list)] = new.phy2log_LP[list(layer_list)]
@@ -333,6 +375,10 @@ def prepare_swap(
     if check:
         prepared.check(fault)
     return prepared
+
+
+def _rank_in(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if dist.is_available() and dist.is_initialized() else 0
 
 
 def _shape(p: Placement) -> str:

@@ -36,10 +36,23 @@ class RankAgreement:
 
     def max(self, value: float) -> float:
         """The maximum of ``value`` over the ranks, the same float on every rank."""
-        t = torch.tensor([value], dtype=torch.float64)
+        return self.max_of(value)[0]
+
+    def any_of(self, *flags: bool) -> list[bool]:
+        """For each flag, True on every rank if it is true on some rank (one all-reduce)."""
+        return [v > 0.0 for v in self.max_of(*(float(f) for f in flags))]
+
+    def max_of(self, *values: float) -> list[float]:
+        """The maximum of each value over the ranks, the same floats on every rank (one all-reduce)."""
+        t = torch.tensor(values, dtype=torch.float64)
         if self.world_size > 1:
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.control)
-        return float(t.item())
+        return [float(v) for v in t.tolist()]
+
+    def same(self, *values: int) -> list[bool]:
+        """For each integer (below 2**53 in size), whether every rank holds the same (one all-reduce)."""
+        got = self.max_of(*(float(sign * v) for v in values for sign in (1, -1)))
+        return [got[2 * i] == -got[2 * i + 1] for i in range(len(values))]
 
     def broadcast(self, t: torch.Tensor) -> torch.Tensor:
         """Rank 0's ``t`` (a CPU tensor) on every rank, over the data group."""

@@ -11,8 +11,10 @@ The engine calls, on every rank and for every forward pass::
 
 All ranks run the same control logic on agreed inputs, so they take the same steps on the same
 pass: record, plan on rank 0 in the background, adopt the broadcast plan, swap a chunk of layers
-per pass (paced in continuous mode). The steps, their collectives and the failure rules are in
-docs/architecture.md ("The control loop").
+per pass (paced in continuous mode). Swaps run on a process group of their own
+(eplb.manager.health), so a swap given up leaves the serving group intact; a watchdog bounds how
+long a rebalance may be in flight (eplb.manager.watchdog). The steps, their collectives and the
+failure rules are in docs/architecture.md ("The control loop").
 
 Every event goes to the :class:`eplb.metrics.sink.MetricsSink`; :meth:`EplbManager.state` exposes
 the rest.
@@ -21,18 +23,20 @@ the rest.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from eplb.config import EplbConfig
-from eplb.hotswap.swap import FaultHook, HotSwapOptions, HotSwapResult, hot_swap, prepare_swap
+from eplb.hotswap.swap import FaultHook, HotSwapOptions, HotSwapResult, PreparedSwap, prepare_swap
 from eplb.manager.collectives import RankAgreement
-from eplb.manager.health import SwapHealth
+from eplb.manager.health import SwapGroups
 from eplb.manager.pacing import Pacer, chunk_costs, per_chunk_layers
 from eplb.manager.types import (
     ExpertEngine,
@@ -44,6 +48,8 @@ from eplb.manager.types import (
     share_plan,
     timed_plan,
 )
+from eplb.manager.watchdog import Watchdog
+from eplb.metrics.names import ManagerPhase
 from eplb.metrics.sink import MetricsSink, NullSink, RebalanceOutcome
 from eplb.placement.balance import gpu_load, model_balancedness
 from eplb.placement.diff import diff_placements
@@ -66,7 +72,12 @@ log = logging.getLogger("eplb.manager.manager")
 
 
 class EplbManager:
-    """Drives record -> solve -> hot-swap for one rank. Build one per rank with the same arguments."""
+    """Drives record -> solve -> hot-swap for one rank. Build one per rank with the same arguments.
+
+    Construction is collective over the ranks of ``group`` (the group the model serves with): it
+    makes the hot-swap's own group. ``watchdog_s``: the longest a rebalance (solve, agreement,
+    transfer) may be in flight before it is reported and ended (``math.inf``: never).
+    """
 
     def __init__(
         self,
@@ -81,6 +92,7 @@ class EplbManager:
         swap_options: HotSwapOptions | None = None,
         num_groups: int = 1,
         swap_fault: FaultHook | None = None,
+        watchdog_s: float = 600.0,
     ) -> None:
         distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if distributed else 0
@@ -104,8 +116,11 @@ class EplbManager:
                 f"--expert-distribution-recorder-mode {config.recorder_mode} keeps token ids, not a load "
                 "window: the rebalancer needs stat or per_pass"
             )
+        self._watchdog = Watchdog(watchdog_s, self.rank)
         self._agree = RankAgreement.create(group, self.world_size, device)
-        self._health = SwapHealth(self.rank)
+        self._swaps = SwapGroups(group, self._agree, device, self.rank)
+        self._leaving: BaseException | None = None
+        """What interrupted this rank's swap (KeyboardInterrupt), re-raised at the end of the pass."""
         self.recorder = ExpertDistributionRecorder(
             RecorderConfig.from_eplb_config(config),
             placement,
@@ -126,10 +141,11 @@ class EplbManager:
         """Every rebalance decision, as the simulator takes them (eplb.policy.decision)."""
         self._planned_at = 0
         """Counted pass of the rebalance in progress (its window ends there)."""
-        self._executor: ThreadPoolExecutor | None = None
         self._preparer: ThreadPoolExecutor | None = None
         self._future: Future[tuple[PlanLike, float]] | None = None
-        self._phase = "idle"
+        self._phase: ManagerPhase = "idle"
+        self._last_rebalance_at = time.monotonic()
+        self._on_phase = getattr(self.sink, "on_phase", None)  # None: a sink older than the event
         self._passes = 0
         self._counted = 0
         self._next_at = config.rebalance_interval
@@ -146,13 +162,14 @@ class EplbManager:
             num_gpus=placement.num_gpus,
             num_nodes=placement.num_nodes,
         )
+        self._enter("idle")
 
     # ---- the hooks ---------------------------------------------------------------------------
     def on_forward_pass_begin(self, *, is_prefill: bool, num_tokens: int = 0) -> None:
         """Call on every rank before every forward pass (``is_prefill``: this rank's batch has prefill)."""
         self._kind = "prefill" if is_prefill else "decode"
         self._began = time.perf_counter()
-        if self._health.usable:
+        if self._swaps.running:
             self.recorder.begin_pass(has_prefill=is_prefill, num_tokens=num_tokens)
 
     def on_forward_pass_end(self, *, pass_seconds: float | None = None) -> None:
@@ -165,28 +182,37 @@ class EplbManager:
         if not seconds >= 0.0:
             raise ValueError(f"pass_seconds must be >= 0, got {pass_seconds}")
         self._passes += 1
-        if not self._health.usable:  # no collective on a lost group: serve, count, report
+        if not self._swaps.running:  # stopped: no collective (a peer may be gone): serve, count, report
             self.sink.on_forward_pass(kind="prefill" if self._kind == "prefill" else "decode", recorded=False)
             return
         counted = self.recorder.end_pass()
-        plan_ready = False
+        plan_ready = expired = False
         if self._phase == "solving":
             ready = self.rank == 0 and self._future is not None and self._future.done()
-            plan_ready = self._agree.any(ready)
+            plan_ready, expired = self._agreed(ready, self._watchdog.expired())
         self.sink.on_forward_pass(kind="prefill" if self._kind == "prefill" else "decode", recorded=counted)
         if counted:
             self._counted += 1
         if self._phase == "applying":
             self._apply_due(seconds)
+        elif self._phase == "solving" and expired:
+            self._end_solve()
         elif self._phase == "solving" and plan_ready:
             self._adopt_plan(seconds)
         elif self._phase == "idle" and self._counted >= self._next_at:
             self._next_at = self._counted + self.config.rebalance_interval
             self._trigger()
+        if self._leaving is not None:  # this rank's swap was interrupted: its state is everyone's now
+            leaving, self._leaving = self._leaving, None
+            raise leaving
 
     def state(self) -> ManagerState:
         return ManagerState(
             phase=self._phase,
+            in_flight_seconds=self._watchdog.in_flight(),
+            seconds_since_rebalance=time.monotonic() - self._last_rebalance_at,
+            swap_groups=self._swaps.made,
+            stopped=self._swaps.stopped,
             passes=self._passes,
             counted_passes=self._counted,
             next_rebalance_at=self._next_at,
@@ -202,10 +228,11 @@ class EplbManager:
         return self._placement
 
     def close(self) -> None:
-        for pool in (self._executor, self._preparer):
-            if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
-        self._executor = self._preparer = None
+        """Stop the helper threads (a solve in flight is left to end on its own daemon thread)."""
+        if self._preparer is not None:
+            self._preparer.shutdown(wait=True, cancel_futures=True)
+        self._preparer = None
+        self._watchdog.close()
 
     # ---- steps -------------------------------------------------------------------------------
     def _trigger(self) -> None:
@@ -222,6 +249,12 @@ class EplbManager:
                 before,
             )
         self._planned_at = self._counted
+        if self._swaps.dropped is not None:  # a boundary every rank reaches on this pass: renew
+            why = self._swaps.renew(self._placement)
+            if why is not None:
+                self._finish("failed", f"cannot make a fresh swap group: {why}", before, before, None, 0.0)
+                self._stop()
+                return
         why_not = self._decider.screen(
             window_passes=load_WLE.shape[0], window_load=float(load_LE.sum()), window_balancedness=before
         )
@@ -230,14 +263,24 @@ class EplbManager:
             return
         self._load_LE, self._before = load_LE, before
         if self.rank == 0:
-            if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="eplb-solve")
             planner = self._decider.planner(self._planner, counted_pass=self._counted)
-            self._future = self._executor.submit(timed_plan, planner, load_WLE, self._placement)
-        self._phase = "solving"
+            self._future = solve_in_background(planner, load_WLE, self._placement)
+        self._watchdog.doing = "solve"
+        self._watchdog.begin()
+        self._enter("solving")
+
+    def _end_solve(self) -> None:
+        """The watchdog's bound passed while rank 0 solved (agreed): end the rebalance, failed. The
+        solve goes on alone on its daemon thread; its plan is never read."""
+        self._future = None
+        self._watchdog.fire()
+        self._finish(
+            "failed", self._watchdog.reason(), self._before, self._before, None, self._watchdog.bound_s
+        )
 
     def _adopt_plan(self, seconds: float) -> None:
         """Rank 0 broadcasts its plan; every rank takes the same decision on the same pass."""
+        self._watchdog.doing = "agreement"
         shared = share_plan(self._agree, self._future if self.rank == 0 else None, self._placement)
         self._future = None
         reason, predicted, solve_s = shared.reason, shared.predicted, shared.solve_seconds
@@ -260,7 +303,8 @@ class EplbManager:
             job.pacer = Pacer(bytes_per_second=gbps * 1e9)
             job.costs = chunk_costs(self._placement, target, job.chunks, self._bytes_per_expert)
         self._job = job
-        self._phase = "applying"
+        self._watchdog.doing = "transfer"
+        self._enter("applying")
         self._prepare(0)
         self._prepare(1)
         self._apply_due(seconds)
@@ -272,7 +316,10 @@ class EplbManager:
         if job.pacer is None:
             self._apply_next_chunk()
             return
-        job.pacer.earn(self._agree.max(seconds))
+        seconds, expired = self._agree.max_of(seconds, float(self._watchdog.expired()))
+        if self._ended_by_watchdog(job, expired > 0.0):
+            return
+        job.pacer.earn(seconds)
         while self._job is job and job.pacer.take(job.costs[job.next_chunk]):
             self._apply_next_chunk()
 
@@ -291,7 +338,7 @@ class EplbManager:
             before,
             job.steps[i][0],
             layers=job.chunks[i],
-            group=self.group,
+            group=self._swaps.group,
             options=self.swap_options,
             check=False,
         )
@@ -307,20 +354,24 @@ class EplbManager:
             prepared, error = job.prepared.pop(i).result(), ""
         except Exception as exc:  # the same inputs on every rank: normally every rank gets here
             prepared, error = None, f"preparing the swap failed: {type(exc).__name__}: {exc}"
-        if self._agree.any(prepared is None) or prepared is None:
+        unprepared, expired = self._agreed(prepared is None, self._watchdog.expired())
+        if self._ended_by_watchdog(job, expired):
+            return
+        if unprepared or prepared is None:
             result = HotSwapResult.not_started(
                 tuple(chunk), error or "preparing the swap failed on another rank"
             )
         else:
             live, live_w = self._placement, self._weights_LER
-            result = self._health.execute(
-                tuple(chunk),
-                lambda: prepared.execute(
+            with self._watchdog.watching(prepared):
+                result = self._execute(
+                    tuple(chunk),
+                    prepared,
                     update_maps=lambda: self.engine.set_placement(mixed, mixed_w),
                     restore_maps=lambda: self.engine.set_placement(live, live_w),
                     fault=self._swap_fault,
-                ),
-            )
+                )
+            self._watchdog.ended(result.error)
             self._prepare(i + 2)
         job.transfer_seconds += result.seconds
         if result.ok:
@@ -335,35 +386,77 @@ class EplbManager:
                     "applied", job.reason, self._before, after, job.predicted, job.solve_seconds, job
                 )
             return
-        reason = f"hot-swap of layers {list(chunk)} failed and was rolled back: {result.error}"
+        self._fail_job(job, f"hot-swap of layers {list(chunk)} failed and was rolled back: {result.error}")
+
+    def _ended_by_watchdog(self, job: SwapJob, expired: bool) -> bool:
+        """``expired`` (agreed over the ranks): end the rebalance, failed, for the watchdog."""
+        if expired:
+            self._watchdog.fire()
+            self._fail_job(job, self._watchdog.reason())
+        return expired
+
+    def _fail_job(self, job: SwapJob, reason: str) -> None:
+        """End the rebalance, failed (on every rank alike): undo its applied chunks while a swap
+        group is in place, else keep them (consistent per layer) and say so."""
         for future in job.prepared.values():
             future.cancel()
         job.prepared.clear()
-        if job.done and self._health.usable:  # undo this rebalance's earlier chunks: one old placement
+        if job.done and self._swaps.usable:  # undo this rebalance's earlier chunks: one old placement
             live, live_w = self._placement, self._weights_LER
-            back = self._health.execute(
+            back = self._execute(
                 tuple(job.done),
-                lambda: hot_swap(
+                prepare_swap(
                     self._slots(),
                     live,
                     job.original,
                     layers=job.done,
-                    group=self.group,
+                    group=self._swaps.group,
                     options=self.swap_options,
-                    update_maps=lambda: self.engine.set_placement(job.original, job.original_weights_LER),
-                    restore_maps=lambda: self.engine.set_placement(live, live_w),
+                    check=False,
                 ),
+                update_maps=lambda: self.engine.set_placement(job.original, job.original_weights_LER),
+                restore_maps=lambda: self.engine.set_placement(live, live_w),
             )
             if back.ok:
                 self._placement, self._weights_LER = job.original, job.original_weights_LER
                 self.recorder.set_placement(job.original)
             reason += f"; layers {job.done} {'restored' if back.ok else 'NOT restored: ' + str(back.error)}"
-        if not self._health.usable:
-            reason += self._health.note(job.done)
-            self.recorder.stop()
+        if not self._swaps.usable:
+            reason += self._swaps.note(job.done)
         self._finish("failed", reason, self._before, self._before, job.predicted, job.solve_seconds, job)
-        if not self._health.usable:
-            self._phase = "stopped"
+        if not self._swaps.running:
+            self._stop()
+
+    def _execute(self, layers: tuple[int, ...], prepared: PreparedSwap, **kwargs: Any) -> HotSwapResult:
+        """A swap on the swap group (eplb.manager.health); an interruption of this rank is kept for
+        the end of the pass, once the manager's state is the other ranks'."""
+        result, leaving = self._swaps.execute(layers, prepared, **kwargs)
+        if leaving is not None and self._leaving is None:
+            self._leaving = leaving
+        return result
+
+    def _agreed(self, *flags: bool) -> list[bool]:
+        """Flags agreed over the ranks (each true if true on some rank): the pass's agreement, which
+        waits for every rank (the watchdog's log says so, should one not come)."""
+        doing = self._watchdog.doing
+        self._watchdog.doing = f"{doing} (the pass's agreement)"
+        try:
+            return self._agree.any_of(*flags)
+        finally:
+            self._watchdog.doing = doing
+
+    def _enter(self, phase: ManagerPhase) -> None:
+        """The manager's phase (reported to the sink, with the rebalance in flight if any)."""
+        self._phase = phase
+        if self._on_phase is not None:
+            self._on_phase(
+                phase=phase, in_flight_since=self._watchdog.began, last_rebalance_at=self._last_rebalance_at
+            )
+
+    def _stop(self) -> None:
+        """Rebalancing stopped for good on this rank (eplb.manager.health): no collective again."""
+        self.recorder.stop()
+        self._enter("stopped")
 
     def _served(self, load_LE: np.ndarray, placement: Placement, weights_LER: np.ndarray | None) -> float:
         """Balancedness of ``load_LE`` on ``placement`` as this server dispatches
@@ -401,7 +494,9 @@ class EplbManager:
             counted_pass=self._planned_at, applied=outcome == "applied", copies=record.experts_moved
         )
         self._job = None
-        self._phase = "idle"
+        self._watchdog.end()
+        self._last_rebalance_at = time.monotonic()
+        self._enter("idle")
         if self.rank == 0:
             log.info(
                 "pass %d: rebalance %s (%s); window balancedness %.4f -> %.4f (the window it was planned from)",
@@ -415,3 +510,23 @@ class EplbManager:
 
     def _slots(self) -> list[Mapping[str, torch.Tensor]]:
         return [self.engine.slot_tensors(layer) for layer in range(self._placement.num_layers)]
+
+
+def solve_in_background(
+    planner: Planner, load_WLE: np.ndarray, current: Placement
+) -> Future[tuple[PlanLike, float]]:
+    """Run the planner on a daemon thread of its own: serving never waits for it, and one that
+    never returns (the watchdog ends its rebalance) holds up neither the next solve nor the
+    process's exit."""
+    future: Future[tuple[PlanLike, float]] = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(timed_plan(planner, load_WLE, current))
+        except BaseException as exc:  # handed to rank 0's pass, which reports it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="eplb-solve").start()
+    return future

@@ -19,6 +19,7 @@ from eplb.config import EplbConfig
 from eplb.hotswap.swap import PreparedSwap
 from eplb.manager.collectives import RankAgreement
 from eplb.manager.pacing import Pacer
+from eplb.metrics.names import ManagerPhase
 from eplb.metrics.sink import MetricsSink, RebalanceOutcome
 from eplb.placement.model import Placement
 from eplb.policy.base import PlanLike, Planner
@@ -65,8 +66,8 @@ class RebalanceRecord:
 class ManagerState:
     """A snapshot for metrics, logs and tests."""
 
-    phase: str
-    """idle | solving | applying."""
+    phase: ManagerPhase
+    """idle | solving | applying | stopped (eplb.metrics.names.ManagerPhase)."""
     passes: int
     counted_passes: int
     next_rebalance_at: int
@@ -77,6 +78,14 @@ class ManagerState:
     history: tuple[RebalanceRecord, ...] = field(default_factory=tuple)
     windows: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     """(pass, balancedness of the window summed over ranks under the live placement) at each check."""
+    in_flight_seconds: float = 0.0
+    """How long the rebalance in progress has run on this rank's clock (0: none is)."""
+    seconds_since_rebalance: float = 0.0
+    """Since the last rebalance ended (any outcome), or since the manager started."""
+    swap_groups: int = 0
+    """Hot-swap process groups made so far (one at start with several ranks, one per renewal)."""
+    stopped: str | None = None
+    """Why rebalancing stopped for good (phase ``stopped``); None while it runs."""
 
 
 FAILED, SKIP, APPLY = 0.0, 1.0, 2.0

@@ -22,6 +22,7 @@ RebalanceCause = Literal[
     "skipped_budget",
     "skipped_other",
     "failed_planner",
+    "failed_watchdog",
     "failed_shape",
     "failed_memory",
     "failed_timeout",
@@ -42,6 +43,7 @@ CAUSE_HELP: dict[RebalanceCause, str] = {
     "skipped_budget": "the plan moves more than the move budget allows",
     "skipped_other": "skipped for a reason not listed (a custom planner's)",
     "failed_planner": "the planner raised",
+    "failed_watchdog": "the rebalance was in flight longer than the watchdog's bound and was ended",
     "failed_shape": "the plan or the slot buffers did not fit the model's shapes",
     "failed_memory": "a rank could not allocate the swap's staging buffer",
     "failed_timeout": "transfers did not finish within the hot-swap timeout",
@@ -63,6 +65,7 @@ _PATTERNS: dict[str, tuple[tuple[RebalanceCause, re.Pattern[str]], ...]] = {
     ),
     "failed": (
         ("failed_planner", re.compile(r"^planner failed")),
+        ("failed_watchdog", re.compile(r"watchdog")),
         ("failed_shape", re.compile(r"shape|slots, expected|must both be \[L, P\]|spans \d+ GPUs but")),
         ("failed_memory", re.compile(r"out of memory|OutOfMemoryError|MemoryError|could not allocate")),
         ("failed_timeout", re.compile(r"Timeout|timed out|not done after")),

@@ -6,7 +6,8 @@ layer).
 Conventions (Prometheus naming guide): the ``eplb_`` prefix, base units (seconds, bytes), ``_total``
 on counters, ``_seconds``/``_bytes`` suffixes. Label cardinality is bounded: per layer x rank
 (L x G) by default, per layer x expert (L x E) only when explicitly enabled; rebalances by
-``outcome`` and a ``cause`` from a fixed list (eplb.metrics.causes), never free text. Layers, ranks
+``outcome`` and a ``cause`` from a fixed list (eplb.metrics.causes), never free text, and the
+manager's ``phase`` from :data:`MANAGER_PHASES`. Layers, ranks
 and experts are plain integers (``layer="7"``), as SGLang and vLLM write them, so queries join on
 them. Every series also carries :data:`ENGINE_LABELS`, constant per process, that join the
 serving engine's own series.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 # The values of the outcome and cause labels, re-exported with the label names.
 from eplb.metrics.causes import REBALANCE_CAUSES as REBALANCE_CAUSES
@@ -71,6 +72,14 @@ EXPERTS_MOVED = "eplb_experts_moved_total"
 MOVED_BYTES = "eplb_moved_bytes_total"
 LAST_REBALANCE_BALANCEDNESS = "eplb_last_rebalance_balancedness"
 LAST_REBALANCE_TIMESTAMP = "eplb_last_rebalance_timestamp_seconds"
+MANAGER_PHASE = "eplb_manager_phase"
+IN_FLIGHT_SECONDS = "eplb_rebalance_in_flight_seconds"
+LAST_REBALANCE_AGE = "eplb_last_rebalance_age_seconds"
+
+ManagerPhase = Literal["idle", "solving", "applying", "stopped"]
+"""What the rebalance manager does: waits for the next rebalance, solves one (rank 0, in the
+background), applies its plan a chunk of layers at a time, or has stopped rebalancing for good."""
+MANAGER_PHASES: tuple[ManagerPhase, ...] = get_args(ManagerPhase)
 
 TOPOLOGY_LABELS = ("version", "num_layers", "num_logical", "num_physical", "num_gpus", "num_nodes")
 PASS_KINDS = ("prefill", "decode")
@@ -191,6 +200,27 @@ METRICS: tuple[MetricSpec, ...] = (
         labels=("outcome", "cause"),
         unit="seconds",
         help="Unix time of the last rebalance of each outcome and cause (one series per cause seen).",
+    ),
+    MetricSpec(
+        name=MANAGER_PHASE,
+        kind="gauge",
+        labels=("phase",),
+        unit="",
+        help="1 for the phase the rebalance manager is in (idle, solving, applying, stopped), 0 for the others.",
+    ),
+    MetricSpec(
+        name=IN_FLIGHT_SECONDS,
+        kind="gauge",
+        labels=(),
+        unit="seconds",
+        help="Seconds the rebalance in progress (solve, agreement, transfer) has been in flight; 0 when none is.",
+    ),
+    MetricSpec(
+        name=LAST_REBALANCE_AGE,
+        kind="gauge",
+        labels=(),
+        unit="seconds",
+        help="Seconds since the last rebalance ended (any outcome), or since the manager started before the first.",
     ),
 )
 

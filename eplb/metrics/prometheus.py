@@ -34,6 +34,7 @@ from typing_extensions import Unpack
 from eplb._version import __version__
 from eplb.metrics import names
 from eplb.metrics.causes import causes_of, check_cause, rebalance_cause
+from eplb.metrics.names import ManagerPhase
 from eplb.metrics.sink import MetricsSink, PassKind, RebalanceEvent
 from eplb.metrics.window import WindowCollector
 
@@ -97,6 +98,7 @@ class PrometheusSink(MetricsSink):
         self._solve, self._transfer = solve.labels(**const), transfer.labels(**const)
         self._experts_moved, self._bytes_moved = experts_moved.labels(**const), bytes_moved.labels(**const)
         self._last_rebalance = _LastRebalanceCollector(self.engine_labels)
+        self.phase = _PhaseCollector(self.engine_labels)
         self.window = WindowCollector(
             hot_experts_per_layer=hot_experts_per_layer,
             per_expert=per_expert,
@@ -112,6 +114,7 @@ class PrometheusSink(MetricsSink):
             experts_moved,
             bytes_moved,
             self._last_rebalance,
+            self.phase,
         ]
         for metric in event_metrics:
             self._events.register(metric)
@@ -176,6 +179,11 @@ class PrometheusSink(MetricsSink):
         labels = dict(zip(names.TOPOLOGY_LABELS, (__version__, *(str(v) for v in values)), strict=True))
         self._info.info(labels)
 
+    def on_phase(
+        self, *, phase: ManagerPhase, in_flight_since: float | None, last_rebalance_at: float
+    ) -> None:
+        self.phase.record(phase, in_flight_since, last_rebalance_at)
+
     # -- exposition ----------------------------------------------------------------------------
 
     def render(self) -> bytes:
@@ -228,3 +236,49 @@ class _LastRebalanceCollector(Collector):
             GaugeMetricFamily(stamp.name, stamp.help, labels=[*stamp.labels, *names.ENGINE_LABELS]),
             GaugeMetricFamily(balance.name, balance.help, labels=[*balance.labels, *names.ENGINE_LABELS]),
         )
+
+
+class _PhaseCollector(Collector):
+    """The manager's phase, the rebalance in flight and the time since the last one ended.
+
+    The seconds are derived at scrape time from the times the manager reported (``clock``, its
+    ``time.monotonic``), so they keep growing while a rebalance hangs and the manager's thread
+    reports nothing. Nothing is exported before the manager's first report.
+    """
+
+    def __init__(self, engine_labels: tuple[tuple[str, str], ...]) -> None:
+        self._engine_values = [value for _, value in engine_labels]
+        self._lock = threading.Lock()
+        self._state: tuple[ManagerPhase, float | None, float] | None = None
+        self.clock = time.monotonic
+
+    def record(self, phase: ManagerPhase, in_flight_since: float | None, last_rebalance_at: float) -> None:
+        if phase not in names.MANAGER_PHASES:
+            raise ValueError(f"phase must be one of {names.MANAGER_PHASES}, got {phase!r}")
+        with self._lock:
+            self._state = (phase, in_flight_since, last_rebalance_at)
+
+    def describe(self) -> Iterator[Metric]:
+        yield from self._families()
+
+    def collect(self) -> Iterator[Metric]:
+        families = self._families()
+        with self._lock:
+            state = self._state
+        if state is not None:
+            phase_family, in_flight, age = families
+            current, since, last = state
+            now = self.clock()
+            for phase in names.MANAGER_PHASES:
+                phase_family.add_metric([phase, *self._engine_values], float(phase == current))
+            in_flight.add_metric(self._engine_values, 0.0 if since is None else max(0.0, now - since))
+            age.add_metric(self._engine_values, max(0.0, now - last))
+        yield from families
+
+    @staticmethod
+    def _families() -> tuple[GaugeMetricFamily, GaugeMetricFamily, GaugeMetricFamily]:
+        def family(name: str) -> GaugeMetricFamily:
+            spec = names.BY_NAME[name]
+            return GaugeMetricFamily(spec.name, spec.help, labels=[*spec.labels, *names.ENGINE_LABELS])
+
+        return family(names.MANAGER_PHASE), family(names.IN_FLIGHT_SECONDS), family(names.LAST_REBALANCE_AGE)

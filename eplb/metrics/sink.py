@@ -5,9 +5,10 @@ Shape legend: L layers, E logical experts, G GPUs (EP ranks).
 Keeping this protocol apart from the Prometheus code lets the manager, the simulator and tests
 report events without importing prometheus_client. Its methods are written once, here, with
 no-op bodies: ``NullSink`` is the protocol as it stands, and a sink that subclasses it (as
-``PrometheusSink`` does) overrides only what it records; any object with these four methods is
-also a sink (structural typing). Implementations must return quickly and never block: they are
-called on the serving process's control path.
+``PrometheusSink`` does) overrides only what it records; any object with these five methods is
+also a sink (structural typing; the manager skips ``on_phase`` on an object without it, a sink
+written before it existed). Implementations must return quickly and never block: they are called
+on the serving process's control path.
 """
 
 from __future__ import annotations
@@ -18,8 +19,17 @@ import numpy as np
 from typing_extensions import NotRequired, Unpack
 
 from eplb.metrics.causes import RebalanceCause, RebalanceOutcome
+from eplb.metrics.names import ManagerPhase
 
-__all__ = ["MetricsSink", "NullSink", "PassKind", "RebalanceCause", "RebalanceEvent", "RebalanceOutcome"]
+__all__ = [
+    "ManagerPhase",
+    "MetricsSink",
+    "NullSink",
+    "PassKind",
+    "RebalanceCause",
+    "RebalanceEvent",
+    "RebalanceOutcome",
+]
 
 PassKind = Literal["prefill", "decode"]
 
@@ -64,6 +74,16 @@ class MetricsSink(Protocol):
         self, *, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, num_nodes: int
     ) -> None:
         """The model and EP topology the manager serves (reported once at start)."""
+        return None
+
+    def on_phase(
+        self, *, phase: ManagerPhase, in_flight_since: float | None, last_rebalance_at: float
+    ) -> None:
+        """The manager's phase, at start and at each change; times are this process's
+        ``time.monotonic()``. ``in_flight_since``: when the rebalance in progress began (None: none
+        is); ``last_rebalance_at``: when the last rebalance ended (any outcome), or when the manager
+        started. A sink derives the seconds since then when it is read, so they keep growing while
+        the manager's thread is blocked (a rebalance that hangs)."""
         return None
 
 

@@ -100,8 +100,13 @@ def run_case(ctx: RankContext, case: dict[str, Any]) -> dict[str, Any] | None:
         out.update(
             type="HotSwapError", cause=exc.cause, blamed=exc.rank, error=str(exc), committed=exc.committed
         )
-    except (ValueError, KeyboardInterrupt) as exc:
-        out.update(type=type(exc).__name__, error=str(exc))
+    except (ValueError, KeyboardInterrupt) as exc:  # HotSwapShapeError carries its cause and rank
+        out.update(
+            type=type(exc).__name__,
+            error=str(exc),
+            cause=getattr(exc, "cause", None),
+            blamed=getattr(exc, "rank", None),
+        )
     out["ended_at"] = time.time()
     out["layers"] = layer_states(model, w, old, new, me)
     if case.get("then_swap"):  # the group is still usable: a clean swap on it works
