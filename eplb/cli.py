@@ -45,8 +45,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        # Building the parser imports numpy and the subcommands: an early Ctrl-C lands here.
+        parser = build_parser()
+        args = parser.parse_args(argv)
+    except KeyboardInterrupt:
+        print("eplb: interrupted", file=sys.stderr)
+        return 130
     if args.command is None:
         parser.print_help()
         return 2

@@ -1,31 +1,160 @@
-"""Atomic file output: every file eplb writes appears whole or not at all.
+"""File input and output: every file eplb reads is checked before it is read, every file it
+writes appears whole or not at all.
 
-A writer fills a temporary file in the target's folder; only when it has finished is the file
-flushed to disk and renamed over the target. A write that fails or is interrupted (an exception,
-Ctrl-C) leaves the previous file, or nothing, never a truncated one. Only regular files are
-replaced: a symlink, folder, device node, FIFO or socket at the target is refused, since renaming
-over it would silently swap it for a regular file. A replaced file keeps its permission bits; a
-new one gets 0644.
+Input: :func:`read_input` is the one way a file eplb is given gets read. It refuses anything but a
+regular file (a FIFO, a device, a folder, a socket, or a symlink to one of them) before opening it,
+and a file larger than the caller's bound before reading it; it reads at most the bound plus one
+byte, so a file that grows meanwhile cannot exceed it either. The caller parses the bytes.
+
+Output: a writer fills a temporary file in the target's folder; only when it has finished is the
+file flushed to disk and renamed over the target. A write that fails or is interrupted (an
+exception, Ctrl-C) leaves the previous file, or nothing, never a truncated one. Only regular files
+are replaced: a symlink, folder, device node, FIFO or socket at the target is refused, since
+renaming over it would silently swap it for a regular file. A replaced file keeps its permission
+bits; a new one gets 0644. A temporary name carries its writer's process id, so one left by a
+process that was killed (``kill -9``) is removed by the next write to the same target.
 
 :class:`OutputSet` stages several files and renames them together at the end of a ``with`` block,
-so a command that writes a trace and its JSON report leaves both or neither.
+so a command that writes a trace and its JSON report leaves both or neither. Given a ``folder``, it
+writes the files inside that folder into a temporary sibling folder and commits them with one
+rename of the folder (an atomic exchange with the old one), so a reader sees the old set or the new
+set, never a mix of the two, whenever the process is stopped.
 """
 
 from __future__ import annotations
 
+import errno
+import json
 import os
+import secrets
+import shutil
 import stat
+import sys
 import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 NEW_FILE_MODE = 0o644
 """Permission bits of a file that did not exist before."""
+READ_CHUNK = 64 << 20
+"""Bytes read at a time from a file that grew after it was measured."""
 
 
+# ---- input ---------------------------------------------------------------------------------------
+class InputFileError(ValueError):
+    """An input path that is not a regular file, cannot be read, or holds more than its reader takes."""
+
+
+def _special_kind(mode: int) -> str | None:
+    """What a non-regular file is, in words (None for a regular file)."""
+    if stat.S_ISREG(mode):
+        return None
+    for test, kind in (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return kind
+    return "not a plain file"
+
+
+def _check_input(path: Path, st: os.stat_result, limit: int, what: str) -> None:
+    kind = _special_kind(st.st_mode)
+    if kind is not None:
+        shown = f"{path} (a symlink to {os.path.realpath(path)})" if os.path.islink(path) else str(path)
+        raise InputFileError(f"{shown}: the {what} is {kind}, not a regular file")
+    if st.st_size > limit:
+        raise InputFileError(f"{path}: the {what} holds {st.st_size} bytes, more than the {limit} it may")
+
+
+def read_input(path: str | Path, *, limit: int, what: str = "input file") -> bytes:
+    """The bytes of the regular file at ``path`` (symlinks followed), at most ``limit`` of them.
+
+    ``what`` names the input in messages ("trace file", "placement file"). A FIFO, device, folder
+    or socket is refused (InputFileError, a ValueError naming the file) before it is opened:
+    opening a FIFO with no writer blocks, and a device may never end. A file larger than
+    ``limit`` is refused before it is read, and at most ``limit + 1`` bytes are ever read, so one
+    that grows meanwhile is refused too. A missing file is a FileNotFoundError ("PATH: WHAT not
+    found" on the command line).
+    """
+    path = Path(path)
+    try:
+        _check_input(path, os.stat(path), limit, what)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"{what} not found", str(path)) from None
+    # Non-blocking: should a FIFO replace the file after the stat, the open still returns and the
+    # fstat below refuses it.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        _check_input(path, st, limit, what)
+        try:
+            data = f.read(st.st_size + 1)
+            if len(data) > st.st_size:  # it grew since the fstat (or the size was not known)
+                parts, total = [data], len(data)
+                while total <= limit:
+                    chunk = f.read(min(READ_CHUNK, limit + 1 - total))
+                    if not chunk:
+                        break
+                    parts.append(chunk)
+                    total += len(chunk)
+                data = b"".join(parts)
+        except OSError as exc:
+            raise InputFileError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+    if len(data) > limit:
+        raise InputFileError(f"{path}: the {what} grew past the {limit} bytes it may hold while being read")
+    return data
+
+
+def json_error_text(exc: ValueError) -> str:
+    """What a JSON decoding error says, for a one-line message: Python's integer digit limit
+    (a number of 4300 digits or more) ends in advice to raise the limit, which is dropped."""
+    return str(exc).split("; use ")[0]
+
+
+def safetensors_header(data: bytes) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """The metadata and the tensor shapes that a safetensors file's bytes declare, from its header
+    alone, so a reader checks them before any tensor is decoded. ValueError (saying what is
+    wrong, for the caller to prefix with the file's name) when the bytes start with no such header."""
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes, too short for a safetensors file")
+    size = int.from_bytes(data[:8], "little")
+    if size > len(data) - 8:
+        raise ValueError(f"the safetensors header declares {size} bytes but the file holds {len(data) - 8}")
+    try:
+        header = json.loads(data[8 : 8 + size])
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError included
+        raise ValueError(f"the safetensors header is not JSON ({type(exc).__name__})") from None
+    if not isinstance(header, dict):
+        raise ValueError("the safetensors header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise ValueError("the safetensors metadata must map names to strings")
+    shapes: dict[str, list[int]] = {}
+    held = len(data) - 8 - size
+    for name, info in header.items():
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise ValueError(f"tensor {name!r} declares no valid shape")
+        offsets = info.get("data_offsets")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= held
+        ):
+            raise ValueError(f"tensor {name!r} declares data outside the {held} bytes the file holds")
+        shapes[name] = shape
+    return meta, shapes
+
+
+# ---- output --------------------------------------------------------------------------------------
 class OutputPathError(ValueError):
     """An output path that cannot be written: a folder, a special file, a missing folder..."""
 
@@ -62,46 +191,113 @@ def check_output_path(path: str | Path, *, parents: bool = False) -> Path:
     return path
 
 
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` may still be running (when unsure: yes, so nothing of it is removed)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process, or no way to ask
+        return True
+    return True
+
+
+def _remove(path: Path) -> None:
+    """Remove a file or a folder tree, if it is there (best effort)."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with suppress(OSError):
+            path.unlink()
+
+
+def _temp_name(target: Path, token: str, kind: str) -> Path:
+    """``.NAME.PID.TOKEN.KIND`` beside ``target``: the process id lets a later run tell a live
+    writer's temporary from one that a killed writer left."""
+    return target.parent / f".{target.name}.{os.getpid()}.{token}.{kind}"
+
+
+def sweep_stale(target: str | Path) -> None:
+    """Remove what writers of ``target`` left beside it when they were killed (``kill -9``): their
+    temporary files and folders (``.NAME.PID.TOKEN.tmp``); where one died between the two renames
+    of a folder commit without an atomic exchange, its old folder (``.NAME.PID.TOKEN.old``) is put
+    back first. Only what processes no longer running left is touched; failures are ignored (the
+    next run tries again)."""
+    target = Path(target)
+    prefix = f".{target.name}."
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return
+    for name in sorted(names, key=lambda n: not n.endswith(".old")):  # put an old folder back first
+        parts = name[len(prefix) :].split(".") if name.startswith(prefix) else []
+        if len(parts) != 3 or not parts[0].isdigit() or parts[2] not in ("tmp", "old"):
+            continue
+        if _alive(int(parts[0])):
+            continue
+        path = target.parent / name
+        if parts[2] == "old" and not os.path.lexists(target):
+            with suppress(OSError):
+                os.rename(path, target)
+                continue
+        _remove(path)
+
+
 @dataclass(frozen=True)
 class _Staged:
     target: Path
     """Where the file goes."""
     tmp: Path
-    """The temporary file in the target's folder that the writer fills."""
+    """The temporary file (in the target's folder, or in a staged folder) that the writer fills."""
     mode: int
     """Permission bits the target gets."""
+
+
+def _target_mode(target: Path) -> int:
+    try:
+        return stat.S_IMODE(os.stat(target).st_mode)
+    except FileNotFoundError:
+        return NEW_FILE_MODE
+
+
+def _make_parents(target: Path) -> None:
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise OutputPathError(
+            f"{target}: cannot create folder {target.parent} ({exc.strerror or exc})"
+        ) from None
 
 
 def _stage(target: str | Path, parents: bool) -> _Staged:
     target = check_output_path(target, parents=parents)
     if parents:
-        try:
-            target.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise OutputPathError(
-                f"{target}: cannot create folder {target.parent} ({exc.strerror or exc})"
-            ) from None
+        _make_parents(target)
+    sweep_stale(target)
     try:
-        mode = stat.S_IMODE(os.stat(target).st_mode)
-    except FileNotFoundError:
-        mode = NEW_FILE_MODE
-    try:
-        fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+        fd, name = tempfile.mkstemp(prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp", dir=target.parent)
     except OSError as exc:
         raise OutputPathError(
             f"{target}: cannot create a file in {target.parent} ({exc.strerror or exc})"
         ) from None
     os.close(fd)
-    return _Staged(target, Path(name), mode)
+    return _Staged(target, Path(name), _target_mode(target))
 
 
-def _commit(staged: _Staged) -> None:
+def _flush(staged: _Staged) -> None:
+    """Make a staged file's content durable and give it the target's permission bits."""
     fd = os.open(staged.tmp, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
     os.chmod(staged.tmp, staged.mode)
+
+
+def _commit(staged: _Staged) -> None:
+    _flush(staged)
     check_output_path(staged.target)  # again: something may have appeared there meanwhile
     os.replace(staged.tmp, staged.target)
     _fsync_folder(staged.target.parent)
@@ -125,28 +321,205 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap the paths ``a`` and ``b`` in one atomic step (Linux ``renameat2(RENAME_EXCHANGE)``);
+    False where the system or the file system cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:  # a C library older than glibc 2.28
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    renameat2.restype = ctypes.c_int
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(b))
+
+
+def _replaceable_folder(folder: Path) -> Path:
+    """The folder (symlinks resolved) that a folder set replaces, refused when it cannot be."""
+    real = Path(os.path.realpath(folder))
+    if real.exists() and not real.is_dir():
+        raise OutputPathError(f"{folder} is not a folder")
+    cwd = Path.cwd().resolve()
+    if real == real.parent or real == cwd or real in cwd.parents:
+        raise OutputPathError(
+            f"{folder} holds the current folder; the folder is replaced as a whole, so give "
+            "the files a folder of their own"
+        )
+    return real
+
+
+def _ours(entry: str, names: Iterable[str]) -> bool:
+    """An entry a folder set may replace: one of its names, or an older writer's temporary of one."""
+    return any(entry == n or (entry.startswith(f".{n}.") and entry.endswith(".tmp")) for n in names)
+
+
+def check_output_folder_set(folder: str | Path, names: Iterable[str]) -> None:
+    """Refuse to replace ``folder`` with a set of files ``names`` (:class:`OutputSet` with that
+    folder) unless it is absent or a folder holding only those names (regular files), in an
+    existing folder or one that could be made; nothing is written. Whatever else it held would
+    be lost with the old folder, so anything else there is refused, naming it."""
+    names = list(names)
+    real = _replaceable_folder(Path(folder))
+    for name in names:
+        check_output_path(real / name, parents=True)
+    try:
+        entries = sorted(os.listdir(real))
+    except FileNotFoundError:
+        return
+    foreign = [e for e in entries if not _ours(e, names)]
+    if foreign:
+        raise OutputPathError(
+            f"{folder} holds {foreign[0]}"
+            + (f" and {len(foreign) - 1} more" if len(foreign) > 1 else "")
+            + f", not one of the files written there ({', '.join(names)}); the folder is replaced "
+            "as a whole, so give them a folder of their own (or move what else it holds)"
+        )
+
+
+class _FolderSet:
+    """The files of one folder, written into a temporary sibling folder and committed by one
+    rename of it: an atomic exchange with the old folder, which then goes."""
+
+    def __init__(self, folder: Path, parents: bool) -> None:
+        self.folder = folder
+        self.real = _replaceable_folder(folder)
+        self.parents = parents
+        self.files: list[_Staged] = []
+        self.tmp: Path | None = None
+        self.old: Path | None = None
+
+    def holds(self, target: Path) -> bool:
+        """Whether ``target`` lies in the folder; one in a subfolder of it is refused."""
+        real_target = Path(os.path.realpath(target.parent)) / target.name
+        if real_target.parent == self.real:
+            return True
+        if self.real in real_target.parents:
+            raise OutputPathError(
+                f"{target}: inside a subfolder of {self.folder}, which is replaced as a whole; "
+                "name a file directly in it, or one outside it"
+            )
+        return False
+
+    def stage(self, target: Path) -> _Staged:
+        old_file = check_output_path(self.real / target.name, parents=True)
+        if self.tmp is None:
+            if self.parents:
+                _make_parents(self.real)
+            elif not self.real.parent.is_dir():
+                raise OutputPathError(f"{self.folder}: folder {self.real.parent} does not exist")
+            sweep_stale(self.real)
+            token = secrets.token_hex(4)
+            tmp = _temp_name(self.real, token, "tmp")
+            try:
+                os.mkdir(tmp)  # the umask applies, as to any new folder
+            except OSError as exc:
+                raise OutputPathError(
+                    f"{self.folder}: cannot create a folder in {self.real.parent} ({exc.strerror or exc})"
+                ) from None
+            self.tmp, self.old = tmp, _temp_name(self.real, token, "old")
+        staged = _Staged(target, self.tmp / target.name, _target_mode(old_file))
+        staged.tmp.touch(exist_ok=False)  # as a file staged alone, it exists (empty) until written
+        self.files.append(staged)
+        return staged
+
+    def commit(self) -> None:
+        if self.tmp is None:
+            return
+        for staged in self.files:
+            _flush(staged)
+        # Again at the end: something may have appeared there while the files were written.
+        check_output_folder_set(self.folder, [s.target.name for s in self.files])
+        _fsync_folder(self.tmp)
+        if not os.path.lexists(self.real):
+            os.rename(self.tmp, self.real)
+        else:
+            os.chmod(self.tmp, stat.S_IMODE(os.stat(self.real).st_mode))
+            if not _exchange(self.tmp, self.real):
+                # No atomic exchange here: for a moment there is no folder (never a mixed one);
+                # discard() or the next run's sweep_stale() puts the old one back if stopped then.
+                assert self.old is not None
+                os.rename(self.real, self.old)
+                os.rename(self.tmp, self.real)
+        _fsync_folder(self.real.parent)
+        self.discard()  # the temporary name now holds the old folder, if there was one
+
+    def discard(self) -> None:
+        """Remove the temporary folders (the new set before its commit, the old one after it)."""
+        if self.tmp is None or self.old is None:
+            return
+        if not os.path.lexists(self.real) and os.path.lexists(self.old):
+            os.rename(self.old, self.real)  # stopped between the two renames: the old set stays
+        _remove(self.tmp)
+        _remove(self.old)
+        self.tmp = self.old = None
+
+
 class OutputSet:
     """Files staged together: renamed into place when the ``with`` block ends without an error,
     all discarded when it raises (KeyboardInterrupt included).
 
     ``parents``: create a staged file's missing folders (the default of :meth:`stage`).
+    ``folder``: the files staged directly in it are committed together by one rename of the
+    folder, before the others (each renamed on its own); the folder then holds exactly those
+    files (:func:`check_output_folder_set` refuses one holding anything else).
     """
 
-    def __init__(self, *, parents: bool = False) -> None:
+    def __init__(self, *, parents: bool = False, folder: str | Path | None = None) -> None:
         self.parents = parents
+        self._folder = None if folder is None else _FolderSet(Path(folder), parents)
         self._staged: list[_Staged] = []
+        self._targets: set[Path] = set()
+
+    def prepare(self, targets: Iterable[str | Path | None]) -> None:
+        """Before any work: refuse ``targets`` (the files this set will stage; None skipped) that
+        cannot be written (:func:`check_output_path`; for the folder's,
+        :func:`check_output_folder_set`), and remove what killed writers of them left
+        (:func:`sweep_stale`)."""
+        inside: list[Path] = []
+        outside: list[Path] = []
+        for target in targets:
+            if target is not None:
+                target = Path(target)
+                (inside if self._folder is not None and self._folder.holds(target) else outside).append(
+                    target
+                )
+        for target in outside:
+            check_output_path(target, parents=self.parents)
+        if self._folder is not None:
+            check_output_folder_set(self._folder.folder, [t.name for t in inside])
+            sweep_stale(self._folder.real)
+        for target in outside:
+            sweep_stale(target)
 
     def stage(self, target: str | Path, *, parents: bool | None = None) -> Path:
         """A temporary path to write ``target``'s content to; it becomes ``target`` at commit."""
-        if any(s.target == Path(target) for s in self._staged):
+        target = Path(target)
+        if target in self._targets:
             raise OutputPathError(f"{target} is named twice as an output")
-        staged = _stage(target, self.parents if parents is None else parents)
-        self._staged.append(staged)
+        if self._folder is not None and self._folder.holds(target):
+            staged = self._folder.stage(target)
+        else:
+            staged = _stage(target, self.parents if parents is None else parents)
+            self._staged.append(staged)
+        self._targets.add(target)
         return staged.tmp
 
     def commit(self) -> None:
-        """Rename every staged file into place (each rename is atomic)."""
+        """Rename the folder, then every other staged file, into place (each rename is atomic)."""
         try:
+            if self._folder is not None:
+                self._folder.commit()
             while self._staged:
                 _commit(self._staged[0])
                 self._staged.pop(0)
@@ -156,6 +529,8 @@ class OutputSet:
 
     def discard(self) -> None:
         """Remove every staged file not yet committed."""
+        if self._folder is not None:
+            self._folder.discard()
         for staged in self._staged:
             _discard(staged)
         self._staged.clear()

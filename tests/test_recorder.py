@@ -273,12 +273,14 @@ def test_record_flag_follows_the_pass_without_refilling_it() -> None:
     rec.end_pass()
 
 
-@pytest.mark.parametrize("num_tokens", [-1, 2**31, 2**40])
-def test_a_pass_that_would_wrap_int32_counts_is_refused(num_tokens: int) -> None:
+@pytest.mark.parametrize("num_tokens", [-1, 2**31, 2**40, 1.5, 2.0, True, "8"])
+def test_a_pass_that_would_wrap_int32_counts_or_is_not_whole_is_refused(num_tokens: object) -> None:
     _, _, rec = _setup(window=3)
     rec.start()
     with pytest.raises(ValueError, match="num_tokens"):
-        rec.begin_pass(has_prefill=True, num_tokens=num_tokens)
+        rec.begin_pass(has_prefill=True, num_tokens=num_tokens)  # type: ignore[arg-type]
+    rec.begin_pass(has_prefill=True, num_tokens=np.int64(7))  # numpy integers are whole
+    rec.end_pass()
 
 
 @pytest.mark.parametrize("mode", ["stat", "per_pass"])

@@ -1,7 +1,10 @@
-"""Options and helpers shared by subcommands: seeds, progress bars, optional extras, JSON output.
+"""Options and helpers shared by subcommands: seeds, progress bars, optional extras, JSON output,
+signals.
 
 Every file a command writes goes through eplb.fileio (atomic, regular files only); commands that
-write several files stage them in one ``OutputSet`` so a failure leaves none of them.
+write several files stage them in one ``OutputSet`` so a failure leaves none of them. A command
+that must clean up when stopped runs under :func:`run_until_signalled`: SIGTERM then unwinds it as
+Ctrl-C does, and it ends with one line and exit status 143 (Ctrl-C: 130).
 """
 
 from __future__ import annotations
@@ -9,15 +12,76 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, TypeVar
 
 from eplb.fileio import OutputSet, check_output_path, write_text
 
 T = TypeVar("T")
+
+INTERRUPTED_EXIT = 130
+"""Exit status after Ctrl-C (SIGINT): 128 + 2, as a shell reports it."""
+TERMINATED_EXIT = 143
+"""Exit status after SIGTERM: 128 + 15."""
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised in the main thread as Ctrl-C's KeyboardInterrupt is, so ``finally`` blocks
+    and ``with`` exits (staged outputs discarded, rank processes ended) run before the command
+    ends; SIGTERM's default action ends the process at once, leaving all of that undone."""
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While the block runs, SIGTERM raises :class:`Terminated` in the main thread (only the main
+    thread may set a handler; elsewhere nothing changes). The previous handler comes back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum: int, frame: object) -> None:
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_until_signalled(command: str, body: Callable[[], int], *, hard_exit: bool = False) -> int:
+    """``body()``, with SIGTERM unwinding it (:func:`sigterm_raises`): then one line on stderr and
+    :data:`TERMINATED_EXIT`. Ctrl-C's KeyboardInterrupt goes on to eplb.cli (one line, 130).
+
+    ``hard_exit``: after either signal, print the line and end the process with ``os._exit``
+    (130 or 143) instead of returning: for a command whose threads may still be inside native
+    code (a rank's collective) that interpreter shutdown could abort in C++.
+    """
+    try:
+        with sigterm_raises():
+            return body()
+    except Terminated:
+        code, word = TERMINATED_EXIT, "terminated"
+    except KeyboardInterrupt:
+        if not hard_exit:
+            raise
+        code, word = INTERRUPTED_EXIT, "interrupted"
+    print(f"eplb {command}: {word}", file=sys.stderr, flush=True)
+    if hard_exit:
+        # What interpreter shutdown would release and os._exit skips: multiprocessing's named
+        # semaphores (its resource tracker would warn of each leaked one, on our stderr).
+        mp_util = sys.modules.get("multiprocessing.util")
+        with suppress(Exception):
+            mp_util._run_finalizers(0)  # type: ignore[union-attr]
+        sys.stdout.flush()
+        os._exit(code)
+    return code
 
 
 def add_seed(parser: argparse.ArgumentParser, default: int = 0) -> None:

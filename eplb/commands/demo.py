@@ -8,6 +8,11 @@ eplb's own manager, so ``--eplb-rebalance-mode`` defaults to ``DEMO_MODE`` (``pe
 schedule, at a demo-sized interval unless one is given).
 
 ``run_demo(config, sink=...)`` is the entry point for callers with their own metrics sink.
+
+With one rank (``--nproc 1``) there is nothing to balance: every rebalance is skipped, saying so
+(eplb.policy.decision.ONE_GPU), and the run goes to its end. Ctrl-C or SIGTERM ends the demo and
+every rank process within a second or two: one line, exit status 130 or 143
+(eplb.commands.common.run_until_signalled, eplb.moe.spawn).
 """
 
 from __future__ import annotations
@@ -19,7 +24,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from eplb.commands.common import add_json_out, add_seed, check_outputs, emit, json_to_stdout
+from eplb.commands.common import (
+    add_json_out,
+    add_seed,
+    check_outputs,
+    emit,
+    json_to_stdout,
+    run_until_signalled,
+)
 from eplb.config import EplbConfig, add_cli_args, config_from_args
 from eplb.metrics.sink import MetricsSink
 
@@ -102,6 +114,9 @@ def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
     args.ep_size = args.nproc
     if args.ep_num_redundant_experts is None:
         args.ep_num_redundant_experts = args.nproc
+    # EplbConfig refuses --enable-eplb on one rank (nothing to balance). The manager rebalances
+    # whatever the flag says, and on one rank each rebalance is skipped, saying why
+    # (eplb.policy.decision.ONE_GPU, from eplb.solver.solve).
     args.enable_eplb = args.enable_eplb and args.nproc > 1
     if args.eplb_rebalance_num_iterations is None and args.eplb_rebalance_mode == "periodic":
         args.eplb_rebalance_num_iterations = DEMO_PERIODIC_INTERVAL
@@ -122,6 +137,12 @@ def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    # A hard exit after a signal: rank 0's thread may still be inside a collective of the group
+    # whose other ranks were just killed, and interpreter shutdown with it there can abort in C++.
+    return run_until_signalled("demo", lambda: _demo(args), hard_exit=True)
+
+
+def _demo(args: argparse.Namespace) -> int:
     from eplb.metrics.exporter import sink_for_rank
 
     config = config_from_namespace(args)
@@ -240,7 +261,7 @@ def demo_rank(
     model.recorder = manager.recorder
     say = out if (rank == 0 and out is not None) else (lambda line: None)
     say(
-        f"eplb demo: {G} ranks on {ctx.device.type}, model {preset} (L={model_cfg.num_layers}, "
+        f"eplb demo: {G} rank{'s' if G > 1 else ''} on {ctx.device.type}, model {preset} (L={model_cfg.num_layers}, "
         f"E={model_cfg.num_experts}, top-{model_cfg.top_k}, P={placement.num_physical}), "
         f"{_schedule(config.eplb)}"
     )

@@ -7,6 +7,13 @@ weights with ``--ep-dispatch-algorithm weighted``), ``DIR/init_expert_location.j
 the launch flags per engine (docs/integrations.md). For SGLang there are two: rebalance online with
 eplb's solver through eplb's plugin, or EPLB off with the placement fixed; never ``--enable-eplb``
 with SGLang's own planner, which would replace the placement with its own at the first rebalance.
+
+DIR is written all or nothing (eplb.fileio.OutputSet with a folder): the files (and ``--json``
+when it names a file in DIR) go into a temporary folder beside DIR, which then takes DIR's place
+in one rename, so DIR holds the whole old set or the whole new set whenever the command is
+stopped. DIR must hold nothing else (it is refused before any work). Ctrl-C and SIGTERM remove
+the temporary folder; one that a ``kill -9`` left is removed at the start of the next run. A
+``--json`` elsewhere is written, on its own, just after DIR.
 """
 
 from __future__ import annotations
@@ -19,8 +26,8 @@ from eplb.commands.common import (
     add_json_out,
     add_progress,
     add_seed,
-    check_outputs,
     json_to_stdout,
+    run_until_signalled,
     write_json,
 )
 
@@ -68,28 +75,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    return run_until_signalled("solve", lambda: _solve(args))
+
+
+def _solve(args: argparse.Namespace) -> int:
     import numpy as np
 
     from eplb.fileio import OutputSet
-    from eplb.integrations import sglang as sglang_plugin
     from eplb.integrations import trtllm
-    from eplb.integrations import vllm as vllm_plugin
-    from eplb.placement.diff import diff_placements
-    from eplb.placement.io import save_placement
     from eplb.placement.model import Placement
-    from eplb.policy import dispatch_mode
     from eplb.simulate.options import initial_placement, load_input, simulation_config
     from eplb.simulate.planners import PastView
-    from eplb.solver.planner import SolverPlanner
-    from eplb.solver.scoring.served import served_balancedness
-    from eplb.solver.types import SolveOptions
 
     out_dir: Path = args.out
-    if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {out_dir} is not a folder")
-    # Every file goes into one OutputSet: checked before any work, written together or not at all.
+    # One folder set, checked before any work; what a killed run left is swept now.
+    staged = OutputSet(parents=True, folder=out_dir)
     files = (PLACEMENT_FILE, SGLANG_FILE, trtllm.LOAD_BALANCER_FILE, trtllm.OPTIONS_FILE)
-    check_outputs(*(out_dir / name for name in files), args.json_out)
+    report = None if json_to_stdout(args.json_out) else args.json_out
+    staged.prepare([*(out_dir / name for name in files), report])
     trace = load_input(args, quiet=args.disable_tqdm)
     # The window is the whole trace unless --expert-distribution-recorder-buffer-size says less.
     recorded_F = trace.is_prefill_F if args.eplb_record_prefill_only else np.ones(trace.num_steps, dtype=bool)
@@ -102,6 +105,17 @@ def run(args: argparse.Namespace) -> int:
     window_WLE = past.window(window)
     if window_WLE.shape[0] == 0:
         raise ValueError("the trace has no recorded steps to plan from")
+
+    # The solver stack (SciPy) is imported once the inputs are known good, so a bad one fails fast.
+    from eplb.integrations import sglang as sglang_plugin
+    from eplb.integrations import vllm as vllm_plugin
+    from eplb.placement.diff import diff_placements
+    from eplb.placement.io import save_placement
+    from eplb.policy import dispatch_mode
+    from eplb.solver.planner import SolverPlanner
+    from eplb.solver.scoring.served import served_balancedness
+    from eplb.solver.types import SolveOptions
+
     flags = config.eplb
     start = current or Placement.trivial(
         trace.num_layers, trace.num_experts, flags.ep_size, flags.ep_num_redundant_experts, flags.nnodes
@@ -124,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     bytes_known = args.bytes_per_expert is not None or "bytes_per_expert" in trace.meta
     moves = diff_placements(start, placement, config.bytes_per_expert if bytes_known else 0)
     notes = [n for n in (trace.prefill_note(),) if n and args.eplb_record_prefill_only]
-    with OutputSet(parents=True) as staged:
+    with staged:
         own = save_placement(
             out_dir / PLACEMENT_FILE, placement, proposal.dispatch_weights_LER, meta, outputs=staged
         )

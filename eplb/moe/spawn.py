@@ -12,6 +12,13 @@ The rendezvous store is hosted by the caller (as torchrun's agent hosts it), so 
 rank: fault tests let ranks in ``may_die`` end abruptly (``os._exit``) and read the store after.
 A rank leaves its process group on a deadline, so one whose group was given up (operations
 still posted) does not hang its exit.
+
+Spawned ranks ignore Ctrl-C (SIGINT; blocked from their start): a terminal sends it to every
+process of the group, and a rank that raised KeyboardInterrupt in its start-up or in a collective
+would print its traceback and leave its peers waiting. The caller gets it too, and a
+KeyboardInterrupt in the caller (SIGTERM turned into one included, eplb.commands.common) kills
+every spawned rank at once and re-raises, without waiting for rank 0's thread, which is left to
+fail in its collective.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
 import threading
 import time
@@ -108,6 +116,7 @@ def _child(
     args: Sequence[Any],
     results: Any,
 ) -> None:
+    _ignore_sigint()
     try:
         ctx = init_rank(rank, world_size, port, backend, timeout_s)
         try:
@@ -179,20 +188,29 @@ def run_ranks(
         for rank in range(first_child, world_size)
     ]
     deadline = time.monotonic() + timeout_s
-    for p in procs:
-        p.start()
     out: dict[int, Any] = {}
     rank0: threading.Thread | None = None
-    if rank0_in_process:
-        # Rank 0 runs on a thread, so this thread keeps watching the children: a child that dies
-        # at start-up must not leave rank 0 waiting in the rendezvous until the timeout.
-        rank0 = threading.Thread(
-            target=_rank0_thread,
-            args=(fn, world_size, port, backend, timeout_s, tuple(args), dict(rank0_kwargs or {}), results),
-            daemon=True,
-        )
-        rank0.start()
+    interrupted = False
     try:
+        _start_holding_signals(procs)
+        if rank0_in_process:
+            # Rank 0 runs on a thread, so this thread keeps watching the children: a child that dies
+            # at start-up must not leave rank 0 waiting in the rendezvous until the timeout.
+            rank0 = threading.Thread(
+                target=_rank0_thread,
+                args=(
+                    fn,
+                    world_size,
+                    port,
+                    backend,
+                    timeout_s,
+                    tuple(args),
+                    dict(rank0_kwargs or {}),
+                    results,
+                ),
+                daemon=True,
+            )
+            rank0.start()
         while len(out) < world_size:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -212,17 +230,56 @@ def run_ranks(
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = value
+    except KeyboardInterrupt:
+        interrupted = True  # the caller is being stopped: end the ranks now, wait for nothing
+        raise
     finally:
-        if rank0 is not None:
+        if rank0 is not None and not interrupted:
             # Give rank 0 a moment to leave its process group, so this process can start another.
             rank0.join(timeout=max(0.0, min(10.0, deadline - time.monotonic())))
         for p in procs:
-            p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+            if p.pid is not None and not interrupted:
+                p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
         for p in procs:
-            if p.is_alive():
+            if p.pid is not None and p.is_alive():
                 p.kill()
                 p.join(timeout=5.0)
     return [out[r] for r in range(world_size)]
+
+
+def _start_holding_signals(procs: Sequence[Any]) -> None:
+    """Start ``procs``, holding SIGINT and SIGTERM until all have started: a process whose start
+    is cut short reads a truncated pipe and prints a traceback. The held signals take effect right
+    after (their handlers, or SIGTERM's default action, run then). SIGINT is also blocked in this
+    thread meanwhile: a spawned process inherits the mask through its exec, so Ctrl-C cannot
+    raise KeyboardInterrupt in its start-up, and :func:`_child` then ignores it for good."""
+    if threading.current_thread() is not threading.main_thread():
+        for p in procs:
+            p.start()
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: object) -> None:
+        held.append(signum)
+
+    previous = {signum: signal.signal(signum, hold) for signum in (signal.SIGINT, signal.SIGTERM)}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+        for caught in dict.fromkeys(held):
+            signal.raise_signal(caught)
+
+
+def _ignore_sigint() -> None:
+    """In a spawned rank: ignore SIGINT (the caller ends the ranks), then take back the signal
+    mask it was started with; a Ctrl-C held until now is dropped."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
 def is_distributed() -> bool:

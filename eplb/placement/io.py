@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from eplb.fileio import OutputSet, atomic_path
-from eplb.placement.model import Placement
+from eplb.fileio import OutputSet, atomic_path, read_input, safetensors_header
+from eplb.placement.model import MAX_PLACEMENT_FILE_BYTES, Placement
 
 FORMAT_NAME = "eplb-placement"
 FORMAT_VERSION = "1"
@@ -62,16 +62,17 @@ def save_placement(
 
 
 def load_placement(path: str | Path) -> tuple[Placement, np.ndarray | None]:
-    """Read a file written by :func:`save_placement`: (validated placement, weights or None)."""
-    from safetensors import safe_open
+    """Read a file written by :func:`save_placement`: (validated placement, weights or None).
+
+    The file is read through eplb.fileio.read_input (a regular file of at most
+    ``MAX_PLACEMENT_FILE_BYTES``)."""
+    from safetensors.numpy import load
 
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"placement file not found: {path}")
+    data = read_input(path, limit=MAX_PLACEMENT_FILE_BYTES, what="placement file")
     try:
-        with safe_open(str(path), framework="np") as f:
-            header = dict(f.metadata() or {})
-            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no __iter__)
+        header, _ = safetensors_header(data)
+        tensors = load(data)
     except Exception as exc:  # safetensors raises its own error type for corrupt headers
         raise ValueError(f"{path}: not a readable placement file ({type(exc).__name__}: {exc})") from None
     if header.get("format") != FORMAT_NAME or header.get("version") != FORMAT_VERSION:

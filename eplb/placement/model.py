@@ -19,12 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eplb.fileio import OutputSet, write_text
+from eplb.fileio import OutputSet, json_error_text, read_input, write_text
 
 if TYPE_CHECKING:
     import torch
 
 INT32 = np.int32
+MAX_PLACEMENT_FILE_BYTES = 256 << 20
+"""Most bytes a placement file (SGLang JSON or eplb safetensors) may hold: a DeepSeek-V3 map is
+about 100 KB, so this only stops a runaway input before it is read."""
 
 
 def _as_int32(name: str, array: Any) -> np.ndarray:
@@ -220,10 +223,13 @@ class Placement:
         Only ``physical_to_logical_map`` is accepted here: a ``logical_count`` file describes load,
         not a placement, and needs a solver (``eplb solve``) to become one.
         """
-        data = _read_json_source(source)
-        if "physical_to_logical_map" not in data:
-            raise ValueError("SGLang expert-location JSON has no 'physical_to_logical_map'")
-        return cls.from_phy2log(data["physical_to_logical_map"], num_gpus, num_nodes)
+        where, data = _read_json_source(source)
+        try:
+            if "physical_to_logical_map" not in data:
+                raise ValueError("SGLang expert-location JSON has no 'physical_to_logical_map'")
+            return cls.from_phy2log(data["physical_to_logical_map"], num_gpus, num_nodes)
+        except ValueError as exc:
+            raise ValueError(f"{where}{exc}") from None
 
     # ---- conversions -----------------------------------------------------------------------
     def to_deepseek(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -308,16 +314,22 @@ def _bincount_rows(ids_LP: np.ndarray, num_bins: int) -> np.ndarray:
     return np.bincount(flat, minlength=L * num_bins).reshape(L, num_bins).astype(INT32)
 
 
-def _read_json_source(source: str | Path | dict[str, Any]) -> dict[str, Any]:
+def _read_json_source(source: str | Path | dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The JSON object ``source`` holds (a dict, JSON text, or a file read through
+    eplb.fileio.read_input), and the prefix of its error messages: the file's name, if any."""
     if isinstance(source, dict):
-        return source
-    text = str(source)
-    if not text.lstrip().startswith("{"):
-        text = Path(source).read_text()
+        return "", source
+    raw: str | bytes = str(source)
+    where = "expert-location JSON: "
+    if not str(raw).lstrip().startswith("{"):
+        raw = read_input(source, limit=MAX_PLACEMENT_FILE_BYTES, what="expert-location JSON")
+        where = f"{source}: "
     try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        raise ValueError(f"not valid JSON: {exc}") from None
+        data = json.loads(raw)
+    except RecursionError:
+        raise ValueError(f"{where}JSON nested too deeply to be a placement") from None
+    except ValueError as exc:  # JSONDecodeError, bad UTF-8, an integer past Python's digit limit
+        raise ValueError(f"{where}not valid JSON ({json_error_text(exc)})") from None
     if not isinstance(data, dict):
-        raise ValueError("expert-location JSON must be an object")
-    return data
+        raise ValueError(f"{where}expert-location JSON must be an object")
+    return where, data

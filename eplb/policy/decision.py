@@ -33,6 +33,8 @@ PERSISTENCE_PASSES = 1000
 plan starts from this one, so a move keeps serving until the load drifts away from it (on the
 drifting workloads a fitted placement still holds about half of its gain over the unbalanced one
 850 passes after its data ended, docs/solver.md)."""
+ONE_GPU = "one GPU holds every expert: every placement is perfectly balanced, there is nothing to plan"
+"""Why a one-GPU (one-rank) setup plans nothing: mean / max GPU load is 1 for any placement."""
 FALLBACK_COPY_PRICE = 0.002
 """Balancedness of its layer one expert copy must buy when the bytes of an expert are unknown
 (``bytes_per_expert`` 0, as in the engine adapters): the price the solver used before plans were
@@ -253,9 +255,20 @@ class Decider:
         """Whether the next plan is the unbudgeted first one (eplb.config.initial_full_plan_on)."""
         return self.config.initial_full_plan and not self.fitted
 
-    def screen(self, *, window_passes: int, window_load: float, window_balancedness: float) -> str | None:
+    def screen(
+        self,
+        *,
+        window_passes: int,
+        window_load: float,
+        window_balancedness: float,
+        num_gpus: int | None = None,
+    ) -> str | None:
         """Why no plan is made at this rebalance (None: plan). ``window_balancedness``: the summed
-        window under the live placement, as the server dispatches."""
+        window under the live placement, as the server dispatches. ``num_gpus``: the GPUs that
+        placement spans, where the caller knows them: with one there is nothing to balance
+        (:data:`ONE_GPU`; eplb.solver.solve says the same to a caller that plans anyway)."""
+        if num_gpus == 1:
+            return ONE_GPU
         if window_passes == 0 or window_load <= 0:
             return "the window holds no load"
         threshold = self.config.eplb_min_rebalancing_utilization_threshold

@@ -236,6 +236,8 @@ class ExpertDistributionRecorder:
         """
         if self._pass_open:
             raise RuntimeError("begin_pass called twice without end_pass")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
+            raise ValueError(f"num_tokens must be a whole number of tokens, got {num_tokens!r}")
         if not 0 <= int(num_tokens) < 2**31:
             # a slot's count of one pass is at most the pass's tokens, held in int32 on the device
             raise ValueError(f"num_tokens must lie in [0, 2**31), got {num_tokens}: int32 counts would wrap")

@@ -25,7 +25,7 @@ import numpy as np
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy.cost_model import PassTimes
-from eplb.policy.decision import copy_price, gate, value_horizon
+from eplb.policy.decision import ONE_GPU, copy_price, gate, value_horizon
 from eplb.solver.policies.protocol import PlacementRequest, Policy, load_policy
 from eplb.solver.predict import Prediction, predict
 from eplb.solver.scoring.dispatch import Dispatch
@@ -68,6 +68,21 @@ def solve(
     W, L, E = load_WLE.shape
     G = topology.num_gpus
     check_shapes(L, E, topology, current)
+    if G == 1 and current is not None:
+        # Nothing to balance: one GPU serves every token whatever the placement; keep it.
+        return Plan(
+            placement=current,
+            dispatch_weights_LER=lp_split(load_WLE.sum(axis=0), current) if options.weighted else None,
+            diff=diff_placements(current, current, options.bytes_per_expert),
+            predicted_balancedness=1.0,
+            apply=False,
+            reason=ONE_GPU,
+            stats={"solve_seconds": time.perf_counter() - start},
+        )
+    if G == 1 and options.dispatch == "static":
+        # One rank's static map is an even split's worth of balance on one GPU (always 1.0); the
+        # static packing has no second GPU to spread replicas over.
+        options = replace(options, dispatch="dynamic")
     policy = load_policy(options.algorithm)
     method = policy.prediction(options, W)
     dispatch = Dispatch(options.dispatch, topology.num_nodes)

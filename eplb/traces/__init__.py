@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from eplb.traces.checks import TraceFormatError
-from eplb.traces.openevolve import read_openevolve, write_openevolve
-from eplb.traces.sglang import read_sglang_dump, read_sglang_per_pass
+from eplb.fileio import read_input
+from eplb.traces.checks import MAX_TRACE_FILE_BYTES, TraceFormatError
+from eplb.traces.openevolve import parse_openevolve, read_openevolve, write_openevolve
+from eplb.traces.sglang import parse_sglang_dump, read_sglang_dump, read_sglang_per_pass
 from eplb.traces.trace import ProgressFn, Trace
 
 FORMATS = ("auto", "eplb", "sglang", "openevolve")
@@ -29,10 +30,9 @@ __all__ = [
 ]
 
 
-def detect_format(path: Path) -> str:
+def detect_format(data: bytes) -> str:
     """Guess a file's format from its first bytes: JSON, torch zip or pickle (SGLang), npz or safetensors."""
-    with path.open("rb") as f:
-        head = f.read(512)
+    head = data[:512]
     stripped = head.lstrip()
     if stripped.startswith(b"{"):
         return "openevolve"
@@ -50,6 +50,8 @@ def load_trace(
 ) -> Trace:
     """Read a trace from one file, or from several SGLang per_pass files (one per rank).
 
+    Every file is read through eplb.fileio.read_input: a regular file (symlinks followed) of at
+    most ``MAX_TRACE_FILE_BYTES``, so a FIFO, a device or a folder is refused before it is opened.
     ``progress(done, total)`` follows the slow readers (OpenEvolve JSON, per_pass records).
     """
     if fmt not in FORMATS:
@@ -57,19 +59,15 @@ def load_trace(
     path_list = [Path(paths)] if isinstance(paths, (str, Path)) else [Path(p) for p in paths]
     if not path_list:
         raise ValueError("no trace file given")
-    for p in path_list:
-        if not p.exists():
-            raise FileNotFoundError(f"trace file not found: {p}")
-        if not p.is_file():
-            raise ValueError(f"{p} is not a regular file")
-    kind = detect_format(path_list[0]) if fmt == "auto" else fmt
     if len(path_list) > 1:
-        if kind != "sglang":
+        if fmt not in ("auto", "sglang"):
             raise ValueError("several files are only accepted as SGLang per_pass dumps (one per rank)")
         return read_sglang_per_pass(path_list, progress=progress)
     path = path_list[0]
+    data = read_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file")
+    kind = detect_format(data) if fmt == "auto" else fmt
     if kind == "openevolve":
-        return read_openevolve(path, progress=progress)
+        return parse_openevolve(data, str(path), progress=progress)
     if kind == "sglang":
-        return read_sglang_dump(path)
-    return Trace.load(path)
+        return parse_sglang_dump(data, str(path))
+    return Trace.from_bytes(data, str(path))

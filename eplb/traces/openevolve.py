@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from eplb.fileio import OutputSet, atomic_path
-from eplb.traces.checks import TraceFormatError, check_dims, count_array
+from eplb.fileio import OutputSet, atomic_path, json_error_text, read_input
+from eplb.traces.checks import MAX_TRACE_FILE_BYTES, TraceFormatError, check_dims, count_array
 from eplb.traces.trace import ProgressFn, Trace
 
 _SPACE = re.compile(r"[ \t\n\r]*")
@@ -28,19 +28,26 @@ _SPACE = re.compile(r"[ \t\n\r]*")
 
 def read_openevolve(path: str | Path, *, progress: ProgressFn | None = None) -> Trace:
     """Read an OpenEvolve ``expert-load.json`` (``progress`` in characters decoded)."""
-    path = Path(path)
+    data = read_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file")
+    return parse_openevolve(data, str(path), progress=progress)
+
+
+def parse_openevolve(data: bytes, path: str, *, progress: ProgressFn | None = None) -> Trace:
+    """An OpenEvolve trace from a file's bytes (``path`` names it in errors)."""
     try:
-        text = path.read_bytes().decode("utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise TraceFormatError(f"{path}: not valid JSON ({exc})") from None
     rows: list[np.ndarray] = []
     try:
-        for i, (entry, end) in enumerate(_history_entries(text, str(path))):
+        for i, (entry, end) in enumerate(_history_entries(text, path)):
             rows.append(_entry_counts(entry, f"{path}: load_history[{i}]", rows[0].shape if rows else None))
             if progress is not None:
                 progress(end, len(text))
-    except json.JSONDecodeError as exc:
-        raise TraceFormatError(f"{path}: not valid JSON ({exc})") from None
+    except TraceFormatError:
+        raise
+    except ValueError as exc:  # JSONDecodeError, or an integer past Python's digit limit
+        raise TraceFormatError(f"{path}: not valid JSON ({json_error_text(exc)})") from None
     except RecursionError:
         raise TraceFormatError(f"{path}: JSON nested too deeply to be a load trace") from None
     if not rows:

@@ -18,6 +18,7 @@ tensor could claim terabytes). Expert ids must name a slot of the map (E <= P).
 
 from __future__ import annotations
 
+import io
 import pickle
 import zipfile
 from collections.abc import Sequence
@@ -26,9 +27,11 @@ from typing import Any
 
 import numpy as np
 
+from eplb.fileio import read_input
 from eplb.traces.checks import (
     MAX_LAYERS,
     MAX_SLOTS,
+    MAX_TRACE_FILE_BYTES,
     TraceFormatError,
     check_dims,
     check_zip_sizes,
@@ -39,20 +42,19 @@ from eplb.traces.checks import (
 from eplb.traces.trace import ProgressFn, Trace
 
 
-def safe_torch_load(path: str | Path) -> Any:
-    """``torch.load(weights_only=True)`` of a dump whose sizes were checked first; every failure
-    is a TraceFormatError."""
+def safe_torch_load(data: bytes, path: str) -> Any:
+    """``torch.load(weights_only=True)`` of a dump's bytes (``path`` names it) whose sizes were
+    checked first; every failure is a TraceFormatError."""
     import torch
 
-    path = Path(path)
-    if not zipfile.is_zipfile(path):
+    if not zipfile.is_zipfile(io.BytesIO(data)):
         raise TraceFormatError(
             f"{path}: not a torch.save zip file (the legacy pre-1.6 format is not read: it allocates "
             f"what it declares before reading)"
         )
-    check_zip_sizes(path, stored_only=True)
+    check_zip_sizes(data, path, stored_only=True)
     try:
-        obj = torch.load(str(path), map_location="cpu", weights_only=True)
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
         culprit = next((ln.strip() for ln in str(exc).splitlines() if "Unsupported global" in ln), "")
         raise TraceFormatError(
@@ -61,13 +63,18 @@ def safe_torch_load(path: str | Path) -> Any:
         ) from None
     except (RuntimeError, EOFError, OSError, ValueError, AttributeError, TypeError, RecursionError) as exc:
         raise TraceFormatError(f"{path}: not a readable torch dump ({type(exc).__name__}: {exc})") from None
-    declared, held = tensor_bytes(obj, str(path)), path.stat().st_size
+    declared, held = tensor_bytes(obj, path), len(data)
     if declared > held:
         raise TraceFormatError(
             f"{path}: its tensors declare {declared} bytes but the file holds {held} "
             f"(expanded or shared tensors are not dump data)"
         )
     return obj
+
+
+def _load_dump(path: str | Path) -> Any:
+    """One dump file, read through eplb.fileio.read_input, then loaded."""
+    return safe_torch_load(read_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file"), str(path))
 
 
 def _to_numpy(where: str, value: Any) -> np.ndarray:
@@ -107,7 +114,12 @@ def trace_from_sglang_object(obj: Any, source: str) -> Trace:
 
 def read_sglang_dump(path: str | Path) -> Trace:
     """One SGLang stat or per_pass dump file."""
-    return trace_from_sglang_object(safe_torch_load(path), str(path))
+    return trace_from_sglang_object(_load_dump(path), str(path))
+
+
+def parse_sglang_dump(data: bytes, path: str) -> Trace:
+    """One SGLang stat or per_pass dump from a file's bytes (``path`` names it in errors)."""
+    return trace_from_sglang_object(safe_torch_load(data, path), path)
 
 
 def read_sglang_per_pass(paths: Sequence[str | Path], *, progress: ProgressFn | None = None) -> Trace:
@@ -119,7 +131,7 @@ def read_sglang_per_pass(paths: Sequence[str | Path], *, progress: ProgressFn | 
         raise ValueError("no per_pass dump files given")
     objs = []
     for i, p in enumerate(paths):
-        objs.append(safe_torch_load(p))
+        objs.append(_load_dump(p))
         if progress is not None:
             progress(i + 1, len(paths))
     for obj, p in zip(objs, paths, strict=True):

@@ -4,13 +4,15 @@ Shape legend: F steps (forward passes), L layers, E logical experts.
 
 The own format is a safetensors file (or ``.npz``, read with ``allow_pickle=False``) holding
 ``counts`` int32 [F, L, E], ``is_prefill`` uint8 [F] and ``num_tokens`` int64 [F], plus a JSON
-metadata string. Neither reader can execute code from the file, and both check the shapes a file
-declares against the bytes it holds before reading an array (eplb.traces.checks). Writes are
+metadata string. The file is read whole through eplb.fileio.read_input (a regular file, at most
+``MAX_TRACE_FILE_BYTES``); neither parser can execute code from it, and both check the shapes it
+declares against the bytes it holds before decoding an array (eplb.traces.checks). Writes are
 atomic (eplb.fileio): a failed or interrupted save leaves no partial file.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import zipfile
 from collections.abc import Callable, Mapping
@@ -20,8 +22,15 @@ from typing import IO, Any
 
 import numpy as np
 
-from eplb.fileio import OutputSet, atomic_path
-from eplb.traces.checks import TraceFormatError, check_dims, check_zip_sizes, count_array, npy_header
+from eplb.fileio import OutputSet, atomic_path, read_input, safetensors_header
+from eplb.traces.checks import (
+    MAX_TRACE_FILE_BYTES,
+    TraceFormatError,
+    check_dims,
+    check_zip_sizes,
+    count_array,
+    npy_header,
+)
 
 FORMAT_NAME = "eplb-trace"
 FORMAT_VERSION = "1"
@@ -109,7 +118,8 @@ class Trace:
             )
             tokens = routed // max(top_k, 1)
         else:
-            tokens = np.asarray(num_tokens, dtype=np.int64).reshape(F)
+            # Checked as counts are (whole, non-negative, int32): 1.5 tokens is an error, not 1.
+            tokens = count_array(np.asarray(num_tokens), "num_tokens").reshape(F)
         return cls(counts_FLE, prefill, tokens.astype(np.int64), meta)
 
     @property
@@ -201,9 +211,13 @@ class Trace:
     @classmethod
     def load(cls, path: str | Path) -> Trace:
         """Read the own format (safetensors or npz); corrupt or foreign files raise TraceFormatError."""
-        path = Path(path)
+        return cls.from_bytes(read_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file"), str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, path: str) -> Trace:
+        """The own format from a file's bytes (``path`` names it in errors)."""
         try:
-            header, arrays = _read_npz(path) if _is_zip(path) else _read_safetensors(path)
+            header, arrays = _read_npz(data, path) if _is_zip(data) else _read_safetensors(data, path)
         except TraceFormatError:
             raise
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
@@ -214,7 +228,7 @@ class Trace:
             ) from None
         try:
             meta = json.loads(header.get("meta", "{}"))
-        except (json.JSONDecodeError, RecursionError) as exc:
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError; an integer past the digit limit
             raise TraceFormatError(f"{path}: the metadata is not valid JSON ({type(exc).__name__})") from None
         if not isinstance(meta, dict):
             raise TraceFormatError(f"{path}: the metadata must be a JSON object")
@@ -229,14 +243,14 @@ class Trace:
             raise TraceFormatError(f"{path}: inconsistent eplb trace ({exc})") from None
 
 
-def _check_header(path: Path, header: Mapping[str, str]) -> None:
+def _check_header(path: str, header: Mapping[str, str]) -> None:
     if header.get("format") != FORMAT_NAME:
         raise TraceFormatError(f"{path}: not an eplb trace (format tag {header.get('format')!r})")
     if header.get("version") != FORMAT_VERSION:
         raise TraceFormatError(f"{path}: eplb trace version {header.get('version')!r} is not supported")
 
 
-def _check_shapes(path: Path, shapes: Mapping[str, Any]) -> None:
+def _check_shapes(path: str, shapes: Mapping[str, Any]) -> None:
     """The declared array shapes, before any array is read."""
     missing = set(ARRAY_KEYS) - shapes.keys()
     if missing:
@@ -244,32 +258,31 @@ def _check_shapes(path: Path, shapes: Mapping[str, Any]) -> None:
     counts = list(shapes["counts"])
     if len(counts) != 3:
         raise TraceFormatError(f"{path}: counts must be [F, L, E], got shape {counts}")
-    check_dims(counts[1], counts[2], str(path))
+    check_dims(counts[1], counts[2], path)
     for key in ("is_prefill", "num_tokens"):
         if list(shapes[key]) != counts[:1]:
             raise TraceFormatError(f"{path}: {key} must be [{counts[0]}], got shape {list(shapes[key])}")
 
 
-def _read_safetensors(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
-    from safetensors import safe_open
+def _read_safetensors(data: bytes, path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    from safetensors.numpy import load
 
-    with safe_open(str(path), framework="np") as f:
-        header = dict(f.metadata() or {})
-        _check_header(path, header)
-        names = set(f.keys())
-        _check_shapes(path, {k: f.get_slice(k).get_shape() for k in ARRAY_KEYS if k in names})
-        return header, {k: f.get_tensor(k) for k in ARRAY_KEYS}
+    header, shapes = safetensors_header(data)
+    _check_header(path, header)
+    _check_shapes(path, {k: shapes[k] for k in ARRAY_KEYS if k in shapes})
+    tensors = load(data)
+    return header, {k: tensors[k] for k in ARRAY_KEYS}
 
 
-def _read_npz(path: Path) -> tuple[dict[str, str], dict[str, np.ndarray]]:
-    infos = check_zip_sizes(path, stored_only=False)
-    with zipfile.ZipFile(path) as zf:
+def _read_npz(data: bytes, path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    infos = check_zip_sizes(data, path, stored_only=False)
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
         declared = {
             key: npy_header(zf, infos[f"{key}.npy"], f"{path}: {key}")
             for key in (*HEADER_KEYS, *ARRAY_KEYS)
             if f"{key}.npy" in infos
         }
-    with np.load(path, allow_pickle=False) as z:
+    with np.load(io.BytesIO(data), allow_pickle=False) as z:
         header = {k: str(z[k]) for k in HEADER_KEYS if k in declared and declared[k][1].kind == "U"}
         _check_header(path, header)
         _check_shapes(path, {k: shape for k, (shape, _) in declared.items()})
@@ -305,6 +318,5 @@ class _Counting:
         return written
 
 
-def _is_zip(path: Path) -> bool:
-    with path.open("rb") as f:
-        return f.read(4) == b"PK\x03\x04"
+def _is_zip(data: bytes) -> bool:
+    return data[:4] == b"PK\x03\x04"
