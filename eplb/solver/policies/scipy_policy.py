@@ -93,33 +93,31 @@ def scipy_phy2log(
     else:
         price = options.copy_cost or 0.0
 
-        def value_L(phy2log_LP: np.ndarray) -> np.ndarray:
-            held_LGE = holds_per_gpu(phy2log_LP, G, current.num_logical)
-            score_L = layer_scores(phy2log_LP, scenarios_ZLE, weights_Z, G, dispatch)
-            return score_L - price * arrivals_L(held_LGE, origin_LGE)
+        def copies_L(phy2log_LP: np.ndarray) -> np.ndarray:
+            return arrivals_L(holds_per_gpu(phy2log_LP, G, current.num_logical), origin_LGE)
 
         base_LP = budgeted_phy2log(scenarios_ZLE, weights_Z, current, budget, stats, dispatch)
-        value_base_L = value_L(base_LP)
+        base_copies_L = copies_L(base_LP)
+        value_base_L = layer_scores(base_LP, scenarios_ZLE, weights_Z, G, dispatch) - price * base_copies_L
         # The same search from the current placement retargeted to the fresh plan's replica
         # counts: one move at a time, the search stops where no single swap or replica change
         # pays, short of the large count changes an unfitted or drifted placement needs.
         fresh_cnt_LE = holds_per_gpu(fresh_LP, G, current.num_logical).sum(axis=1)
         start_LP = retarget_replicas(current.phy2log_LP, fresh_cnt_LE, prediction.point_LE, G)
         warm_LP = budgeted_phy2log(scenarios_ZLE, weights_Z, current, budget, {}, dispatch, start_LP)
-        value_warm_L = value_L(warm_LP)
+        warm_copies_L = copies_L(warm_LP)
+        value_warm_L = layer_scores(warm_LP, scenarios_ZLE, weights_Z, G, dispatch) - price * warm_copies_L
         # Its extra copies pay at least the noise price of the shortest horizon: a fit to the
         # window's counts that only a long horizon's low price accepts chased domains that the
         # horizon leaves (bench_periodic at interval 1000 with a shift every ~250 passes: 0.563
         # prefill balancedness unpriced, 0.595 priced, 0.607 without this start).
-        extra_L = arrivals_L(holds_per_gpu(warm_LP, G, current.num_logical), origin_LGE) - arrivals_L(
-            holds_per_gpu(base_LP, G, current.num_logical), origin_LGE
-        )
         surcharge = max(options.noise_price_passes / WARM_PRICE_HORIZON - price, 0.0)
-        take_warm_L = value_warm_L - surcharge * np.maximum(extra_L, 0) > value_base_L + 1e-12
+        extra_L = np.maximum(warm_copies_L - base_copies_L, 0)
+        take_warm_L = value_warm_L - surcharge * extra_L > value_base_L + 1e-12
         stats["warm_layers"] = float(take_warm_L.sum())
         base_LP = np.where(take_warm_L[:, None], warm_LP, base_LP)
         value_base_L = np.where(take_warm_L, value_warm_L, value_base_L)
-        value_fresh_L -= price * arrivals_L(holds_per_gpu(fresh_LP, G, current.num_logical), origin_LGE)
+        value_fresh_L -= price * copies_L(fresh_LP)
     take_fresh_L = value_fresh_L > value_base_L + 1e-12
     stats["fresh_layers"] = float(take_fresh_L.sum())
     return np.where(take_fresh_L[:, None], fresh_LP, base_LP)
