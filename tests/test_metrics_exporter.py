@@ -19,6 +19,7 @@ from eplb.metrics import names
 from eplb.metrics.exporter import CONTENT_TYPE, MetricsExporter, accepts_gzip, sink_for_rank
 from eplb.metrics.prometheus import PrometheusSink
 from eplb.metrics.sink import NullSink
+from tests.helpers.polling import wait_until
 
 
 def get(url: str) -> tuple[int, str, bytes]:
@@ -39,15 +40,6 @@ def passes(body: bytes, kind: str, recorded: str) -> float | None:
             ):
                 return float(s.value)
     return None
-
-
-def wait_until(condition: object, timeout_s: float = 5.0) -> float:
-    """Seconds until ``condition()`` held; fails after ``timeout_s``."""
-    start = time.monotonic()
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() - start < timeout_s, "condition never held"
-        time.sleep(0.01)
-    return time.monotonic() - start
 
 
 def test_serves_metrics_on_loopback() -> None:

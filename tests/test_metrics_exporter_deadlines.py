@@ -8,6 +8,7 @@ down but does not fail them; a client timeout is the failure they look for.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import itertools
 import select
@@ -25,17 +26,10 @@ from eplb.metrics.exporter import (
     MetricsExporter,
 )
 from eplb.metrics.prometheus import PrometheusSink
+from tests.helpers import polling
 
 CLIENT_TIMEOUT_S = 10.0  # what "hanging" means here: far above every server bound under test
-
-
-def wait_until(condition: object, timeout_s: float = 10.0) -> float:
-    """Seconds until ``condition()`` held; fails after ``timeout_s``."""
-    start = time.monotonic()
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() - start < timeout_s, "condition never held"
-        time.sleep(0.01)
-    return time.monotonic() - start
+wait_until = functools.partial(polling.wait_until, timeout_s=CLIENT_TIMEOUT_S)
 
 
 def scrape(port: int) -> int:
