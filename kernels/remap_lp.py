@@ -12,7 +12,9 @@ both, so "earlier programs" means "earlier ids":
    through the static map to the slot counts (their slot is known without the exchange).
 2. The exchange all-gathers ``local_E`` into int32 [G, E] (eplb.remap.lp.LpExchange).
 3. ``_lp_assign_kernel``: every program derives the same per-replica quotas from the gathered
-   counts (even split, then re-fill passes, eplb.remap.lp_rule), per expert and GPU, and writes
+   counts (even split, then re-fill passes colour by colour, eplb.remap.lp_rule: a colour's
+   experts share no GPU, so one round re-fills all of them over the GPU axis), per expert and
+   GPU, and writes
    their running starts to a shared int32 [X, G] scratch (identical values from every program),
    then maps each id: one
    replica through the static map; a replicated expert by its global position (earlier ranks'
@@ -98,18 +100,22 @@ def _lp_count_kernel(  # type: ignore[no-untyped-def]  # Triton types kernel arg
 
 
 @triton.jit
-def _water_fill(amount, levels, valid):  # type: ignore[no-untyped-def]
-    # The rule's water-filling in pairwise form (as eplb.remap.lp.water_fill_torch).
-    inc = valid[:, None] & (levels[:, None] <= levels[None, :])
+def _water_fill_colour(owner_G, amount_G, levels_G, g_):  # type: ignore[no-untyped-def]
+    # The rule's water-filling of one colour's experts at once, in GPU order: GPU g belongs to
+    # expert owner_G[g] (-1: none), and each expert fills the GPUs it owns (pairwise form, as
+    # eplb.remap.lp.water_fill_torch, within the GPUs of one owner).
+    held_G = owner_G >= 0
+    same = held_G[:, None] & (owner_G[:, None] == owner_G[None, :])
+    inc = same & (levels_G[:, None] <= levels_G[None, :])
     n_inc = tl.sum(inc.to(tl.int32), axis=0)
-    s_inc = tl.sum(tl.where(inc, levels[:, None], 0), axis=0)
-    cand = (amount + s_inc) // tl.maximum(n_inc, 1)
-    feasible = valid & (cand >= levels)
-    level = tl.min(tl.where(feasible, cand, 2147483647), axis=0)
-    quota = tl.where(valid, tl.maximum(level - levels, 0), 0)
-    rest = amount - tl.sum(quota, axis=0)
-    eligible = valid & (levels <= level)
-    first = tl.cumsum(eligible.to(tl.int32), axis=0) <= rest
+    s_inc = tl.sum(tl.where(inc, levels_G[:, None], 0), axis=0)
+    cand = (amount_G + s_inc) // tl.maximum(n_inc, 1)
+    feasible = held_G & (cand >= levels_G)
+    level = tl.min(tl.where(same & feasible[:, None], cand[:, None], 2147483647), axis=0)
+    quota = tl.where(held_G, tl.maximum(level - levels_G, 0), 0)
+    rest = amount_G - tl.sum(tl.where(same, quota[:, None], 0), axis=0)
+    eligible = held_G & (levels_G <= level)
+    first = tl.sum((same & eligible[:, None] & (g_[:, None] <= g_[None, :])).to(tl.int32), axis=0) <= rest
     return quota + (eligible & first).to(tl.int32)
 
 
@@ -133,6 +139,8 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
     index_ptr,
     expert_ptr,
     slot_ptr,
+    colors_ptr,
+    cover_ptr,
     gathered_ptr,
     hist_ptr,
     start_ptr,
@@ -216,20 +224,18 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
     nth_XG = tl.cumsum(held_XG.to(tl.int32), axis=1) - 1  # the GPU's place among the expert's
     quota_XG = tl.where(held_XG, even_X[:, None] + (nth_XG < (amount_X - even_X * width_X)[:, None]), 0)
     loads_G += tl.sum(quota_XG, axis=0)
-    heavier = (amount_X[None, :] > amount_X[:, None]) | (
-        (amount_X[None, :] == amount_X[:, None]) & (n_[None, :] < n_[:, None])
-    )
-    order_X = tl.sum((has_X[None, :] & heavier).to(tl.int32), axis=1)
-    num_rep = tl.sum(has_X.to(tl.int32), axis=0)
+    # Re-fill passes, colour by colour: one colour's experts share no GPU, so the colour re-fills
+    # at once over the GPUs, each GPU's owner (cover row) water-filling the GPUs it holds.
+    num_colors = tl.load(colors_ptr + layer)
     for _ in tl.static_range(PASSES):
-        for i in range(num_rep):
-            pick_X = has_X & (order_X == i)
-            amount = tl.sum(tl.where(pick_X, amount_X, 0), axis=0)
-            held_G = tl.sum(tl.where(pick_X[:, None], held_XG.to(tl.int32), 0), axis=0) > 0
-            loads_G -= tl.sum(tl.where(pick_X[:, None], quota_XG, 0), axis=0)
-            new_G = _water_fill(amount, loads_G, held_G)
-            loads_G += new_G
-            quota_XG = tl.where(pick_X[:, None], new_G[None, :], quota_XG)
+        for c in range(num_colors):
+            owner_G = tl.load(cover_ptr + (layer * X + c) * num_gpus + g_, mask=in_g, other=-1)
+            mine_XG = n_[:, None] == owner_G[None, :]
+            amount_G = tl.sum(tl.where(mine_XG, amount_X[:, None], 0), axis=0)
+            levels_G = loads_G - tl.sum(tl.where(mine_XG, quota_XG, 0), axis=0)
+            new_G = _water_fill_colour(owner_G, amount_G, levels_G, g_)
+            loads_G = tl.where(owner_G >= 0, levels_G + new_G, loads_G)
+            quota_XG = tl.where(mine_XG, new_G[None, :], quota_XG)
     # Running starts over the GPUs: non-decreasing, so "the last GPU starting at or before a
     # position" is the one whose quota holds it (a GPU with no quota never is: the next starts
     # where it does). Past the last GPU: unreachable.

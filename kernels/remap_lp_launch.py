@@ -41,7 +41,9 @@ def remap_record_lp_triton(call: RemapCall) -> None:
     """Run ``lp`` dispatch of one call (validated by eplb.remap.api.remap_and_record, ``T * K > 0``)."""
     ids_TK, out_TK, tables, lp = call.topk_ids_TK, call.out_TK, call.tables, call.lp
     assert lp is not None and tables.lp_expert_LX is not None and tables.lp_slot_LXG is not None
-    assert tables.lp_index_LE is not None
+    assert (
+        tables.lp_index_LE is not None and tables.lp_colors_L is not None and tables.lp_cover_LXG is not None
+    )
     numel = ids_TK.numel()
     if numel >= MAX_NUMEL:
         raise ValueError(f"topk_ids has {numel} elements; the kernel indexes with int32 (< 2**31)")
@@ -81,6 +83,8 @@ def remap_record_lp_triton(call: RemapCall) -> None:
             tables.lp_index_LE,
             tables.lp_expert_LX,
             tables.lp_slot_LXG,
+            tables.lp_colors_L,
+            tables.lp_cover_LXG,
             lp.gathered_GE,
             hist_CE,
             starts_XG,

@@ -16,7 +16,7 @@ from eplb.placement.model import Placement
 from eplb.remap.api import remap_and_record
 from eplb.remap.exchange import LpExchange
 from eplb.remap.lp import lp_quotas_torch
-from eplb.remap.lp_rule import lp_quotas, lp_tables
+from eplb.remap.lp_rule import LP_FILL_WIDTH, lp_quotas, lp_tables
 from eplb.remap.tables import DispatchTables
 from tests.helpers.devices import KERNEL_DEVICE as DEVICE
 from tests.helpers.devices import on_kernel_device
@@ -163,6 +163,35 @@ def test_one_expert_taking_everything_is_spread_over_its_gpus() -> None:
         # 24000 tokens, no other load: 6000 per GPU, on each GPU's first copy of expert 3.
         assert total.tolist() == [0, 6000, 0, 6000, 0, 0, 0, 6000, 0, 0, 0, 6000]
         assert results[2][0].shape == (0, 8)
+
+
+@on_kernel_device
+def test_an_expert_wider_than_the_fill_width_keeps_the_even_split() -> None:
+    # 12 GPUs of 2 slots: expert 0 on GPUs 0-9 (wider than LP_FILL_WIDTH), experts 1-3 on two each.
+    p2l = np.array([[0, 1 + g] for g in range(10)] + [[11, 1], [2, 3]], dtype=np.int32).reshape(1, 24)
+    pl = Placement.from_phy2log(np.repeat(p2l, 2, axis=0), num_gpus=12)
+    tables = lp_tables(pl)
+    assert LP_FILL_WIDTH < 10 and tables.color_LX[1, 0] == -1 and (tables.color_LX[1, 1:4] >= 0).all()
+    rng = np.random.default_rng(3)
+    counts = rng.integers(0, 500, size=12)
+    counts[0] = 1003
+    quota_LnXD, _ = lp_quotas(np.stack([counts[None]] * 2), tables)
+    assert quota_LnXD[1, 0, 0, :10].tolist() == [101, 101, 101] + [100] * 7  # 1003 over 10, evenly
+    want = brute_lp_quotas(counts.tolist(), pl, 1)
+    got_torch = lp_quotas_torch(
+        torch.from_numpy(counts.astype(np.int64)), DispatchTables.from_placement(pl, 0), 1
+    )
+    assert torch.equal(got_torch, torch.from_numpy(quota_LnXD[1, 0]))
+    for n, expert in enumerate(tables.expert_LX[1][tables.expert_LX[1] >= 0]):
+        gpus = tables.slot_LXD[1, n][tables.slot_LXD[1, n] >= 0] // pl.slots_per_gpu
+        assert (
+            dict(zip(gpus.tolist(), quota_LnXD[1, 0, n, : gpus.size].tolist(), strict=True)) == want[expert]
+        )
+    ids = [random_ids(rng, int(rng.integers(0, 200)), 4, 12, "skewed") for _ in range(12)]
+    ref = _play_ranks(pl, ids, [None] * 12, "torch", device=DEVICE)
+    got = _play_ranks(pl, ids, [None] * 12, "triton", device=DEVICE)
+    for (o1, c1, l1), (o2, c2, l2) in zip(ref, got, strict=True):
+        assert torch.equal(o1, o2) and torch.equal(c1, c2) and torch.equal(l1, l2)
 
 
 def test_ties_are_broken_the_same_way_on_every_run() -> None:

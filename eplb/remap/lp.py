@@ -15,28 +15,29 @@ from __future__ import annotations
 import torch
 
 from eplb.remap.call import RemapCall
-from eplb.remap.lp_rule import LP_PASSES
+from eplb.remap.lp_rule import LP_PASSES, fill_columns
 from eplb.remap.tables import DispatchTables
 from eplb.remap.torch_backend import count_elements, valid_elements
 
 
-def water_fill_torch(amount: torch.Tensor, levels_D: torch.Tensor, valid_D: torch.Tensor) -> torch.Tensor:
-    """int64 [D]: ``amount`` (0-dim) over the valid columns by the rule's water-filling.
+def water_fill_torch(amount_x: torch.Tensor, levels_xD: torch.Tensor, valid_xD: torch.Tensor) -> torch.Tensor:
+    """int64 [x, D]: each row's ``amount`` over its valid columns by the rule's water-filling.
 
     Pairwise form: with ``I_j`` the valid columns at or below column j's level, the level reached
     is the smallest ``floor((amount + sum_{I_j} level) / |I_j|)`` that reaches ``level_j``.
     """
     big = torch.iinfo(torch.int64).max
-    inc_DD = valid_D[:, None] & (levels_D[:, None] <= levels_D[None, :])
-    n_D = inc_DD.sum(dim=0)
-    s_D = torch.where(inc_DD, levels_D[:, None], 0).sum(dim=0)
-    cand_D = (amount + s_D) // n_D.clamp(min=1)
-    feasible = valid_D & (cand_D >= levels_D)
-    level = torch.where(feasible, cand_D, big).min()
-    quota_D = torch.where(valid_D, (level - levels_D).clamp(min=0), 0)
-    rest = amount - quota_D.sum()
-    eligible = valid_D & (levels_D <= level)
-    return quota_D + (eligible & (torch.cumsum(eligible.to(torch.int64), 0) <= rest)).to(torch.int64)
+    inc_xDD = valid_xD[:, :, None] & (levels_xD[:, :, None] <= levels_xD[:, None, :])
+    n_xD = inc_xDD.sum(dim=1)
+    s_xD = torch.where(inc_xDD, levels_xD[:, :, None], 0).sum(dim=1)
+    cand_xD = (amount_x[:, None] + s_xD) // n_xD.clamp(min=1)
+    feasible = valid_xD & (cand_xD >= levels_xD)
+    level_x = torch.where(feasible, cand_xD, big).min(dim=1).values
+    quota_xD = torch.where(valid_xD, (level_x[:, None] - levels_xD).clamp(min=0), 0)
+    rest_x = amount_x - quota_xD.sum(dim=1)
+    eligible = valid_xD & (levels_xD <= level_x[:, None])
+    first = torch.cumsum(eligible.to(torch.int64), 1) <= rest_x[:, None]
+    return quota_xD + (eligible & first).to(torch.int64)
 
 
 def lp_quotas_torch(counts_E: torch.Tensor, tables: DispatchTables, layer: int) -> torch.Tensor:
@@ -44,6 +45,7 @@ def lp_quotas_torch(counts_E: torch.Tensor, tables: DispatchTables, layer: int) 
     assert (
         tables.lp_expert_LX is not None and tables.lp_slot_LXD is not None and tables.lp_index_LE is not None
     )
+    assert tables.lp_color_LX is not None and tables.lp_colors_L is not None
     G, S = tables.num_gpus, tables.slots_per_gpu
     device = counts_E.device
     expert_X = tables.lp_expert_LX[layer].to(torch.int64)
@@ -63,16 +65,20 @@ def lp_quotas_torch(counts_E: torch.Tensor, tables: DispatchTables, layer: int) 
         valid_XD, (amount_X // width_X)[:, None] + (d_D[None, :] < (amount_X % width_X)[:, None]), 0
     )
     loads_G.scatter_add_(0, gpu_XD.reshape(-1), quota_XD.reshape(-1))
-    # Heaviest first, ties by lower row; rows without an expert last (they hold nothing).
-    order_X = torch.argsort(torch.where(has_X, -amount_X, 1), stable=True)
+    # Colour by colour: one colour's experts share no GPU, so they re-fill at once.
+    F = fill_columns(D)
+    color_X = tables.lp_color_LX[layer]
+    # Colours past the layer's last pick no expert (no-op rounds): on the CPU read the count,
+    # elsewhere run all X so nothing is read back to the host (CUDA graphs).
+    colors = int(tables.lp_colors_L[layer]) if device.type == "cpu" else X
     for _ in range(LP_PASSES):
-        for i in range(X):
-            n = order_X[i]
-            gpu_D, valid_D = gpu_XD[n], valid_XD[n]
-            loads_G.scatter_add_(0, gpu_D, -quota_XD[n])
-            new_D = water_fill_torch(amount_X[n], loads_G[gpu_D], valid_D)
-            quota_XD[n] = new_D
-            loads_G.scatter_add_(0, gpu_D, new_D)
+        for c in range(colors):
+            pick_XF = (color_X == c)[:, None] & valid_XD[:, :F]
+            old_XF = torch.where(pick_XF, quota_XD[:, :F], 0)
+            levels_XF = loads_G[gpu_XD[:, :F]] - old_XF
+            new_XF = water_fill_torch(amount_X, levels_XF, pick_XF)
+            quota_XD[:, :F] = torch.where(pick_XF, new_XF, quota_XD[:, :F])
+            loads_G.scatter_add_(0, gpu_XD[:, :F].reshape(-1), (new_XF - old_XF).reshape(-1))
     return quota_XD
 
 

@@ -99,6 +99,12 @@ class DispatchTables:
     """int32 [L, E]: an expert's row in ``lp_expert_LX``, -1 with one replica."""
     lp_slot_LXG: torch.Tensor | None = None
     """int32 [L, X, G]: ``lp_slot_LXD`` by GPU (-1 where the GPU holds no replica), as the kernels read it."""
+    lp_color_LX: torch.Tensor | None = None
+    """int32 [L, X]: each replicated expert's re-fill colour (eplb.remap.lp_rule), -1 for none."""
+    lp_colors_L: torch.Tensor | None = None
+    """int32 [L]: colours per layer."""
+    lp_cover_LXG: torch.Tensor | None = None
+    """int32 [L, X, G]: per colour and GPU, the row of the colour's expert there, or -1."""
 
     # Cached: the remap reads these on every call, and the tensors never change shape or device.
     @cached_property
@@ -146,6 +152,9 @@ class DispatchTables:
             lp_slot_LXD=_to_torch(host["lp_slot"], device),
             lp_index_LE=_to_torch(host["lp_index"], device),
             lp_slot_LXG=_to_torch(host["lp_slot_by_gpu"], device),
+            lp_color_LX=_to_torch(host["lp_color"], device),
+            lp_colors_L=_to_torch(host["lp_colors"], device),
+            lp_cover_LXG=_to_torch(host["lp_cover"], device),
         )
 
     @property
@@ -176,6 +185,9 @@ class DispatchTables:
             ("lp_slot", self.lp_slot_LXD),
             ("lp_index", self.lp_index_LE),
             ("lp_slot_by_gpu", self.lp_slot_LXG),
+            ("lp_color", self.lp_color_LX),
+            ("lp_colors", self.lp_colors_L),
+            ("lp_cover", self.lp_cover_LXG),
         ):
             if dst is not None:
                 dst.copy_(_to_torch(host[name], "cpu"))
@@ -214,6 +226,9 @@ def _host_tables(placement: Placement, rank: int, weights_LER: Any) -> dict[str,
         "lp_slot": lp.slot_LXD,
         "lp_index": lp.index_LE,
         "lp_slot_by_gpu": lp.slot_LXG,
+        "lp_color": lp.color_LX,
+        "lp_colors": lp.colors_L,
+        "lp_cover": lp.cover_LXG,
     }
 
 

@@ -174,6 +174,8 @@ def run_remap(
 # ---- lp dispatch (eplb.remap.lp_rule), one token at a time --------------------------------------
 LP_PASSES_REFERENCE = 2
 """Re-fill passes of the rule (eplb.remap.lp_rule.LP_PASSES), restated so the reference stays independent."""
+LP_FILL_WIDTH_REFERENCE = 8
+"""Widest expert that re-fills (eplb.remap.lp_rule.LP_FILL_WIDTH), restated likewise."""
 
 
 def _pour(amount: int, levels: list[int]) -> list[int]:
@@ -209,7 +211,15 @@ def brute_lp_quotas(counts_E: list[int], placement: Placement, layer: int) -> di
         quota[e] = {g: c // w + (1 if i < c % w else 0) for i, g in enumerate(gpus)}
         for g, q in quota[e].items():
             loads[g] += q
-    order = sorted(replicated, key=lambda e: (-counts_E[e], e))
+    # Colours: in ascending expert id, the lowest colour that no earlier expert sharing a GPU has
+    # (experts on one GPU, or on more than the fill width, keep the even split and take none).
+    color: dict[int, int] = {}
+    for e in replicated:
+        if not 2 <= len(gpus_of[e]) <= LP_FILL_WIDTH_REFERENCE:  # one GPU: nothing to re-fill
+            continue
+        clash = {color[f] for f in color if set(gpus_of[f]) & set(gpus_of[e])}
+        color[e] = min(c for c in range(len(replicated) + 1) if c not in clash)
+    order = sorted(color, key=lambda e: (color[e], e))
     for _ in range(LP_PASSES_REFERENCE):
         for e in order:
             gpus = sorted(quota[e])

@@ -1,0 +1,155 @@
+"""``lp`` dispatch on 58 distinct layers of a solved placement: its cost beside static and the copy.
+
+Shape legend: T tokens, K top-k, E logical experts, P physical slots, G EP ranks, L layers.
+
+The placement is scipy's plan (``dispatch="lp"``) for the deepseek-v3 preset at EP32 (256 experts,
+288 slots, 4 nodes) from the synthetic workload's first 200 passes, so the ``lp`` tables hold what
+a served plan holds (3-5 re-fill colours per layer, experts on up to 13 GPUs), unlike the trivial
+placement of ``bench_remap``. For every T, router-like ids [T, 8] (eplb's rank 3; the other 31
+ranks' counts fixed, exchanged by a device copy, so no network is in these figures):
+
+1. correctness: on every layer, the Triton kernels' ids and slot counts equal the torch
+   reference's (``layers_mismatched`` must read 0);
+2. one CUDA graph of L = 58 calls, call i on layer i, replayed ``--reps`` times: median µs per
+   call, for the copy of the same bytes, static remap+record (one count row and 16), the exchange
+   alone, and ``lp`` with each ``--passes`` (re-fill passes, eplb.remap.lp_rule.LP_PASSES) and
+   each ``--warps`` (warps per program of the assign kernel);
+3. eagerly, one call between events (host launch cost included), static and ``lp`` at the
+   defaults.
+
+    python -m benchmarks.bench_lp_layers --json out.json          # on a CUDA machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.harness import capture_graph, event_us
+from benchmarks.remap_inputs import RANK, router_ids, stub_exchange, triton_copy
+from eplb.remap.api import remap_and_record
+from eplb.remap.tables import DispatchTables
+from eplb.solver import solve
+from eplb.solver.types import SolveOptions, Topology
+from eplb.workloads import WorkloadConfig, generate
+
+K, E, P, G, NODES = 8, 256, 288, 32, 4
+
+
+def solved_tables(device: torch.device) -> DispatchTables:
+    """Rank 3's tables of scipy's ``lp`` plan for the deepseek-v3 preset (first 200 passes)."""
+    trace = generate(WorkloadConfig(preset="deepseek-v3", num_steps=200, seed=1))
+    topology = Topology(num_gpus=G, num_nodes=NODES, num_physical=P, num_groups=8)
+    plan = solve(trace.counts_FLE, topology, options=SolveOptions(dispatch="lp"))
+    return DispatchTables.from_placement(plan.placement, RANK, device)
+
+
+def graph_us(fn: Callable[[int], object], layers: int, reps: int) -> float:
+    """Median µs per call of one graph holding ``fn(0) ... fn(layers - 1)``."""
+    step = iter(range(10**9))
+    graph = capture_graph(lambda: fn(next(step) % layers), layers)
+    for _ in range(5):
+        graph.replay()
+    return statistics.median(event_us(graph.replay) / layers for _ in range(reps))
+
+
+def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict[str, Any]:
+    import eplb.kernels.remap_lp_launch as launch
+
+    device, L = tables.device, tables.num_layers
+    ids = router_ids(T, K, E, device, args.seed)
+    lp = stub_exchange(tables, torch.bincount(ids.reshape(-1).long(), minlength=E).to(torch.int32))
+    nvalid = torch.tensor([T], dtype=torch.int32, device=device)
+    record = torch.ones(1, dtype=torch.int32, device=device)
+    out = torch.empty_like(ids)
+
+    def call(layer: int, mode: str, counts: torch.Tensor, backend: str = "triton", out_TK: Any = out) -> None:
+        remap_and_record(
+            ids, tables, layer, mode=mode, backend=backend, lp=lp if mode == "lp" else None,
+            out_TK=out_TK, counts_P=counts, num_valid_tokens=nvalid, record=record,
+        )  # fmt: skip
+
+    row: dict[str, Any] = {"T": T}
+    mismatched = 0
+    for layer in range(L):
+        got = [(torch.empty_like(ids), torch.zeros(P, dtype=torch.int32, device=device)) for _ in range(2)]
+        for (o, c), backend in zip(got, ("torch", "triton"), strict=True):
+            call(layer, "lp", c, backend, o)
+        mismatched += int(not (torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])))
+    row["layers_mismatched"] = mismatched
+    counts = torch.zeros(P, dtype=torch.int32, device=device)
+    rows = torch.zeros((16, P), dtype=torch.int32, device=device)
+    copy_out = torch.empty_like(ids)
+    row["copy"] = graph_us(lambda i: triton_copy(ids, copy_out), L, args.reps)
+    row["static"] = graph_us(lambda i: call(i, "static", counts), L, args.reps)
+    row["static rows"] = graph_us(lambda i: call(i, "static", rows), L, args.reps)
+    row["exchange"] = graph_us(lambda i: lp.exchange(), L, args.reps)
+    default_passes, default_warps = launch.LP_PASSES, launch.ASSIGN.num_warps
+    try:
+        for passes in args.passes:
+            for warps in args.warps:
+                launch.LP_PASSES, launch.ASSIGN.num_warps = passes, warps
+                row[f"lp passes={passes} warps={warps}"] = graph_us(
+                    lambda i: call(i, "lp", counts), L, args.reps
+                )
+    finally:
+        launch.LP_PASSES, launch.ASSIGN.num_warps = default_passes, default_warps
+    for mode in ("static", "lp"):
+
+        def eager(mode: str = mode) -> None:
+            call(RANK, mode, counts)
+
+        eager()
+        row[f"eager {mode}"] = statistics.median(event_us(eager) for _ in range(args.reps))
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[64, 4096, 16384, 65536])
+    ap.add_argument("--passes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--json", type=Path, default=None, help="default: $OUT/bench_lp_layers.json when $OUT is set"
+    )
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_lp_layers: error: needs a CUDA device", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    tables = solved_tables(device)
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": __import__("triton").__version__,
+        "layers": tables.num_layers,
+        "colors_per_layer": tables.lp_colors_L.tolist() if tables.lp_colors_L is not None else None,
+    }
+    print(json.dumps(meta), flush=True)
+    rows = []
+    for T in args.tokens:
+        rows.append(run_tokens(T, tables, args))
+        print(
+            json.dumps({k: round(v, 2) if isinstance(v, float) else v for k, v in rows[-1].items()}),
+            flush=True,
+        )
+    path = args.json or (Path(os.environ["OUT"]) / "bench_lp_layers.json" if "OUT" in os.environ else None)
+    if path is not None:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+        tmp.replace(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
