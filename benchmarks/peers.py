@@ -15,6 +15,7 @@ import sys
 import types
 import zipfile
 from pathlib import Path
+from typing import Any
 
 SGLANG_VERSION = "0.5.23"
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -22,6 +23,7 @@ PEERS_DIR = REPO_ROOT / ".peers"
 _WANTED = (
     "sglang/srt/eplb/eplb_algorithms/deepseek.py",
     "sglang/srt/eplb/eplb_map_record_fused.py",
+    "sglang/srt/eplb/eplb_algorithms/elasticity_aware.py",
 )
 
 
@@ -81,6 +83,13 @@ def load_sglang_deepseek(version: str = SGLANG_VERSION, root: Path = PEERS_DIR) 
         else fetch_sglang(version, root)
     )
     return _load_by_path("_peer_sglang_deepseek", base / _WANTED[0])
+
+
+def load_sglang_elasticity_aware(version: str = SGLANG_VERSION, root: Path = PEERS_DIR) -> Any:
+    """SGLang's ``elasticity_aware.rebalance_experts`` (pure torch; eplb.simulate.sglang_peer loads it)."""
+    from eplb.simulate.sglang_peer import load_elasticity_aware
+
+    return load_elasticity_aware(fetch_sglang(version, root))
 
 
 def load_sglang_fused_kernel(version: str = SGLANG_VERSION, root: Path = PEERS_DIR) -> types.ModuleType:

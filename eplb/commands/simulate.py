@@ -3,12 +3,17 @@
 With no arguments it generates the deepseek-v3 synthetic workload and compares no balancing with
 DeepSeek's algorithm and the SciPy solver at EP32 over 4 nodes with 32 redundant experts, on
 SGLang's periodic schedule; ``--eplb-rebalance-mode continuous`` replays eplb's continuous one.
+``--rank-failure STEP:RANK`` (repeatable) loses ranks at given steps and reports, per loss, each
+run's balance over the survivors and the bytes reloaded and moved (eplb.simulate.failure): the
+solver runs' degraded plans, SGLang's ``elasticity_aware`` (with ``--sglang-peer``) and ``none``
+(no replanning).
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eplb.commands.common import (
     add_json_out,
@@ -20,6 +25,12 @@ from eplb.commands.common import (
     require_extra,
     write_json,
 )
+
+if TYPE_CHECKING:
+    from eplb.placement.model import Placement
+    from eplb.simulate.config import SimulationConfig
+    from eplb.simulate.planners import RunSpec
+    from eplb.traces import Trace
 
 HELP = "simulate rebalancing offline on a trace or a built-in workload: balance, speed-up, moves"
 
@@ -46,6 +57,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_topology_arguments(parser)
     add_schedule_arguments(parser)
     add_cost_arguments(parser)
+    g = parser.add_argument_group("lost ranks (eplb.simulate.failure)")
+    g.add_argument(
+        "--rank-failure",
+        action="append",
+        default=[],
+        metavar="STEP:RANK",
+        help="lose EP rank RANK (or FIRST-LAST) before step STEP (repeatable); compares the runs' plans over "
+        "the survivors, 'none' meaning no replanning, instead of the usual table",
+    )
+    g.add_argument(
+        "--sglang-peer",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="with --rank-failure: also run SGLang's elasticity_aware from DIR/sglang/srt/eplb/eplb_algorithms "
+        "(python -m benchmarks.peers unpacks SGLang 0.5.23 into .peers/sglang-0.5.23)",
+    )
+    g.add_argument(
+        "--reload-source",
+        choices=("peer", "host", "checkpoint"),
+        default="checkpoint",
+        help="with --rank-failure: where experts lost with every replica are reloaded from (default: %(default)s)",
+    )
     parser.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument(
         "--no-timeline", action="store_true", help="leave per-step balancedness and time out of the JSON"
@@ -64,9 +98,20 @@ def run(args: argparse.Namespace) -> int:
         require_extra("matplotlib", "plots", "--plots")  # before the simulation, not after it
     check_outputs(args.json_out)  # an unwritable output fails now, not after the simulation
     check_output_folder(args.plots)
+    if args.sglang_peer is not None and not args.rank_failure:
+        raise ValueError("--sglang-peer needs --rank-failure")
+    if args.rank_failure:
+        from eplb.simulate.failure import parse_rank_failures
+
+        if args.plots is not None:
+            raise ValueError("--plots: not with --rank-failure")
+        # Checked before the trace is generated: the flags alone give the topology.
+        parse_rank_failures(args.rank_failure, 1 << 62, args.ep_size or 1 << 30)
     trace = load_input(args, quiet=args.disable_tqdm)
     config = simulation_config(args, trace)
     initial = initial_placement(args, trace, config)
+    if args.rank_failure:
+        return _run_failures(args, runs, trace, config, initial)
     result = simulate(
         trace,
         runs,
@@ -103,4 +148,44 @@ def run(args: argparse.Namespace) -> int:
         if not to_stdout:
             print("plots: " + ", ".join(out["plots"]))
     write_json(out, args.json_out)
+    return 0
+
+
+def _run_failures(
+    args: argparse.Namespace,
+    runs: list[RunSpec],
+    trace: Trace,
+    config: SimulationConfig,
+    initial: Placement | None,
+) -> int:
+    """``--rank-failure``: the replay with lost ranks (eplb.simulate.failure), its table and JSON."""
+    from eplb.simulate.failure import parse_rank_failures, simulate_rank_failures
+    from eplb.simulate.sglang_peer import load_elasticity_aware
+
+    flags = config.eplb
+    failures = parse_rank_failures(args.rank_failure, trace.num_steps, flags.ep_size)
+    sglang = None if args.sglang_peer is None else load_elasticity_aware(args.sglang_peer)
+    result = simulate_rank_failures(
+        trace,
+        runs,
+        config,
+        failures,
+        initial=initial,
+        sglang=sglang,
+        reload_source=args.reload_source,
+        progress=lambda chunks: progress(
+            chunks, disable=args.disable_tqdm, desc="simulate", total=len(chunks)
+        ),
+    )
+    if not (args.json_out is not None and str(args.json_out) == "-"):
+        print(
+            f"{trace.num_steps} steps x {trace.num_layers} layers x {trace.num_experts} experts, "
+            f"EP{flags.ep_size} on {flags.nnodes} node(s), {flags.ep_num_redundant_experts} redundant, "
+            f"{flags.eplb_rebalance_mode} rebalancing every {flags.rebalance_interval} recorded steps; "
+            f"reloads from {args.reload_source}"
+        )
+        print(result.table())
+        for note in result.notes:
+            print(f"note: {note}")
+    write_json(result.to_dict(), args.json_out)
     return 0

@@ -125,7 +125,7 @@ def simulate(
         RunState(
             spec,
             initial,
-            _planner_for(spec, config, planners),
+            planner_for(spec, config, planners),
             trace,
             config,
             recorded_F,
@@ -178,9 +178,10 @@ def _bytes_note(trace: Trace, config: SimulationConfig) -> str | None:
     )
 
 
-def _planner_for(
-    spec: RunSpec, config: SimulationConfig, planners: Mapping[str, Planner] | None
+def planner_for(
+    spec: RunSpec, config: SimulationConfig, planners: Mapping[str, Planner] | None = None
 ) -> Planner | None:
+    """The planner of ``spec``: the one ``planners`` names, else the built-in one (None for "none")."""
     if planners and spec.name in planners:
         return planners[spec.name]
     if spec.algorithm == "none":

@@ -27,7 +27,7 @@ from eplb.policy import PlanLike, Planner
 from eplb.policy.cost_model import swap_beside_passes
 from eplb.policy.decision import Decider
 from eplb.simulate.config import SimulationConfig
-from eplb.simulate.dispatch import dispatch_matrices, fake_gpu_load
+from eplb.simulate.dispatch import DispatchMatrices, dispatch_matrices, fake_gpu_load
 from eplb.simulate.planners import PastView, RunSpec
 from eplb.simulate.results import RebalanceEvent, RunResult
 from eplb.traces import Trace
@@ -190,6 +190,20 @@ class RunState:
         self.served_LE[:] = 0.0
         self.served_weighted = self.served_load = 0.0
         self.apply_seconds += time.perf_counter() - started
+
+    def lose_ranks(
+        self, placement: Placement, weights_LER: np.ndarray | None, matrices: DispatchMatrices | None = None
+    ) -> None:
+        """Ranks lost (eplb.simulate.failure): serve ``placement`` over the survivors from now on, by
+        ``matrices`` when given (no replanning: the old maps without the dead GPUs). A swap in flight
+        is given up (its peers are gone) and the serving plan's realized window closes."""
+        self._close_realized()
+        self.swap = None
+        self.placement, self.weights_LER = placement, weights_LER
+        self.matrices = matrices or dispatch_matrices(placement, self.spec.dispatch, weights_LER)
+        L, _, G = self.matrices.share_LEG.shape
+        if self.relative_load_LG.shape[1] != G:  # the relative load map covers the survivors from here
+            self.relative_load_LG = np.zeros((L, G))
 
     def _close_realized(self) -> None:
         """Record the balancedness the serving plan realized on the load it served since its switch."""

@@ -9,9 +9,11 @@ window (eplb.solver.scoring.horizon.find_shift: a shift may spend the burst budg
 starts after it); price one expert copy in balancedness from the pass-time model
 (eplb.policy.decision.copy_price) unless ``copy_cost`` is given; place replicas with the policy
 (eplb.policy registry), within the move budget; optionally split each expert's load over its
-replicas (eplb.solver.search.split); predict what the plan and the current placement will get over the
+replicas (eplb.solver.search.split); optionally spread replicas over failure domains
+(eplb.solver.search.spread); predict what the plan and the current placement will get over the
 passes the plan serves (eplb.solver.scoring.horizon.calibrate); apply it when the time it saves pays for
-its transfer (eplb.policy.decision.gate).
+its transfer (eplb.policy.decision.gate). With ``alive_ranks`` (a rank lost), the same steps run over
+the survivors from the live placement repaired (eplb.solver.degraded).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy.cost_model import PassTimes
 from eplb.policy.decision import ONE_GPU, copy_price, gate, value_horizon
+from eplb.solver.degraded import finish, survivors
 from eplb.solver.policies.protocol import PlacementRequest, Policy, load_policy
 from eplb.solver.predict import Prediction, predict
 from eplb.solver.scoring.dispatch import Dispatch
@@ -33,6 +36,7 @@ from eplb.solver.scoring.horizon import Cuts, PassScores, calibrate, find_shift
 from eplb.solver.scoring.served import layer_scores, scored_balancedness, scored_placement
 from eplb.solver.search.budget import budget_of, fit_layers
 from eplb.solver.search.split import lp_split
+from eplb.solver.search.spread import spread_replicas
 from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check_shapes
 
 NOISE_HORIZON_FLOOR = 50
@@ -68,6 +72,11 @@ def solve(
     W, L, E = load_WLE.shape
     G = topology.num_gpus
     check_shapes(L, E, topology, current)
+    if options.alive_ranks is not None:
+        # A rank lost: plan over the survivors from the live placement repaired (eplb.solver.degraded).
+        loss = survivors(load_WLE, topology, current, options)
+        inner = solve(load_WLE, loss.topology, loss.repaired, replace(options, alive_ranks=None))
+        return finish(loss, inner, options)
     if G == 1 and current is not None:
         # Nothing to balance: one GPU serves every token whatever the placement; keep it.
         return Plan(
@@ -227,6 +236,9 @@ def _plan(
         fitted_LP = fit_layers(phy2log_LP, current, gain_L, budget_of(options))
         stats["budget_dropped_layers"] = float((fitted_LP != phy2log_LP).any(axis=1).sum())
         phy2log_LP = fitted_LP
+    if options.failure_domain != "none":
+        G, N = topology.num_gpus, topology.num_nodes
+        phy2log_LP = spread_replicas(phy2log_LP, prediction.point_LE, G, N, options.failure_domain, stats)
     max_replicas = topology.num_physical - prediction.point_LE.shape[1] + 1
     placement = Placement.from_phy2log(
         phy2log_LP, topology.num_gpus, topology.num_nodes, max_replicas=max_replicas

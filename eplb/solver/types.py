@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from eplb.placement.degraded import RELOAD_SOURCES, DegradedPlacement, ReloadReport
 from eplb.placement.diff import PlacementDiff
 from eplb.placement.model import Placement
 from eplb.policy.decision import Pricing
@@ -20,6 +21,7 @@ from eplb.policy.dispatch import dispatch_mode
 from eplb.policy.registry import check_policy_name, get_policy
 
 PREDICTIONS = ("auto", "sum", "decay", "recent", "robust")
+FAILURE_DOMAINS = ("none", "gpu", "node")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -134,6 +136,19 @@ class SolveOptions:
     min_gain: float = 0.0
     """Skip (apply=False) a priced policy's plan whose predicted balancedness gain over ``current``
     is below this, whatever it saves (0: only the gate in seconds decides)."""
+    alive_ranks: tuple[bool, ...] | None = None
+    """One flag per EP rank, False for a rank lost: ``solve`` returns the degraded plan
+    (eplb.solver.degraded), a placement over the live ranks only that keeps every logical expert
+    served and every survivor's replica where balance allows; ``Plan.degraded`` holds it with dead
+    slots -1, ``Plan.reload`` what must be reloaded. None: every rank serves."""
+    reload_source: str = "checkpoint"
+    """Degraded plans: where an expert whose every replica was on a lost rank is reloaded from
+    (peer | host | checkpoint), as ``Plan.reload`` reports its bytes."""
+    failure_domain: str = "none"
+    """Opt-in failure-aware placement (eplb.solver.search.spread): ``gpu`` or ``node`` puts the
+    replicas of each replicated expert, hottest first, in different GPUs or nodes where a swap with
+    a similar load allows, so losing one rank or node leaves a replica of as much load as possible;
+    its cost in forecast balancedness is in ``Plan.stats`` (``spread_cost``). Not with a move budget."""
     seed: int = 0
     """Seed for randomised steps. Every algorithm here is deterministic today, so the same input
     gives the same plan whatever the seed; the field keeps callers stable if one is added."""
@@ -177,6 +192,17 @@ class SolveOptions:
         dispatch_mode(self.dispatch)  # ValueError listing the modes
         if not np.isfinite(self.min_gain):
             raise ValueError(f"min_gain must be finite, got {self.min_gain}")
+        if self.alive_ranks is not None:
+            alive = tuple(self.alive_ranks)
+            if not alive or not all(isinstance(a, bool) or a in (0, 1) for a in alive):
+                raise ValueError("alive_ranks must be None or one boolean per EP rank")
+            object.__setattr__(self, "alive_ranks", tuple(bool(a) for a in alive))
+        if self.reload_source not in RELOAD_SOURCES:
+            raise ValueError(f"unknown reload_source {self.reload_source!r}; choose from {RELOAD_SOURCES}")
+        if self.failure_domain not in FAILURE_DOMAINS:
+            raise ValueError(f"unknown failure_domain {self.failure_domain!r}; choose from {FAILURE_DOMAINS}")
+        if self.failure_domain != "none" and self.budgeted:
+            raise ValueError("failure_domain spreads replicas beyond a move budget: use it without one")
 
     @classmethod
     def from_mapping(cls, fields: Mapping[str, Any], **given: Any) -> SolveOptions:
@@ -222,7 +248,7 @@ class Plan:
     dispatch_weights_LER: np.ndarray | None
     """float32 [L, E, R]: share of each expert's tokens per replica (sum 1, 0 on padding); None unless weighted."""
     diff: PlacementDiff | None
-    """The transfer from ``current`` (None without one)."""
+    """The transfer from ``current`` (None without one, and for a degraded plan: see ``reload``)."""
     predicted_balancedness: float
     """What ``placement`` will get over the passes it serves (``pricing.horizon_passes``): the mean
     over them (weighted by load) of the model balancedness as the server dispatches, calibrated on
@@ -241,7 +267,14 @@ class Plan:
     weighted_copies_moved, changed_slots, shift / shift_drop / passes_since_shift. Calibrated:
     decline_level, decline_slope, plan_recent, older_recent, current_recent (eplb.solver.scoring.horizon).
     scipy: fresh_swaps, milp_improved_layers / milp_solves / milp_seconds, fresh_layers (layers
-    where the fresh plan won); searched: budget_swaps, budget_replica_changes, budget_rounds."""
+    where the fresh plan won); searched: budget_swaps, budget_replica_changes, budget_rounds.
+    Degraded: lost_ranks, reload_experts, reloads, survivor_copies, kept_slots, rebalanced.
+    failure_domain: spread_swaps, spread_cost, lost_load_before / lost_load_after."""
+    degraded: DegradedPlacement | None = None
+    """With ``alive_ranks``: the plan in the engine's slot numbering (dead slots -1); ``placement``
+    is then its survivors' part (G' live GPUs)."""
+    reload: ReloadReport | None = None
+    """With ``alive_ranks``: the experts to reload and the bytes from each source."""
 
 
 def as_load_array(load: Any) -> np.ndarray:
