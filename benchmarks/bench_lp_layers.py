@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 4096, 16384, 65536])
     ap.add_argument("--passes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
+    ap.add_argument("--warps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

@@ -274,6 +274,8 @@ def _lp_assign_kernel(  # type: ignore[no-untyped-def]
         position = tl.sum(tl.where(hot, seen - 1 + running_X[None, :], 0), axis=1)
         running_X += tl.sum(hot.to(tl.int32), axis=0)
         n_safe = tl.where(replicated, n, 0)
+        # Binary search over the starts (counting them from one load of the row instead measured
+        # 13% slower at T = 65536 on the H200: docs/benchmarks.md).
         entry = tl.zeros([SUB], dtype=tl.int32)
         for s in tl.static_range(LOG2_GBINS):
             probe = entry + (GBINS >> (s + 1))
