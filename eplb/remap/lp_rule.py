@@ -39,12 +39,13 @@ import numpy as np
 
 from eplb.placement.model import Placement
 
-LP_PASSES = 2
-"""Re-fill passes over the colours. Against the exact LP optimum (SciPy HiGHS) on scipy plans of
-the deepseek-v3 preset at EP32, the busiest GPU of a prefill batch sat 0.65% above the optimum on
-average with two passes (the rule before colours, heaviest expert first: 0.63%), 0.31% with four
-and 0.19% with six; the kernel pays about 7 µs per pass and layer (docs/benchmarks.md, "lp on
-58 solved layers"), so two keep the old rule's balance at a fraction of its cost."""
+LP_PASSES = 4
+"""Re-fill passes over the colours. The busiest GPU's mean excess over the exact optimum (SciPy
+HiGHS, rounded up) on prefill batches of scipy's plans at EP32 (benchmarks/bench_lp_optimum.py):
+deepseek-v3 0.78% / 0.51% / 0.38% with two, three and four passes (the rule before colours,
+heaviest expert first, two passes: 0.77%), qwen3-235b-a22b 0.93% / 0.74% / 0.63% (before:
+0.73%). Four passes beat the old rule on every case's mean and p90; the kernel pays about 7 µs
+per pass (docs/benchmarks.md, "lp on 58 solved layers")."""
 LP_FILL_WIDTH = 8
 """Most GPUs an expert may span and still re-fill (step 3); wider ones keep the even split."""
 

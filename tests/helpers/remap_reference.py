@@ -172,7 +172,7 @@ def run_remap(
 
 
 # ---- lp dispatch (eplb.remap.lp_rule), one token at a time --------------------------------------
-LP_PASSES_REFERENCE = 2
+LP_PASSES_REFERENCE = 4
 """Re-fill passes of the rule (eplb.remap.lp_rule.LP_PASSES), restated so the reference stays independent."""
 LP_FILL_WIDTH_REFERENCE = 8
 """Widest expert that re-fills (eplb.remap.lp_rule.LP_FILL_WIDTH), restated likewise."""
