@@ -13,17 +13,26 @@ machine do not count; the minimum over ``--rounds`` rounds of ``--calls`` calls.
   remap_record_direct: launch shape, key, arguments) ending in a launcher that does nothing, alone,
   behind the public function and behind a prepared call (its own direct path). On CPU this stands
   in for the compiled kernel;
+- ``recorder`` (``--layers`` layers, T = ``--recorder-tokens``): the per-pass host cost of every
+  documented recorder path, as the difference to plain prepared remaps measured in the same run
+  (median of ``--passes`` passes, the paths interleaved in a shuffled order): ``rec.prepare()``,
+  the public function with ``**rec.layer_kwargs(layer)`` (README, eplb.moe) and with the two
+  tensors named, the public function without a recorder, and ``begin_pass``/``end_pass`` alone. On
+  CPU every remap ends in the no-op launcher behind the direct path; on CUDA in the real kernel;
 - on CUDA also the real calls: the public function, the launcher alone, the launcher through
   ``kernel[grid]`` (an explicit config), SGLang 0.5.23's fused kernel and ``Tensor.copy_`` of
   the same bytes, and the prepared call. The GPU work is queued, not waited for (one sync per round).
 
     python -m benchmarks.bench_remap_host            # CPU: the Python parts
+    python -m benchmarks.bench_remap_host --only-recorder --passes 400   # the recorder rows alone
     python -m benchmarks.bench_remap_host --json out.json   # on a CUDA machine: also real launches
 """
 
 from __future__ import annotations
 
 import argparse
+import random
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,10 +44,12 @@ from benchmarks.harness import host_us, write_result
 from benchmarks.peers import load_sglang_fused_kernel
 from benchmarks.remap_inputs import SGLangDispatchInfo, router_ids
 from eplb.kernels import remap_record as kernel
-from eplb.kernels.direct_launch import DirectLaunchCache
+from eplb.kernels.direct_launch import DirectLaunch, DirectLaunchCache
 from eplb.kernels.remap_record_direct import RemapDirectLauncher
 from eplb.placement.model import Placement
+from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 from eplb.remap import api as remap
+from eplb.remap import backends
 from eplb.remap.call import RemapCall
 from eplb.remap.prepared import prepare_remap
 from eplb.remap.tables import DispatchTables
@@ -65,7 +76,7 @@ def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[]
     counts_LP = torch.zeros((4, P), dtype=torch.int32, device=device)
     nvalid = torch.tensor([T], dtype=torch.int32, device=device)
     record = torch.ones(1, dtype=torch.int32, device=device)
-    remap._RESOLVED[("noop", device.type)] = lambda *args: None
+    backends._RESOLVED[("noop", device.type)] = lambda *args: None
     kw: dict[str, Any] = {"counts_P": counts_LP[2], "num_valid_tokens": nvalid, "record": record}
     call = RemapCall(topk_ids_TK=ids, tables=tables, layer=2, mode="static", out_TK=out, **kw)
     rows: dict[str, Callable[[], Any]] = {
@@ -88,7 +99,7 @@ def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[]
         rows["direct path (no-op launcher)"] = lambda: direct.launch(call)
         real_direct = kernel.DIRECT
         kernel.DIRECT = direct
-        remap._RESOLVED[("direct-noop", "cpu")] = kernel.remap_record_triton
+        backends._RESOLVED[("direct-noop", "cpu")] = kernel.remap_record_triton
         rows["public + direct path (no-op launcher)"] = lambda: remap.remap_and_record(
             ids, tables, 2, out_TK=out, backend="direct-noop", **kw
         )
@@ -114,18 +125,127 @@ def variants(T: int, device: torch.device, sglang: Any) -> dict[str, Callable[[]
     return rows
 
 
+class _NoOpCache(DirectLaunchCache):
+    """A direct-launch cache whose every key holds the no-op launcher (CPU: the kernel's stand-in)."""
+
+    def __init__(self) -> None:
+        super().__init__(True, lambda: (-1, 0))
+        self._noop = DirectLaunch(_NoOpCompiled(), ())
+
+    def get(self, key: Any) -> DirectLaunch | None:
+        return self._noop
+
+
+def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callable[[], Any]]:
+    """One forward pass of ``layers`` remaps per documented path (module docstring, ``recorder``)."""
+    K, E, P = 8, 256, 288
+    placement = Placement.trivial(layers, E, num_gpus=8, num_redundant=P - E)
+    tables = DispatchTables.from_placement(placement, 3, device)
+    ids = router_ids(T, K, E, device, seed=T)
+    out = torch.empty_like(ids)
+    rec = ExpertDistributionRecorder(RecorderConfig(mode="stat", window=100), placement, device=device)
+    rec.start()
+    backend = "triton"
+    plain = [prepare_remap(tables, layer, backend=backend) for layer in range(layers)]
+    recorded = rec.prepare(tables, backend=backend)
+
+    def prepared_plain() -> None:
+        for remap_layer in plain:
+            remap_layer(ids, out)
+
+    def prepared_recorder() -> None:
+        rec.begin_pass(has_prefill=True, num_tokens=T)
+        for remap_layer in recorded:
+            remap_layer(ids, out)
+        rec.end_pass()
+
+    def public_plain() -> None:
+        for layer in range(layers):
+            remap.remap_and_record(ids, tables, layer, out_TK=out, backend=backend)
+
+    def public_layer_kwargs() -> None:
+        rec.begin_pass(has_prefill=True, num_tokens=T)
+        for layer in range(layers):
+            kw: dict[str, Any] = rec.layer_kwargs(layer)
+            remap.remap_and_record(ids, tables, layer, out_TK=out, backend=backend, **kw)
+        rec.end_pass()
+
+    def public_named() -> None:
+        rec.begin_pass(has_prefill=True, num_tokens=T)
+        flag = rec.record_flag_1
+        for layer in range(layers):
+            counts = rec.layer_kwargs(layer)["counts_P"]
+            remap.remap_and_record(
+                ids, tables, layer, out_TK=out, backend=backend, counts_P=counts, record=flag
+            )
+        rec.end_pass()
+
+    def passes_only() -> None:
+        rec.begin_pass(has_prefill=True, num_tokens=T)
+        rec.end_pass()
+
+    return {
+        "prepared, plain (the baseline)": prepared_plain,
+        "prepared, recorder (rec.prepare)": prepared_recorder,
+        "public, plain": public_plain,
+        "public, recorder (**rec.layer_kwargs)": public_layer_kwargs,
+        "public, recorder (counts_P=, record=)": public_named,
+        "begin_pass + end_pass alone": passes_only,
+    }
+
+
+def recorder_pass_us(T: int, layers: int, passes: int, device: torch.device) -> dict[str, Any]:
+    """Median thread-CPU µs per pass of each recorder path, and each minus the baseline (same run)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    real_direct = kernel.DIRECT
+    if device.type == "cpu":
+        kernel.DIRECT = RemapDirectLauncher(
+            lambda n, _d, rows: kernel.launch_shape(n, 132, rows), _NoOpCache()
+        )
+    try:
+        rows = recorder_rows(T, layers, device)
+        for fn in rows.values():
+            for _ in range(3):  # compile, prepare (the public function's cache), warm
+                fn()
+        samples: dict[str, list[float]] = {name: [] for name in rows}
+        order = list(rows)
+        for p in range(passes):
+            random.Random(p).shuffle(order)
+            for name in order:
+                sync()
+                start = time.thread_time()
+                rows[name]()
+                samples[name].append((time.thread_time() - start) * 1e6)
+        sync()
+    finally:
+        kernel.DIRECT = real_direct
+    median = {name: statistics.median(v) for name, v in samples.items()}
+    base = median["prepared, plain (the baseline)"]
+    return {
+        "T": T,
+        "layers": layers,
+        "passes": passes,
+        "pass_us": median,
+        "above_prepared_plain_us": {name: us - base for name, us in median.items()},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 4096])
     ap.add_argument("--calls", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--layers", type=int, default=58, help="recorder rows: MoE layers per pass")
+    ap.add_argument("--recorder-tokens", type=int, default=4096, help="recorder rows: T")
+    ap.add_argument("--passes", type=int, default=300, help="recorder rows: passes per path (median)")
+    ap.add_argument("--only-recorder", action="store_true", help="skip the per-call rows")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sglang = load_sglang_fused_kernel() if device.type == "cuda" else None
+    sglang = load_sglang_fused_kernel() if device.type == "cuda" and not args.only_recorder else None
     results: dict[str, dict[str, float]] = {}
-    for T in args.tokens:
+    for T in [] if args.only_recorder else args.tokens:
         rows = variants(T, device, sglang)
         restore = rows.pop("_restore", None)
         for fn in rows.values():
@@ -133,12 +253,23 @@ def main(argv: list[str] | None = None) -> int:
         results[str(T)] = {name: host_us(fn, args.calls, args.rounds, sync) for name, fn in rows.items()}
         if restore is not None:
             restore()
-    print(f"host µs per call (thread CPU time, min of {args.rounds} rounds of {args.calls}); device {device}")
-    for name in results[str(args.tokens[0])]:
-        print(f"{name:42s}" + "".join(f"{results[str(T)][name]:9.2f}" for T in args.tokens))
+    if results:
+        print(
+            f"host µs per call (thread CPU time, min of {args.rounds} rounds of {args.calls}); device {device}"
+        )
+        for name in results[str(args.tokens[0])]:
+            print(f"{name:42s}" + "".join(f"{results[str(T)][name]:9.2f}" for T in args.tokens))
+    recorder = recorder_pass_us(args.recorder_tokens, args.layers, args.passes, device)
+    print(
+        f"\nrecorder: host µs per pass of {args.layers} layers, T = {args.recorder_tokens} "
+        f"(thread CPU time, median of {args.passes} passes); device {device}"
+    )
+    print(f"{'path':42s}{'per pass':>10s}{'above baseline':>16s}")
+    for name, us in recorder["pass_us"].items():
+        print(f"{name:42s}{us:10.1f}{recorder['above_prepared_plain_us'][name]:+16.1f}")
     if args.json:
         meta = {"date": time.strftime("%Y-%m-%d"), "device": str(device), "torch": torch.__version__}
-        write_result(args.json, {"meta": meta, "host_us": results})
+        write_result(args.json, {"meta": meta, "host_us": results, "recorder": recorder})
     return 0
 
 

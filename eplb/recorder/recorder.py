@@ -88,7 +88,10 @@ class ExpertDistributionRecorder:
     int32 ``record_flag_1``; both keep their address for the recorder's life, so a
     captured CUDA graph records or not by the flag alone. Both are built once (views, dicts,
     checked arguments), so a pass costs the kernel launches plus two device ops at its end
-    (the window push and the reset of the pass counts) and the flag's fill when it changes. After a hot-swap call :meth:`set_placement` before the next
+    (the window push and the reset of the pass counts) and the flag's fill when it changes.
+    ``prepare`` is the cheaper of the two on the host: the public function keeps a prepared remap
+    per tensor object from its second call, but still builds a key and unpacks the keywords per
+    call (docs/benchmarks.md, "Recorder host cost per documented path"). After a hot-swap call :meth:`set_placement` before the next
     pass: every stored pass remembers which placement was live, and its slot counts become expert
     counts through that placement's map.
 

@@ -39,91 +39,58 @@ Backends (``backend=``): ``triton`` (CUDA and ROCm; CPU under TRITON_INTERPRET=1
 (reference, any device), ``aiter`` (ROCm with amd-aiter installed), ``auto`` (triton on a GPU,
 else torch). Backends are imported only when chosen: importing this module loads no Triton.
 Each takes one :class:`eplb.remap.call.RemapCall`, built here after the checks; ``lp`` has a
-function of its own in each backend (two kernels around the collective). For a layer's fixed
-arguments checked once, see eplb.remap.prepared.
+function of its own in each backend (two kernels around the collective); the registry is
+eplb.remap.backends.
+
+Per-call cost: a forward pass calls this once per MoE layer with the same fixed arguments (tables,
+layer, mode, the recorder's counts and flag, ``num_valid_tokens``). The second call with the same
+tensor *objects* builds a :class:`eplb.remap.prepared.PreparedRemap` for them, kept per object, and
+later calls check only the ids and the output and go through it (the Triton backend's direct path):
+the cost of ``rec.prepare()``, with one key lookup more. A bad argument raises as before, since a
+new tensor object is checked in full. A tensor passed here must keep its shape, dtype, device and
+storage while it is used (no ``resize_``/``set_`` on a counts buffer in place), as for a prepared
+call; :func:`clear_prepared_cache` forgets every kept preparation.
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eplb.policy.dispatch import dispatch_mode_names
-from eplb.remap.call import RemapCall
+from eplb.remap.backends import RemapBackend, available_backends, get_backend
+from eplb.remap.call import (
+    MAX_COUNT_ROWS,
+    MODES,
+    RemapCall,
+    check_remap_args,
+    check_tensor,
+    count_rows_sum,
+)
+from eplb.remap.prepared import PreparedRemap
 from eplb.remap.tables import DispatchTables
 
 if TYPE_CHECKING:
     from eplb.remap.exchange import LpExchange
 
-RemapBackend = Callable[[RemapCall], None]
-"""A backend: writes ``call.out_TK`` and adds the call's counts (semantics above)."""
-
-MODES = dispatch_mode_names()
-
-# name -> "module:function"; imported on first use only.
-_BACKENDS: dict[str, str] = {
-    "torch": "eplb.remap.torch_backend:remap_record_torch",
-    "triton": "eplb.kernels.remap_record:remap_record_triton",
-    "aiter": "eplb.remap.aiter_backend:remap_record_aiter",
-}
-# The same for mode "lp" (aiter: the Triton kernels, which run on ROCm as they are).
-_LP_BACKENDS: dict[str, str] = {
-    "torch": "eplb.remap.lp:remap_record_lp_torch",
-    "triton": "eplb.kernels.remap_lp_launch:remap_record_lp_triton",
-    "aiter": "eplb.kernels.remap_lp_launch:remap_record_lp_triton",
-}
-
-
-def available_backends() -> list[str]:
-    """Backend names usable in this process (aiter only on ROCm with amd-aiter importable)."""
-    names = ["torch"]
-    if importlib.util.find_spec("triton") is not None:
-        names.append("triton")
-    if _aiter_usable():
-        names.append("aiter")
-    return names
-
-
-def _aiter_usable() -> bool:
-    if getattr(torch.version, "hip", None) is None:
-        return False
-    return importlib.util.find_spec("aiter") is not None
-
-
-_RESOLVED: dict[tuple[str, ...], RemapBackend] = {}
-# The same by torch.device, for the per-call lookup (device.type costs more than hashing the device).
+# The same as get_backend's cache, by torch.device, for the per-call lookup (device.type costs more
+# than hashing the device).
 _BY_DEVICE: dict[tuple[str, torch.device, bool], RemapBackend] = {}
 
-
-def get_backend(name: str, device: torch.device, mode: str = "static") -> RemapBackend:
-    """Resolve a backend name (``auto`` included) for tensors on ``device`` (cached: once per pair).
-
-    ``mode="lp"`` gives the backend's ``lp`` function; every other mode shares one function.
-    """
-    key: tuple[str, ...] = (name, device.type) if mode != "lp" else (name, device.type, "lp")
-    fn = _RESOLVED.get(key)
-    if fn is None:
-        fn = _RESOLVED[key] = _resolve_backend(name, device, mode == "lp")
-    return fn
+# (ids of the fixed arguments, layer, mode, backend) -> the bound call of the PreparedRemap for them,
+# or, after their
+# first call, a tuple holding the objects (a marker: prepare on the second call, so a caller that
+# passes a fresh view every call pays no preparation). Each value holds its key's objects, so no id
+# in a live key can be reused by another object. Bounded: a caller of fresh views fills it, and it
+# is emptied when full.
+_PREPARED: dict[tuple[Any, ...], Any] = {}
+_PREPARED_MAX = 4096
 
 
-def _resolve_backend(name: str, device: torch.device, lp: bool = False) -> RemapBackend:
-    if name == "auto":
-        name = "triton" if device.type == "cuda" and importlib.util.find_spec("triton") else "torch"
-    if name not in _BACKENDS:
-        raise ValueError(f"unknown remap backend {name!r}; choose from {('auto', *_BACKENDS)}")
-    if name == "aiter" and not _aiter_usable():
-        raise RuntimeError(
-            "remap backend 'aiter' needs a ROCm build of torch and the amd-aiter package "
-            "(pip install 'eplb[rocm]'); use backend='triton' or 'torch' here"
-        )
-    module_name, func_name = (_LP_BACKENDS if lp else _BACKENDS)[name].split(":")
-    fn: RemapBackend = getattr(importlib.import_module(module_name), func_name)
-    return fn
+def clear_prepared_cache() -> None:
+    """Forget every preparation :func:`remap_and_record` kept (and the objects they hold)."""
+    _PREPARED.clear()
 
 
 def remap_and_record(
@@ -143,14 +110,52 @@ def remap_and_record(
     """Map router ids [T, K] int32 to physical slot ids [T, K] int32 and add the layer's counts.
 
     ``counts_P`` int32 [P] (or count rows [C, P]: module docstring) and ``logical_counts_E`` int32
-    [E] are added to in place (contiguous, on the ids' device). ``num_valid_tokens`` and ``record`` are int32 tensors of one element on
-    that device. ``out_TK`` (int32 [T, K], contiguous) receives the result when given: pass it to
-    skip an allocation per call. ``lp``: the rank's counts exchange in mode ``lp`` (None: the
-    tables' own, over the default process group). See the module docstring for each mode.
+    [E] are added to in place (contiguous, on the ids' device). ``num_valid_tokens`` and ``record``
+    are int32 tensors of one element on that device. ``out_TK`` (int32 [T, K], contiguous) receives
+    the result when given: pass it to skip an allocation per call. ``lp``: the rank's counts exchange
+    in mode ``lp`` (None: the tables' own, over the default process group). See the module
+    docstring for each mode, and for the per-object cache of the fixed arguments' checks.
     """
+    key = (
+        id(tables),
+        layer,
+        mode,
+        backend,
+        id(counts_P),
+        id(logical_counts_E),
+        id(num_valid_tokens),
+        id(record),
+        id(lp),
+    )
+    try:
+        kept, cacheable = _PREPARED.get(key), True
+    except TypeError:  # an unhashable layer or mode: the checks below say what is wrong
+        kept, cacheable = None, False
+    if kept is not None and kept.__class__ is not tuple:
+        run: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] = kept
+        return run(topk_ids_TK, out_TK)
     device = check_remap_args(
         topk_ids_TK, tables, layer, mode, counts_P, logical_counts_E, num_valid_tokens, record
     )
+    if cacheable:
+        if len(_PREPARED) >= _PREPARED_MAX:
+            _PREPARED.clear()
+        if kept is None:  # first call with these objects: keep them, prepare on the next one
+            _PREPARED[key] = (tables, counts_P, logical_counts_E, num_valid_tokens, record, lp)
+        else:
+            prepared = PreparedRemap(
+                tables,
+                layer,
+                mode=mode,
+                counts_P=counts_P,
+                logical_counts_E=logical_counts_E,
+                num_valid_tokens=num_valid_tokens,
+                record=record,
+                backend=backend,
+                lp=lp,
+            )
+            _PREPARED[key] = prepared.__call__  # bound: calling it skips the instance-call slot
+            return prepared(topk_ids_TK, out_TK)
     if out_TK is None:
         out_TK = torch.empty_like(topk_ids_TK)  # int32 and contiguous, as checked; the fastest allocator call
     else:
@@ -164,10 +169,10 @@ def remap_and_record(
         if exchange is not None:
             exchange.idle()  # the other ranks wait for this rank's counts
         return out_TK
-    key = (backend, device, mode == "lp")
-    fn = _BY_DEVICE.get(key)
+    fn_key = (backend, device, mode == "lp")
+    fn = _BY_DEVICE.get(fn_key)
     if fn is None:
-        fn = _BY_DEVICE[key] = get_backend(backend, device, mode)
+        fn = _BY_DEVICE[fn_key] = get_backend(backend, device, mode)
     fn(
         RemapCall(
             topk_ids_TK=topk_ids_TK,
@@ -185,89 +190,6 @@ def remap_and_record(
     return out_TK
 
 
-# Every check below runs on every call of every MoE layer, mostly eagerly (prefill): attribute
-# reads and comparisons only, nothing that allocates, synchronises or formats a string unless
-# it is about to raise.
-_INT32 = torch.int32
-
-
-def check_remap_args(
-    topk_ids_TK: torch.Tensor,
-    tables: DispatchTables,
-    layer: int,
-    mode: str,
-    counts_P: torch.Tensor | None,
-    logical_counts_E: torch.Tensor | None,
-    num_valid_tokens: torch.Tensor | None,
-    record: torch.Tensor | None,
-) -> torch.device:
-    """Validate every argument of :func:`remap_and_record`; TypeError for dtypes, ValueError otherwise.
-
-    Returns the ids' device.
-    """
-    check_ids(topk_ids_TK)
-    if mode not in MODES:
-        raise ValueError(f"unknown dispatch mode {mode!r}; choose from {MODES}")
-    if not 0 <= layer < tables.num_layers:
-        raise ValueError(f"layer {layer} outside [0, {tables.num_layers})")
-    device = topk_ids_TK.device
-    if tables.device != device:
-        raise ValueError(f"dispatch tables live on {tables.device} but topk_ids on {device}")
-    if counts_P is not None:
-        rows = (counts_P.shape[0],) if isinstance(counts_P, torch.Tensor) and counts_P.dim() == 2 else ()
-        if rows and not 1 <= rows[0] <= MAX_COUNT_ROWS:
-            raise ValueError(f"counts_P has {rows[0]} count rows; at most {MAX_COUNT_ROWS} (and at least 1)")
-        check_tensor("counts_P", counts_P, (*rows, tables.num_physical), device)
-    if logical_counts_E is not None:
-        check_tensor("logical_counts_E", logical_counts_E, (tables.num_logical,), device)
-    if num_valid_tokens is not None:
-        check_tensor("num_valid_tokens", num_valid_tokens, None, device)
-    if record is not None:
-        check_tensor("record", record, None, device)
-    return device
-
-
-def check_ids(topk_ids_TK: torch.Tensor) -> None:
-    """The router's ids: a contiguous int32 tensor [T, K] (TypeError naming a wrong dtype)."""
-    if not isinstance(topk_ids_TK, torch.Tensor):
-        raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids_TK).__name__}")
-    if topk_ids_TK.dtype != _INT32:
-        raise TypeError(
-            f"topk_ids must be int32, got {topk_ids_TK.dtype}: convert at the router "
-            "(an int64 id would silently turn every map lookup into int64)"
-        )
-    if topk_ids_TK.dim() != 2:
-        raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids_TK.shape)}")
-    if not topk_ids_TK.is_contiguous():
-        raise ValueError("topk_ids must be contiguous")
-
-
-MAX_COUNT_ROWS = 64
-"""Count rows a ``counts_P`` of shape [C, P] may have at most."""
-
-
-def count_rows_sum(counts: torch.Tensor) -> torch.Tensor:
-    """The counts of a ``counts_P`` of count rows [C, P] (int64 [P]); a [P] buffer as int64."""
-    return counts.to(torch.int64).sum(0) if counts.dim() == 2 else counts.to(torch.int64)
-
-
-def check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None, device: torch.device) -> None:
-    """An int32 contiguous tensor on ``device`` of ``shape`` (None: one element)."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype != _INT32:
-        raise TypeError(f"{name} must be {_INT32}, got {t.dtype}")
-    if shape is None:
-        if t.numel() != 1:
-            raise ValueError(f"{name} must hold one element, got shape {tuple(t.shape)}")
-    elif t.shape != shape:
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but topk_ids on {device}")
-    if shape is not None and not t.is_contiguous():  # one element is always contiguous
-        raise ValueError(f"{name} must be contiguous")
-
-
 __all__ = [
     "MAX_COUNT_ROWS",
     "MODES",
@@ -275,6 +197,7 @@ __all__ = [
     "RemapBackend",
     "RemapCall",
     "available_backends",
+    "clear_prepared_cache",
     "count_rows_sum",
     "get_backend",
     "remap_and_record",

@@ -1,12 +1,14 @@
-"""One remap call's arguments, validated once: what every remap backend takes.
+"""One remap call's arguments, validated once: what every remap backend takes, and the checks.
 
-Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots.
+Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, C count rows.
 
 :func:`eplb.remap.api.remap_and_record` checks its arguments, allocates the output when none is
 given, and builds one :class:`RemapCall`; each backend (torch, the Triton launcher and its direct
 path, aiter) then reads the fields it needs instead of taking nine positional arguments in an
 order each of them restated. The record lives here, beside the tables and away from the backend
-registry, so ``eplb.kernels`` can import it without importing the registry back.
+registry, so ``eplb.kernels`` can import it without importing the registry back. The argument
+checks live here too, so the public function and eplb.remap.prepared share one definition of a
+valid call.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
+from eplb.policy.dispatch import dispatch_mode_names
+
+if TYPE_CHECKING:
     from eplb.remap.exchange import LpExchange
     from eplb.remap.tables import DispatchTables
+
+MODES = dispatch_mode_names()
+"""The dispatch modes a call may name (eplb.policy.dispatch)."""
 
 
 # Slotted and not frozen: built on every call of every MoE layer, and a frozen dataclass's __init__
@@ -67,4 +74,95 @@ class RemapCall:
         return counts.shape[0] if counts is not None and counts.dim() == 2 else 1
 
 
-__all__ = ["RemapCall"]
+# Every check below runs on every call of every MoE layer, mostly eagerly (prefill): attribute
+# reads and comparisons only, nothing that allocates, synchronises or formats a string unless
+# it is about to raise.
+_INT32 = torch.int32
+
+
+def check_remap_args(
+    topk_ids_TK: torch.Tensor,
+    tables: DispatchTables,
+    layer: int,
+    mode: str,
+    counts_P: torch.Tensor | None,
+    logical_counts_E: torch.Tensor | None,
+    num_valid_tokens: torch.Tensor | None,
+    record: torch.Tensor | None,
+) -> torch.device:
+    """Validate every argument of eplb.remap.api.remap_and_record; TypeError for dtypes, ValueError otherwise.
+
+    Returns the ids' device.
+    """
+    check_ids(topk_ids_TK)
+    if mode not in MODES:
+        raise ValueError(f"unknown dispatch mode {mode!r}; choose from {MODES}")
+    if not 0 <= layer < tables.num_layers:
+        raise ValueError(f"layer {layer} outside [0, {tables.num_layers})")
+    device = topk_ids_TK.device
+    if tables.device != device:
+        raise ValueError(f"dispatch tables live on {tables.device} but topk_ids on {device}")
+    if counts_P is not None:
+        rows = (counts_P.shape[0],) if isinstance(counts_P, torch.Tensor) and counts_P.dim() == 2 else ()
+        if rows and not 1 <= rows[0] <= MAX_COUNT_ROWS:
+            raise ValueError(f"counts_P has {rows[0]} count rows; at most {MAX_COUNT_ROWS} (and at least 1)")
+        check_tensor("counts_P", counts_P, (*rows, tables.num_physical), device)
+    if logical_counts_E is not None:
+        check_tensor("logical_counts_E", logical_counts_E, (tables.num_logical,), device)
+    if num_valid_tokens is not None:
+        check_tensor("num_valid_tokens", num_valid_tokens, None, device)
+    if record is not None:
+        check_tensor("record", record, None, device)
+    return device
+
+
+def check_ids(topk_ids_TK: torch.Tensor) -> None:
+    """The router's ids: a contiguous int32 tensor [T, K] (TypeError naming a wrong dtype)."""
+    if not isinstance(topk_ids_TK, torch.Tensor):
+        raise TypeError(f"topk_ids must be a torch.Tensor, got {type(topk_ids_TK).__name__}")
+    if topk_ids_TK.dtype != _INT32:
+        raise TypeError(
+            f"topk_ids must be int32, got {topk_ids_TK.dtype}: convert at the router "
+            "(an int64 id would silently turn every map lookup into int64)"
+        )
+    if topk_ids_TK.dim() != 2:
+        raise ValueError(f"topk_ids must be [T, K], got shape {tuple(topk_ids_TK.shape)}")
+    if not topk_ids_TK.is_contiguous():
+        raise ValueError("topk_ids must be contiguous")
+
+
+MAX_COUNT_ROWS = 64
+"""Count rows a ``counts_P`` of shape [C, P] may have at most."""
+
+
+def count_rows_sum(counts: torch.Tensor) -> torch.Tensor:
+    """The counts of a ``counts_P`` of count rows [C, P] (int64 [P]); a [P] buffer as int64."""
+    return counts.to(torch.int64).sum(0) if counts.dim() == 2 else counts.to(torch.int64)
+
+
+def check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None, device: torch.device) -> None:
+    """An int32 contiguous tensor on ``device`` of ``shape`` (None: one element)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != _INT32:
+        raise TypeError(f"{name} must be {_INT32}, got {t.dtype}")
+    if shape is None:
+        if t.numel() != 1:
+            raise ValueError(f"{name} must hold one element, got shape {tuple(t.shape)}")
+    elif t.shape != shape:
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but topk_ids on {device}")
+    if shape is not None and not t.is_contiguous():  # one element is always contiguous
+        raise ValueError(f"{name} must be contiguous")
+
+
+__all__ = [
+    "MAX_COUNT_ROWS",
+    "MODES",
+    "RemapCall",
+    "check_ids",
+    "check_remap_args",
+    "check_tensor",
+    "count_rows_sum",
+]

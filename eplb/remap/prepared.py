@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eplb.remap.api import check_ids, check_remap_args, check_tensor, get_backend
-from eplb.remap.call import RemapCall
+from eplb.remap.backends import get_backend
+from eplb.remap.call import RemapCall, check_ids, check_remap_args, check_tensor
 from eplb.remap.tables import DispatchTables
 
 if TYPE_CHECKING:
