@@ -89,9 +89,12 @@ class SwapRun:
         fault: Callable[[str, int, list[torch.Tensor]], None] | None,
         update_maps: Callable[[], None] | None,
         restore_maps: Callable[[], None] | None,
+        *,
+        pace_bytes_per_s: float | None = None,
     ) -> None:
         self.rt, self.program, self.control, self.fault = rt, program, control, fault
         self.update_maps, self.restore_maps = update_maps, restore_maps
+        self.pace_bytes_per_s = pace_bytes_per_s
         self.early_maps = update_maps is not None and restore_maps is not None
         self.maps_touched = False
         self.runs: list[GroupRun] = []
@@ -129,6 +132,8 @@ class SwapRun:
         settled, failed = 0, False
         errors: list[str] = []
         mismatched: list[tuple[int, int]] = []
+        due_s = pace_offsets(plan, self.pace_bytes_per_s)
+        started = time.monotonic()
         for g, prog in enumerate(self.program.groups):
             # At most one group stays open while the next is posted.
             while len(self.runs) - settled > (1 if prog.overlaps_previous else 0):
@@ -136,6 +141,8 @@ class SwapRun:
                 settled += 1
             if failed:
                 break
+            if due_s[prog.chunk] > 0:
+                self._pace(prog.chunk, started + due_s[prog.chunk])
             self._at(f"chunk {prog.chunk}")
             self.runs.append(GroupRun.start(rt, prog, tag, self.fault, slot=g % 2, control=ctl))
         while settled < len(self.runs):
@@ -157,6 +164,20 @@ class SwapRun:
                 group_usable=True,
             )
         return SwapFailure("error", None, "error: another rank failed", group_usable=True)
+
+    def _pace(self, chunk: int, due: float) -> None:
+        """Wait until chunk ``chunk`` is due (pacing), watching the swap's control meanwhile."""
+        self._at(f"chunk {chunk} pace")  # on every rank alike: the schedule is the plan's
+        with self.rt.timed("pace"):
+            if self.control is None:
+                time.sleep(max(0.0, due - time.monotonic()))
+            else:
+                self.control.wait(
+                    lambda: time.monotonic() >= due,
+                    deadline=due + self.control.timeout_s,
+                    what=f"chunk {chunk}'s pace",
+                    spin=1e-3,
+                )
 
     def _settle(self, run: GroupRun, errors: list[str], mismatched: list[tuple[int, int]]) -> bool:
         self._at(f"chunk {run.prog.chunk} agreement")
@@ -286,6 +307,22 @@ class SwapRun:
     def _fault(self, stage: str) -> None:
         if self.fault is not None:
             self.fault(stage, -1, [])
+
+
+def pace_offsets(plan: SwapPlan, bytes_per_s: float | None) -> list[float]:
+    """Seconds after the first chunk at which each chunk of ``plan`` may be posted: the bytes the
+    busiest GPU receives in the chunks before it over ``bytes_per_s`` (all 0 when unpaced). The
+    same on every rank (the plan is)."""
+    offsets, total = [], 0
+    for chunk in plan.chunks:
+        offsets.append(0.0 if bytes_per_s is None else total / bytes_per_s)
+        got: dict[int, int] = {}
+        for i in chunk.transfers:
+            t = plan.transfers[i]
+            if not t.is_local:
+                got[t.dst_gpu] = got.get(t.dst_gpu, 0) + plan.bytes_per_expert
+        total += max(got.values(), default=0)
+    return offsets
 
 
 def _abort_communicator(group: dist.ProcessGroup | None) -> None:

@@ -61,6 +61,11 @@ class HotSwapOptions:
     transfer."""
     checksum_backend: str = "auto"
     """auto (Triton on CUDA for rows of whole int32 words, else torch) | torch | triton."""
+    pace_bytes_per_s: float | None = None
+    """Pacing: chunk k is posted no sooner than (bytes the busiest GPU receives in the chunks before
+    k) / this rate after the first one was, so the swap averages at most this rate into any GPU.
+    Every rank computes the same schedule from the plan; a pause watches the swap's control like
+    any wait. None: unpaced."""
 
     def __post_init__(self) -> None:
         if self.staging_budget_bytes < 1:
@@ -69,6 +74,9 @@ class HotSwapOptions:
             raise ValueError(f"piece_fractions must be positive numbers, got {self.piece_fractions}")
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        pace = self.pace_bytes_per_s
+        if pace is not None and not (pace > 0 and pace < float("inf")):
+            raise ValueError(f"pace_bytes_per_s must be None or a finite number > 0, got {pace}")
         if self.checksum_backend not in checksum_backends():
             raise ValueError(
                 f"checksum_backend must be one of {checksum_backends()}, got {self.checksum_backend!r}"
@@ -204,7 +212,15 @@ class PreparedSwap:
         self.check(fault)
         if self.bound is not None:
             torch.cuda.current_stream(self.runtime.device).wait_event(self.bound)
-        self._run = SwapRun(self.runtime, self.program, self.control, fault, update_maps, restore_maps)
+        self._run = SwapRun(
+            self.runtime,
+            self.program,
+            self.control,
+            fault,
+            update_maps,
+            restore_maps,
+            pace_bytes_per_s=self.options.pace_bytes_per_s,
+        )
         outcome = self._run.execute(self.plan, self.target, self.layers)
         return self._result(outcome, time.perf_counter() - self._started)
 

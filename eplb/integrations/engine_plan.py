@@ -5,24 +5,29 @@ Shape legend: W window (passes or windows), L layers, E logical experts, P physi
 
 vLLM and SGLang run their EPLB planner on every rank and trust each rank to reach the same map,
 so everything here is a function of its inputs: no clocks, no randomness (the solver's budgets
-are counts). Engine maps arrive as int64 torch tensors and may hold -1 for a slot that holds
-nothing (vLLM's elastic EP); :func:`engine_placement` turns one into a :class:`Placement` the
-solver can plan from, :func:`plan_for_engine` runs one :class:`SolverPlanner`, and
-:class:`EngineDecisions` keeps a process's rebalance decisions (eplb.policy.decision).
+are counts; wall time is measured only for the metrics). Engine maps arrive as int64 torch
+tensors and may hold -1 for a slot that holds nothing (vLLM's elastic EP); :func:`engine_placement`
+turns one into a :class:`Placement` the solver can plan from, :func:`plan_for_engine` runs one
+:class:`SolverPlanner`, and :class:`EngineDecisions` keeps a process's rebalance decisions
+(eplb.policy.decision) and its own history of the windows the engine handed over, which in
+continuous mode (``EPLB_REBALANCE_MODE=continuous``, eplb.integrations.engine_env) is longer
+than one engine window.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from eplb.config import EplbConfig
+from eplb.integrations.engine_env import SOLVER_OPTIONS_ENV, EngineEnv, solver_options_from_env
+from eplb.integrations.engine_metrics import EngineMetrics, RebalanceReport
+from eplb.placement.balance import model_balancedness
+from eplb.placement.degraded import DegradedPlacement, ReloadReport, check_alive
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import Planner, check_policy_name
@@ -31,8 +36,18 @@ from eplb.solver.planner import SolverPlanner
 from eplb.solver.solve import solve
 from eplb.solver.types import SolveOptions, Topology, as_load_array
 
-SOLVER_OPTIONS_ENV = "EPLB_SOLVER_OPTIONS"
-"""Environment variable: a JSON object of ``SolveOptions`` fields for the engine adapters."""
+__all__ = [
+    "CONTINUOUS_DEFAULTS",
+    "ENGINE_DEFAULTS",
+    "SOLVER_OPTIONS_ENV",
+    "EngineDecisions",
+    "EnginePlan",
+    "engine_placement",
+    "make_planner",
+    "plan_degraded",
+    "plan_for_engine",
+    "solver_options_from_env",
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +60,18 @@ class EnginePlan:
     """Whether ``placement`` is a new plan (False: the current placement is kept)."""
     reason: str
     """Why, in words (the solver's reason, or why no plan was made)."""
+    copies: int = 0
+    """Expert copies across GPUs the plan moves from the live placement (0 when kept)."""
+    predicted: float | None = None
+    """Predicted balancedness of ``placement`` over the passes before the next rebalance (the
+    plan's when applied, the kept placement's otherwise; None: no prediction was made)."""
+    solve_seconds: float = 0.0
+    """Wall time of the solve (for the metrics only: nothing decides on it)."""
+    degraded: DegradedPlacement | None = None
+    """With ranks lost (:func:`plan_degraded`): the plan in the full slot numbering (dead slots
+    -1); ``placement`` is then the survivors' placement (live GPU i = the i-th live rank)."""
+    reload: ReloadReport | None = None
+    """With ranks lost: the experts to reload (none of their replicas survived) and the copies."""
 
     def phy2log_int64(self) -> np.ndarray:
         """int64 [L, P]: the engine's layout of ``placement``."""
@@ -61,21 +88,6 @@ class EnginePlan:
         return self.placement.logcnt_LE.astype(np.int64)
 
 
-def solver_options_from_env(defaults: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """``defaults`` overridden by the JSON object in ``EPLB_SOLVER_OPTIONS`` (ValueError if malformed)."""
-    merged = dict(defaults or {})
-    raw = os.environ.get(SOLVER_OPTIONS_ENV, "").strip()
-    if not raw:
-        return merged
-    try:
-        user = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{SOLVER_OPTIONS_ENV} is not JSON: {exc}") from None
-    if not isinstance(user, dict):
-        raise ValueError(f"{SOLVER_OPTIONS_ENV} must be a JSON object of solver options, got {raw!r}")
-    return {**merged, **user}
-
-
 ENGINE_DEFAULTS: dict[str, Any] = {"copy_cost": 0.0}
 """Solver options every adapter starts from. An engine's planner is not told what an expert's
 weights weigh, so eplb cannot price a copy in seconds there; with ``copy_cost`` 0 it plans as
@@ -86,19 +98,35 @@ balancedness on the next window). ``EPLB_SOLVER_OPTIONS`` overrides it, e.g.
 ``{"bytes_per_expert": 44040192}`` to price copies in seconds, or ``{"copy_cost": 0.002}``."""
 
 
-def make_planner(algorithm: str, flag: str, defaults: Mapping[str, Any] | None = None) -> SolverPlanner:
-    """The planner an adapter runs: ``algorithm`` with :data:`ENGINE_DEFAULTS`, then ``defaults``,
-    then the options of ``EPLB_SOLVER_OPTIONS``.
+CONTINUOUS_DEFAULTS: dict[str, Any] = {"copy_cost": None}
+"""Solver options of continuous mode, as eplb's manager plans there: every copy priced (in seconds
+with ``bytes_per_expert``, else eplb.policy.decision's fallback price) and against the forecast's
+noise, so the move budget is spent only where it buys balance; the move budget itself comes from
+the :class:`~eplb.policy.decision.Decider`'s allowance at each rebalance."""
 
-    Unknown algorithms or options raise ValueError naming ``flag``, so a typo stops the engine at
-    start-up instead of at its first rebalance.
+
+def make_planner(
+    algorithm: str,
+    flag: str,
+    defaults: Mapping[str, Any] | None = None,
+    settings: EngineEnv | None = None,
+) -> SolverPlanner:
+    """The planner an adapter runs: ``algorithm`` with :data:`ENGINE_DEFAULTS` (continuous mode:
+    also :data:`CONTINUOUS_DEFAULTS`), then ``defaults``, then the options of
+    ``EPLB_SOLVER_OPTIONS`` (``settings``'s, else read from the environment now).
+
+    Unknown algorithms or options raise ValueError naming ``flag`` or the variable, so a typo stops
+    the engine at start-up instead of at its first rebalance.
     """
     check_policy_name(algorithm, flag)
-    return SolverPlanner(
-        options=SolveOptions.from_mapping(
-            solver_options_from_env({**ENGINE_DEFAULTS, **(defaults or {})}), algorithm=algorithm
-        )
-    )
+    base = {**ENGINE_DEFAULTS, **(defaults or {})}
+    if settings is not None and settings.continuous:
+        base.update(CONTINUOUS_DEFAULTS)
+    options = solver_options_from_env(base) if settings is None else {**base, **settings.solver_options}
+    try:
+        return SolverPlanner(options=SolveOptions.from_mapping(options, algorithm=algorithm))
+    except ValueError as exc:
+        raise ValueError(f"{SOLVER_OPTIONS_ENV}: {exc}") from None
 
 
 def engine_placement(phy2log: Any, load_LE: np.ndarray, num_gpus: int, num_nodes: int) -> Placement | None:
@@ -139,24 +167,59 @@ def engine_placement(phy2log: Any, load_LE: np.ndarray, num_gpus: int, num_nodes
 
 
 class EngineDecisions:
-    """One engine process's rebalance decisions for one model shape (eplb.policy.decision).
+    """One engine process's rebalance decisions for one model shape (eplb.policy.decision), and its
+    own history of the windows the engine handed over.
 
     The engine calls its planner on every rank with the same inputs, so a :class:`Decider` kept
     per process decides alike on every rank: the first plan from an unfitted placement is a
     fresh one, later plans are migration-aware and priced, and the current placement's age
     counts in the engine's passes (``passes_per_rebalance`` per call: SGLang's window; for vLLM,
-    whose policy sees one summed window per call, one).
+    whose policy sees one summed window per call, one). In continuous mode (``settings``) the
+    Decider also holds the move allowance (the budget, the first unbudgeted plan, the shift
+    burst), and each plan is made from the last ``history_rows`` rows the engine handed over
+    (passes for SGLang, windows for vLLM), not only the newest window. Windows with no load (a
+    profile run, an idle server) say nothing about the future and are not kept.
     """
 
-    def __init__(self, *, num_gpus: int, num_nodes: int, passes_per_rebalance: int) -> None:
-        config = EplbConfig(
-            ep_size=max(num_gpus, 1),
-            nnodes=num_nodes if num_nodes >= 1 and num_gpus % num_nodes == 0 else 1,
-            eplb_rebalance_num_iterations=max(passes_per_rebalance, 1),
+    def __init__(
+        self,
+        *,
+        num_gpus: int,
+        num_nodes: int,
+        passes_per_rebalance: int,
+        settings: EngineEnv | None = None,
+        history_rows: int = 1,
+        metrics: EngineMetrics | None = None,
+    ) -> None:
+        if history_rows < 1:
+            raise ValueError(f"history_rows must be >= 1, got {history_rows}")
+        self.settings = settings or EngineEnv()
+        config = self.settings.decision_config(
+            num_gpus=num_gpus, num_nodes=num_nodes, interval=passes_per_rebalance
         )
         self.decider = Decider(config)
+        self.history_rows = history_rows
+        self.metrics = metrics
         self.counted = 0
         """Passes counted so far (one call's window each)."""
+        self._rows: list[np.ndarray] = []
+        self.last_plan: EnginePlan | None = None
+
+    def remember(self, window: Any) -> np.ndarray:
+        """Add the engine's newest window ([W, L, E] or [L, E]) to the history; return the history
+        [rows, L, E] the plan is made from (the window alone when it holds no load and nothing is kept)."""
+        window_WLE = as_load_array(window)
+        if window_WLE.any():
+            self._rows.extend(window_WLE)
+            del self._rows[: -self.history_rows]
+        if not self._rows:
+            return window_WLE
+        return np.stack(self._rows)
+
+    @property
+    def kept_rows(self) -> int:
+        """Rows of load in the history now."""
+        return len(self._rows)
 
     def rebalance(
         self,
@@ -168,20 +231,69 @@ class EngineDecisions:
         num_groups: int | None,
         planner: SolverPlanner,
         current: Placement | None,
+        alive: Any = None,
     ) -> EnginePlan:
-        """One rebalance (:func:`plan_for_engine`) with this process's decisions."""
+        """One rebalance (:func:`plan_for_engine`) from the history with this process's decisions,
+        reported to the metrics (rank 0 with ``EPLB_METRICS_PORT``). ``alive``: one flag per rank
+        of ``current``; with a rank marked lost the plan is :func:`plan_degraded`'s, made whatever
+        the decisions' screen says (the live placement uses a dead rank)."""
+        newest_WLE = as_load_array(window)
+        history_WLE = self.remember(newest_WLE)
         self.counted += self.decider.config.rebalance_interval
-        return plan_for_engine(
-            window,
-            num_physical=num_physical,
-            num_gpus=num_gpus,
-            num_nodes=num_nodes,
-            num_groups=num_groups,
-            planner=planner,
-            current=current,
-            decider=self.decider,
-            counted_pass=self.counted,
-        )
+        started = time.monotonic()
+        if self.metrics is not None:
+            self.metrics.solving(started)
+        if alive is not None and not np.asarray(alive).astype(bool).all():
+            if current is None:
+                raise ValueError("a degraded plan (ranks lost) needs the live placement; none was given")
+            plan = plan_degraded(
+                history_WLE,
+                alive=alive,
+                num_physical=num_physical,
+                num_groups=num_groups,
+                planner=planner,
+                current=current,
+            )
+            self.decider.record(counted_pass=self.counted, applied=True, copies=float(plan.copies))
+        else:
+            plan = plan_for_engine(
+                history_WLE,
+                num_physical=num_physical,
+                num_gpus=num_gpus,
+                num_nodes=num_nodes,
+                num_groups=num_groups,
+                planner=planner,
+                current=current,
+                decider=self.decider,
+                counted_pass=self.counted,
+            )
+        self.last_plan = plan
+        if self.metrics is not None:
+            live = current if current is not None and current.num_physical == num_physical else None
+            self.metrics.report(
+                RebalanceReport(
+                    load_LE=newest_WLE.sum(axis=0),
+                    live=live
+                    or _trivial(newest_WLE.shape[1], newest_WLE.shape[2], num_gpus, num_physical, num_nodes),
+                    placement=plan.placement,
+                    applied=plan.applied,
+                    reason=plan.reason,
+                    solve_seconds=time.monotonic() - started,
+                    copies=plan.copies,
+                    bytes_per_expert=planner.options.bytes_per_expert,
+                    predicted=plan.predicted,
+                )
+            )
+        return plan
+
+
+def _nodes(num_gpus: int, num_nodes: int) -> int:
+    """Nodes that do not divide the GPUs count as one node (vLLM does the same)."""
+    return num_nodes if num_nodes >= 1 and num_gpus % num_nodes == 0 else 1
+
+
+def _trivial(L: int, E: int, num_gpus: int, num_physical: int, num_nodes: int) -> Placement:
+    return Placement.trivial(L, E, num_gpus, num_physical - E, _nodes(num_gpus, num_nodes))
 
 
 def plan_for_engine(
@@ -202,11 +314,12 @@ def plan_for_engine(
     the plan is migration-aware and may keep ``current`` (``applied=False``) when moving does not
     pay; without one it is a fresh plan. A window with no load keeps ``current`` (or the trivial
     placement): there is nothing to plan from. With a ``decider`` (:class:`EngineDecisions`), the
-    rebalance at ``counted_pass`` goes through it (first plan, pricing, what it moved).
+    rebalance at ``counted_pass`` goes through it: its screen (an empty window, one GPU), its
+    planner (the first plan, the move allowance, the pricing) and its record of what it moved.
     """
     window_WLE = as_load_array(window)
-    _, L, E = window_WLE.shape
-    nodes = num_nodes if num_nodes >= 1 and num_gpus % num_nodes == 0 else 1
+    W, L, E = window_WLE.shape
+    nodes = _nodes(num_gpus, num_nodes)
     groups = num_groups if num_groups is not None and num_groups >= 1 else 1
     if current is not None and (current.num_physical, current.num_gpus, current.num_nodes) != (
         num_physical,
@@ -214,21 +327,102 @@ def plan_for_engine(
         nodes,
     ):
         current = None
-    if not window_WLE.any():
-        keep = current or Placement.trivial(L, E, num_gpus, num_physical - E, nodes)
-        return EnginePlan(placement=keep, applied=False, reason="no load recorded: placement kept")
+    keep = current or _trivial(L, E, num_gpus, num_physical, nodes)
+    if decider is None:
+        why_not = None if window_WLE.any() else "no load recorded: placement kept"
+    else:
+        load_LE = window_WLE.sum(axis=0)
+        why_not = decider.screen(
+            window_passes=W,
+            window_load=float(load_LE.sum()),
+            window_balancedness=float(model_balancedness(load_LE, keep)) if load_LE.any() else 1.0,
+            num_gpus=num_gpus,
+        )
+    if why_not is not None:
+        if decider is not None:
+            decider.record(counted_pass=counted_pass, applied=False, copies=0.0)
+        return EnginePlan(placement=keep, applied=False, reason=why_not)
     planner = dataclasses.replace(planner, num_groups=groups)
+    chosen: Planner = planner if decider is None else decider.planner(planner, counted_pass=counted_pass)
     if current is None:
         topology = Topology(num_gpus=num_gpus, num_nodes=nodes, num_physical=num_physical, num_groups=groups)
-        fresh = solve(window_WLE, topology, None, planner.options)
+        options = chosen.options if isinstance(chosen, SolverPlanner) else planner.options
+        fresh = solve(window_WLE, topology, None, options)
         if decider is not None:
             decider.record(counted_pass=counted_pass, applied=True, copies=0.0)
-        return EnginePlan(placement=fresh.placement, applied=True, reason=fresh.reason)
-    chosen: Planner = planner if decider is None else decider.planner(planner, counted_pass=counted_pass)
+        return EnginePlan(
+            placement=fresh.placement,
+            applied=True,
+            reason=fresh.reason,
+            predicted=fresh.predicted_balancedness,
+            solve_seconds=float(fresh.stats.get("solve_seconds", 0.0)),
+        )
     plan = chosen(window_WLE, current)
+    moved = diff_placements(current, plan.placement).experts_moved_across_gpus if plan.apply else 0
     if decider is not None:
-        moved = diff_placements(current, plan.placement).experts_moved_across_gpus if plan.apply else 0
         decider.record(counted_pass=counted_pass, applied=plan.apply, copies=float(moved))
+    solve_seconds = float(getattr(plan, "stats", {}).get("solve_seconds", 0.0))
     if not plan.apply:
-        return EnginePlan(placement=current, applied=False, reason=plan.reason)
-    return EnginePlan(placement=plan.placement, applied=True, reason=plan.reason)
+        kept = getattr(plan, "stats", {}).get("current_balancedness")
+        return EnginePlan(
+            placement=current,
+            applied=False,
+            reason=plan.reason,
+            predicted=None if kept is None else float(kept),
+            solve_seconds=solve_seconds,
+        )
+    return EnginePlan(
+        placement=plan.placement,
+        applied=True,
+        reason=plan.reason,
+        copies=int(moved),
+        predicted=plan.predicted_balancedness,
+        solve_seconds=solve_seconds,
+    )
+
+
+def plan_degraded(
+    window: Any,
+    *,
+    alive: Any,
+    num_physical: int,
+    num_groups: int | None,
+    planner: SolverPlanner,
+    current: Placement,
+) -> EnginePlan:
+    """The degraded plan (eplb.solver.degraded) over the ranks of ``current`` that ``alive`` marks live.
+
+    ``alive`` holds one flag per rank of ``current``. ``num_physical`` is the engine's slot count
+    after the loss: every slot for SGLang (it keeps dead ranks' slots), the survivors' for vLLM (its
+    scale-down drops them). The plan keeps every survivor's replica that balance allows and serves
+    every expert; it is always applied (the live placement uses dead ranks) and not budgeted (the
+    repair is not optional). ``copies`` counts copies between survivors, ``reload`` what must come
+    from elsewhere. ValueError when the sizes disagree or the survivors cannot hold every expert.
+    """
+    alive_G = check_alive(alive, current.num_gpus)
+    live_slots = int(alive_G.sum()) * current.slots_per_gpu
+    if num_physical not in (current.num_physical, live_slots):
+        raise ValueError(
+            f"{num_physical} physical slots asked for, but {int(alive_G.sum())} live ranks of "
+            f"{current.slots_per_gpu} slots hold {live_slots} (of {current.num_physical})"
+        )
+    groups = num_groups if num_groups is not None and num_groups >= 1 else 1
+    topology = Topology(
+        num_gpus=current.num_gpus,
+        num_nodes=current.num_nodes,
+        num_physical=current.num_physical,
+        num_groups=groups,
+    )
+    options = dataclasses.replace(planner.options, alive_ranks=tuple(bool(a) for a in alive_G))
+    plan = solve(as_load_array(window), topology, current, options)
+    assert plan.degraded is not None and plan.reload is not None
+    return EnginePlan(
+        placement=plan.placement,
+        applied=True,
+        reason=plan.reason,
+        copies=plan.reload.survivor_copies,
+        predicted=plan.predicted_balancedness,
+        solve_seconds=float(plan.stats.get("solve_seconds", 0.0)),
+        degraded=plan.degraded,
+        reload=plan.reload,
+    )

@@ -19,6 +19,16 @@ when it is unset) in each of its processes. Ours, :func:`register`, wraps two fu
 So nothing changes until ``--eplb-algorithm`` names an eplb algorithm. ``EPLB_SGLANG_FUSED_REMAP=1``
 also puts eplb's remap kernel behind SGLang's fused map+record (eplb.integrations.sglang_remap);
 ``EPLB_SGLANG=0`` (or an ``SGLANG_PLUGINS`` list without ``eplb``) keeps the plugin out entirely.
+
+``EPLB_REBALANCE_MODE=continuous`` (eplb.integrations.engine_env) makes every eplb rebalance a
+budgeted continuous-mode step: SGLang calls the planner every ``--eplb-rebalance-num-iterations``
+passes with a window of ``--expert-distribution-recorder-buffer-size`` passes (SGLang asserts the
+window is not longer than the interval), so the adapter keeps its own history of the last
+``EPLB_WINDOW_PASSES`` passes and plans from it, through the same
+:class:`~eplb.policy.decision.Decider` as eplb's manager. ``EPLB_METRICS_PORT`` makes rank 0
+export eplb's metrics from the windows SGLang hands over (eplb.integrations.engine_metrics),
+starting when SGLang builds its ``EPLBManager``. Every ``EPLB_*`` variable is read and checked
+when SGLang loads the plugin: a bad value stops SGLang at start-up, naming the variable.
 """
 
 from __future__ import annotations
@@ -31,19 +41,28 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eplb.integrations.engine_env import EngineEnv, env_flag, read_engine_env
+from eplb.integrations.engine_metrics import EngineMetrics
 from eplb.integrations.engine_plan import EngineDecisions, EnginePlan, engine_placement, make_planner
+from eplb.integrations.sglang_updater import UPDATER_ENV
+from eplb.placement.model import Placement
 from eplb.policy import check_policy_name, policy_names, resolve_policy_name
 
 if TYPE_CHECKING:
     import torch
 
-    from eplb.placement.model import Placement
+    from eplb.placement.degraded import DegradedPlacement
     from eplb.solver.planner import SolverPlanner
 
 PLUGIN_ENV = "EPLB_SGLANG"
 """Environment variable: ``0`` keeps the whole plugin out of SGLang (default: on, inert until asked)."""
 FUSED_ENV = "EPLB_SGLANG_FUSED_REMAP"
 """Environment variable: ``1`` replaces SGLang's ``eplb_map_and_record_fused`` with eplb's kernel."""
+BACKEND_ENV = "EPLB_SGLANG_REMAP_BACKEND"
+"""Environment variable: the fused replacement's remap backend (eplb.integrations.sglang_remap)."""
+SGLANG_ENV = (PLUGIN_ENV, FUSED_ENV, BACKEND_ENV, *UPDATER_ENV)
+"""The ``EPLB_*`` variables of this plugin (beside eplb.integrations.engine_env.SHARED_ENV), the
+weight updater's (eplb.integrations.sglang_updater) included."""
 PREFIX = "eplb:"
 """``--eplb-algorithm eplb:NAME`` runs eplb's algorithm NAME even where SGLang has one of that name."""
 SGLANG_ALGORITHMS = (
@@ -70,10 +89,8 @@ class EplbSolverAlgorithm:
 
 
 def _enabled(var: str, default: bool) -> bool:
-    raw = os.environ.get(var, "").strip().lower()
-    if not raw:
-        return default
-    return raw not in ("0", "false", "off", "no")
+    """A boolean variable; anything but 1/0/true/false/on/off/yes/no raises ValueError naming it."""
+    return env_flag(os.environ, var, default)
 
 
 def route_algorithm(
@@ -104,13 +121,55 @@ _PLANNERS: dict[str, SolverPlanner] = {}
 _DECISIONS: dict[tuple[Any, ...], EngineDecisions] = {}
 """Per algorithm and model shape: this process's rebalance decisions (eplb.policy.decision);
 SGLang passes a window of its ``--expert-distribution-recorder-buffer-size`` passes per call."""
+_STATE: dict[str, Any] = {}
+"""This process's settings (``settings``: the checked environment) and metrics (``metrics``)."""
+
+
+def settings() -> EngineEnv:
+    """The adapter's settings: read and checked at :func:`register` (or at first use)."""
+    found = _STATE.get("settings")
+    if found is None:
+        found = _STATE["settings"] = read_engine_env(known=SGLANG_ENV)
+    assert isinstance(found, EngineEnv)
+    return found
+
+
+def metrics() -> EngineMetrics:
+    """This process's metrics (rank 0 exports when ``EPLB_METRICS_PORT`` is set)."""
+    found = _STATE.get("metrics")
+    if found is None:
+        found = _STATE["metrics"] = EngineMetrics(settings(), _LOG)
+    assert isinstance(found, EngineMetrics)
+    return found
+
+
+def reset() -> None:
+    """Forget this process's decisions, planners and settings (a fresh process's state; tests)."""
+    _DECISIONS.clear()
+    _PLANNERS.clear()
+    old = _STATE.pop("metrics", None)
+    if isinstance(old, EngineMetrics):
+        old.close()
+    _STATE.clear()
 
 
 def _planner(name: str) -> SolverPlanner:
     planner = _PLANNERS.get(name)
     if planner is None:
-        planner = _PLANNERS[name] = make_planner(name, "--eplb-algorithm")
+        planner = _PLANNERS[name] = make_planner(name, "--eplb-algorithm", settings=settings())
     return planner
+
+
+def _sglang_interval(default: int) -> int:
+    """SGLang's ``--eplb-rebalance-num-iterations`` where its runtime context has it, else ``default``
+    (the window's passes: the interval when, as recommended, the buffer equals it)."""
+    try:
+        from sglang.srt.runtime_context import get_exec
+
+        interval = int(get_exec().moe.eplb_rebalance_num_iterations)
+    except Exception:  # no runtime context (start-up, tests): the window is the interval
+        return default
+    return interval if interval >= default else default
 
 
 def rebalance_with_eplb(
@@ -121,13 +180,16 @@ def rebalance_with_eplb(
     num_nodes: int,
     algorithm: EplbSolverAlgorithm,
     current_phy2log: Any = None,
+    active_ranks: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """SGLang's ``rebalance_experts`` contract with eplb's solver behind it.
 
     ``tokens_per_expert`` is the window [W, L, E] (or [L, E]); ``current_phy2log`` the live map
-    [L, P] (None: read SGLang's live placement, where there is one). Returns int64 CPU tensors
+    [L, P] (None: read SGLang's live placement, where there is one); ``active_ranks`` the live EP
+    ranks (None: SGLang's elastic EP mask, :func:`sglang_active_ranks`). Returns int64 CPU tensors
     ``(phy2log [L, P], log2phy [L, E, R], logcnt [L, E])``, the layout and dtypes of SGLang's
-    DeepSeek algorithm.
+    DeepSeek algorithm; with a rank lost, the degraded plan in SGLang's form
+    (:func:`sglang_degraded_maps`).
     """
     import torch
 
@@ -144,12 +206,26 @@ def rebalance_with_eplb(
     current: Placement | None = None
     if live is not None:
         current = engine_placement(live, window.sum(axis=0), num_gpus, nodes)
+    alive = sglang_active_ranks(num_gpus) if active_ranks is None else alive_mask(active_ranks, num_gpus)
+    if alive is not None and current is None:
+        # No live map to keep (SGLang always has one once serving): plan from the trivial layout.
+        _LOG.warning("eplb: ranks %s lost but no live placement; planning from the trivial one", alive)
+        L, E = window.shape[1:]
+        current = Placement.trivial(L, E, num_gpus, num_physical_experts - E, nodes)
     key = (algorithm.name, *window.shape[1:], num_physical_experts, num_gpus, nodes)
     decisions = _DECISIONS.get(key)
-    if decisions is None or decisions.decider.config.rebalance_interval != window.shape[0]:
+    passes = _sglang_interval(window.shape[0])
+    if decisions is None or decisions.decider.config.rebalance_interval != passes:
         # A window of another length (SGLang's buffer size changed) starts the count afresh.
+        config = settings()
         decisions = _DECISIONS[key] = EngineDecisions(
-            num_gpus=num_gpus, num_nodes=nodes, passes_per_rebalance=window.shape[0]
+            num_gpus=num_gpus,
+            num_nodes=nodes,
+            passes_per_rebalance=passes,
+            settings=config,
+            # Continuous: the adapter's own history; periodic: SGLang's window alone, as before.
+            history_rows=config.window_passes if config.continuous else window.shape[0],
+            metrics=metrics(),
         )
     plan: EnginePlan = decisions.rebalance(
         window,
@@ -159,19 +235,68 @@ def rebalance_with_eplb(
         num_groups=num_groups,
         planner=_planner(algorithm.name),
         current=current,
+        alive=alive,
     )
     _LOG.info(
-        "eplb %s: %d passes, %s (%s)",
+        "eplb %s (%s): %d passes (%d kept), %s, %d copies (%s)",
         algorithm.name,
+        decisions.settings.mode,
         window.shape[0],
+        decisions.kept_rows,
         "new placement" if plan.applied else "placement kept",
+        plan.copies,
         plan.reason,
     )
+    if plan.degraded is not None:
+        return tuple(torch.from_numpy(m) for m in sglang_degraded_maps(plan.degraded))  # type: ignore[return-value]
     return (
         torch.from_numpy(plan.phy2log_int64()),
         torch.from_numpy(plan.log2phy_int64()),
         torch.from_numpy(plan.logcnt_int64()),
     )
+
+
+def alive_mask(active_ranks: Any, num_gpus: int) -> np.ndarray | None:
+    """bool [G] from SGLang's ``active_ranks`` (int32, 1 = alive), or None when every rank is alive.
+
+    SGLang sizes the mask by ``--max-ep-size``: entries past the ``num_gpus`` ranks planned for are
+    slots reserved for ranks that may join, not ranks of this plan. ValueError for a shorter mask.
+    """
+    if hasattr(active_ranks, "detach"):
+        active_ranks = active_ranks.detach().cpu().numpy()
+    arr = np.asarray(active_ranks)
+    if arr.ndim != 1 or arr.size < num_gpus:
+        raise ValueError(f"active_ranks must flag at least the {num_gpus} EP ranks, got shape {arr.shape}")
+    alive_G = arr[:num_gpus] != 0
+    return None if alive_G.all() else alive_G
+
+
+def sglang_active_ranks(num_gpus: int) -> np.ndarray | None:
+    """SGLang's live EP ranks (``ElasticEPStateManager``'s ``active_ranks``, the mask SGLang hands
+    its ``elasticity_aware``), or None without elastic EP or with every rank alive."""
+    try:
+        from sglang.srt.elastic_ep.elastic_ep import ElasticEPStateManager
+
+        state = ElasticEPStateManager.instance()
+    except ImportError:
+        return None
+    if state is None or state.active_ranks is None:
+        return None
+    return alive_mask(state.active_ranks, num_gpus)
+
+
+def sglang_degraded_maps(degraded: DegradedPlacement) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A degraded plan in SGLang's form: int64 ``(phy2log [L, P], log2phy [L, E, R], logcnt [L, E])``.
+
+    Dead ranks' slots hold expert 0, not eplb's -1, as SGLang's ``elasticity_aware`` fills them:
+    SGLang's recorder scatters slot counts by phy2log and ``init_by_mapping`` indexes by it, where -1
+    fails or lands on the last expert. Dispatch reads log2phy, which lists live slots only (R = the
+    most replicas of any expert), and logcnt counts live replicas, so no token goes to a dead rank.
+    """
+    phy2log_LP = np.where(degraded.phy2log_LP < 0, 0, degraded.phy2log_LP).astype(np.int64)
+    width = int(degraded.logcnt_LE.max())
+    log2phy_LER = degraded.log2phy_LER[:, :, :width].astype(np.int64)
+    return phy2log_LP, log2phy_LER, degraded.logcnt_LE.astype(np.int64)
 
 
 def live_phy2log() -> Any:
@@ -231,34 +356,98 @@ def rebalance_experts_hook(
     )
 
 
+def eplb_manager_init_hook(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``EPLBManager.__init__``: SGLang's own construction, then rank 0's metrics endpoint
+    (with ``EPLB_METRICS_PORT``), so the time since the last rebalance shows from start-up."""
+    result = original(*args, **kwargs)
+    metrics().start()
+    return result
+
+
 _REGISTERED: list[str] = []
 
 
+class SettingsExit(SystemExit):
+    """A bad ``EPLB_*`` value at plugin registration: ends the SGLang process with the message
+    (the variable's name first), as SGLang's loader lets a ``SystemExit`` through."""
+
+    def __init__(self, error: ValueError) -> None:
+        super().__init__(f"eplb: {error}")
+        self.error = error
+
+
+def _check_backend() -> None:
+    """``EPLB_SGLANG_REMAP_BACKEND`` names a backend usable here, fused replacement or not (the
+    replacement checks it again when it registers)."""
+    raw = os.environ.get(BACKEND_ENV, "").strip()
+    if not raw:
+        return
+    from eplb.remap import available_backends
+
+    usable = ("auto", *available_backends())
+    if raw not in usable:
+        raise ValueError(f"{BACKEND_ENV}={raw!r}: choose from {usable} (usable in this process)")
+    if not _enabled(FUSED_ENV, default=False):
+        _LOG.warning("eplb: %s=%s has no effect without %s=1", BACKEND_ENV, raw, FUSED_ENV)
+
+
 def register() -> None:
-    """The ``sglang.srt.plugins`` entry point: register the hooks (SGLang applies them after).
+    """The ``sglang.srt.plugins`` entry point: check every ``EPLB_*`` variable, register the hooks
+    (SGLang applies them after).
 
     Idempotent. ``EPLB_SGLANG=0`` registers nothing; ``EPLB_SGLANG_FUSED_REMAP=1`` also replaces
-    the fused map+record kernel.
+    the fused map+record kernel. A bad value of any variable stops SGLang at start-up with a
+    message naming it: SGLang's ``load_plugins`` logs a plugin's ``Exception`` and goes on, so the
+    ValueError leaves as :class:`SettingsExit` (a ``SystemExit``), which it does not catch.
     """
-    if not _enabled(PLUGIN_ENV, default=True):
-        _LOG.info("eplb: %s=0, the eplb SGLang plugin registers nothing", PLUGIN_ENV)
-        return
+    try:
+        if not _enabled(PLUGIN_ENV, default=True):
+            _LOG.info("eplb: %s=0, the eplb SGLang plugin registers nothing", PLUGIN_ENV)
+            return
+        fused = _enabled(FUSED_ENV, default=False)
+        _check_backend()
+        _STATE["settings"] = config = read_engine_env(known=SGLANG_ENV)
+        make_planner("auto", "--eplb-algorithm", settings=config)  # EPLB_SOLVER_OPTIONS checked now
+    except ValueError as exc:
+        raise SettingsExit(exc) from exc
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    # -- EPLB_SGLANG_WEIGHT_UPDATER=1: eplb's hot-swap moves the expert weights (sglang_updater) --
+    # Before the other hooks, so a bad value stops SGLang (naming the variable) before any hook.
+    from eplb.integrations import sglang_updater
+
+    try:
+        if sglang_updater.requested() and "weight_updater" not in _REGISTERED:
+            sglang_updater.install(sink=lambda: metrics().start())  # checks its EPLB_SGLANG_* settings
+            _REGISTERED.append("weight_updater")
+    except ValueError as exc:
+        raise SettingsExit(exc) from exc
+    # -- end of EPLB_SGLANG_WEIGHT_UPDATER --
 
     if "algorithms" not in _REGISTERED:
         HookRegistry.register(f"{_TARGET}.compute_algorithm", compute_algorithm_hook, HookType.AROUND)
         HookRegistry.register(f"{_TARGET}.rebalance_experts", rebalance_experts_hook, HookType.AROUND)
         _REGISTERED.append("algorithms")
         _LOG.info(
-            "eplb: --eplb-algorithm %s (or eplb:NAME for any of %s) plans with eplb's solver",
+            "eplb: --eplb-algorithm %s (or eplb:NAME for any of %s) plans with eplb's solver (%s mode)",
             ", ".join(n for n in policy_names() if n not in SGLANG_ALGORITHMS),
             policy_names(),
+            config.mode,
         )
-    if _enabled(FUSED_ENV, default=False) and "fused" not in _REGISTERED:
+    if config.metrics_port is not None and "metrics" not in _REGISTERED:
+        HookRegistry.register(
+            "sglang.srt.eplb.eplb_manager.EPLBManager.__init__", eplb_manager_init_hook, HookType.AROUND
+        )
+        _REGISTERED.append("metrics")
+    if fused and "fused" not in _REGISTERED:
         from eplb.integrations.sglang_remap import register_fused
 
-        register_fused(HookRegistry, HookType)
+        try:
+            register_fused(HookRegistry, HookType)
+        except ValueError as exc:
+            raise SettingsExit(exc) from exc
         _REGISTERED.append("fused")
+    # Further opt-in hooks register here, each behind its own variable and _REGISTERED name.
 
 
 def launch_flags(placement: Placement, json_path: str, algorithm: str) -> dict[str, str]:

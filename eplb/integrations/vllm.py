@@ -15,10 +15,17 @@ windows [W, L, E] (recent windows weigh more), migration-aware from the live map
 -1 for an empty slot). vLLM runs the policy on every rank and each rank applies its own answer, so
 the answer depends only on what vLLM passes and on the history, which every rank builds from the
 same all-reduced windows; a change of EP size starts a new history on every rank alike.
+
+``EPLB_REBALANCE_MODE=continuous`` (eplb.integrations.engine_env; pair it with
+``--eplb-config '{"step_interval": 50, "window_size": 50}'``) makes each rebalance a budgeted
+continuous-mode step through the same :class:`~eplb.policy.decision.Decider` as eplb's manager,
+planned from the last ``EPLB_VLLM_HISTORY`` windows (default there: 4). ``EPLB_METRICS_PORT`` makes
+rank 0 export eplb's metrics from the windows vLLM hands over (eplb.integrations.engine_metrics).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -27,7 +34,11 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from eplb.integrations.engine_env import METRICS_PORT_ENV as METRICS_ENV
+from eplb.integrations.engine_env import MODE_ENV, EngineEnv, env_int, read_engine_env
+from eplb.integrations.engine_metrics import EngineMetrics
 from eplb.integrations.engine_plan import EngineDecisions, EnginePlan, engine_placement, make_planner
+from eplb.placement.model import Placement
 from eplb.policy import check_policy_name
 from eplb.solver.planner import SolverPlanner
 from eplb.traces.window_log import WindowLogs
@@ -43,6 +54,9 @@ DEFAULT_HISTORY = 1
 """One window per rebalance, as vLLM's own policy plans: drifting load makes older windows stale
 (on the tests' drifting input, 4 windows balanced the next one 0.01-0.03 worse than the latest
 alone); more windows only smooth windows too short to say much."""
+CONTINUOUS_HISTORY = 4
+"""Continuous mode's default: 4 windows of ``step_interval`` 50 passes, the 200 passes eplb's own
+continuous mode plans from (eplb.config.CONTINUOUS_BUFFER_SIZE)."""
 VLLM_POLICY_NAME = "default"
 """The key of ``vllm.distributed.eplb.policy.EPLB_POLICIES`` that vLLM's config can select."""
 SOLVER_DEFAULTS: dict[str, Any] = {"decay_half_life": 0.5}
@@ -57,6 +71,8 @@ _ON = ("1", "true", "on", "yes", "eplb")
 _LOG = logging.getLogger("vllm.eplb_plugin")
 DUMP_ENV = "EPLB_VLLM_DUMP_DIR"
 """Environment variable: a folder; rank 0 keeps every rebalance window there as an eplb trace."""
+VLLM_ENV = (POLICY_ENV, HISTORY_ENV, DUMP_ENV)
+"""The ``EPLB_*`` variables of this plugin (beside eplb.integrations.engine_env.SHARED_ENV)."""
 _WINDOWS = WindowLogs("vllm", DUMP_ENV, _LOG)
 
 
@@ -72,18 +88,12 @@ def requested_algorithm(environ: Mapping[str, str] | None = None) -> str | None:
     return raw
 
 
-def history_from_env(environ: Mapping[str, str] | None = None) -> int:
-    """``EPLB_VLLM_HISTORY`` as a window count >= 1 (ValueError otherwise)."""
+def history_from_env(environ: Mapping[str, str] | None = None, *, continuous: bool = False) -> int:
+    """``EPLB_VLLM_HISTORY`` as a window count >= 1 (ValueError otherwise); unset: the mode's default."""
     env = os.environ if environ is None else environ
-    raw = env.get(HISTORY_ENV, "").strip()
-    if not raw:
-        return DEFAULT_HISTORY
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{HISTORY_ENV} must be an integer >= 1, got {raw!r}") from None
-    if value < 1:
-        raise ValueError(f"{HISTORY_ENV} must be >= 1, got {value}")
+    value = env_int(env, HISTORY_ENV, low=1)
+    if value is None:
+        return CONTINUOUS_HISTORY if continuous else DEFAULT_HISTORY
     return value
 
 
@@ -104,25 +114,40 @@ class EplbVllmPolicy:
     """vLLM's own policy that this one replaced (for comparison and for turning eplb off in code)."""
     last_plan: ClassVar[EnginePlan | None] = None
     """The most recent plan, for logs and checks."""
-    _history: ClassVar[dict[tuple[int, ...], list[np.ndarray]]] = {}
+    settings: ClassVar[EngineEnv | None] = None
+    """The checked environment (eplb.integrations.engine_env), set by :meth:`configure`."""
+    metrics: ClassVar[EngineMetrics | None] = None
+    """Rank 0's metrics with ``EPLB_METRICS_PORT`` (started at the first rebalance)."""
     _decisions: ClassVar[dict[tuple[int, ...], EngineDecisions]] = {}
-    """Per model shape: the rebalance decisions (eplb.policy.decision), one window per call."""
+    """Per model shape: the rebalance decisions (eplb.policy.decision) and the kept windows, one
+    window per call."""
     _lock: ClassVar[threading.Lock] = threading.Lock()
 
     @classmethod
-    def configure(cls, *, algorithm: str = "auto", history_windows: int = DEFAULT_HISTORY) -> None:
-        """Set the algorithm and history length; options come from ``EPLB_SOLVER_OPTIONS``."""
+    def configure(
+        cls,
+        *,
+        algorithm: str = "auto",
+        history_windows: int = DEFAULT_HISTORY,
+        settings: EngineEnv | None = None,
+    ) -> None:
+        """Set the algorithm, history length and settings (default: read from the environment now);
+        options come from ``EPLB_SOLVER_OPTIONS``."""
         if history_windows < 1:
             raise ValueError(f"history_windows must be >= 1, got {history_windows}")
-        cls.planner = make_planner(algorithm, POLICY_ENV, SOLVER_DEFAULTS)
+        config = settings or read_engine_env(known=VLLM_ENV)
+        cls.planner = make_planner(algorithm, POLICY_ENV, SOLVER_DEFAULTS, settings=config)
         cls.algorithm = algorithm
         cls.history_windows = history_windows
+        if cls.metrics is not None:
+            cls.metrics.close()
+        cls.settings, cls.metrics = config, EngineMetrics(config, _LOG)
+        cls.reset()
 
     @classmethod
     def reset(cls) -> None:
-        """Forget every kept window (a fresh process's state)."""
+        """Forget every kept window and decision (a fresh process's state)."""
         with cls._lock:
-            cls._history.clear()
             cls._decisions.clear()
             cls.last_plan = None
 
@@ -144,39 +169,91 @@ class EplbVllmPolicy:
             raise ValueError(f"vLLM's load window must be [L, E], got shape {tuple(load_LE.shape)}")
         L, E = load_LE.shape
         key = (L, E, num_replicas, num_ranks, num_nodes)
+        if cls.planner is None or cls.settings is None:
+            cls.configure(algorithm=cls.algorithm, history_windows=cls.history_windows)
+        planner, config = cls.planner, cls.settings
+        assert planner is not None and config is not None
         with cls._lock:
-            kept = cls._history.setdefault(key, [])
             if load_LE.any():  # an empty window (a profile run) says nothing about the future
-                kept.append(load_LE)
-                del kept[: -cls.history_windows]
                 _WINDOWS.record(load_LE)  # with EPLB_VLLM_DUMP_DIR set (eplb.traces.window_log)
-            window_WLE = np.stack(kept) if kept else load_LE[None]
-            decisions = cls._decisions.setdefault(
-                key, EngineDecisions(num_gpus=num_ranks, num_nodes=num_nodes, passes_per_rebalance=1)
-            )
-        planner = cls.planner or make_planner(cls.algorithm, POLICY_ENV, SOLVER_DEFAULTS)
+            decisions = cls._decisions.get(key)
+            if decisions is None:
+                decisions = cls._decisions[key] = EngineDecisions(
+                    num_gpus=num_ranks,
+                    num_nodes=num_nodes,
+                    passes_per_rebalance=1,
+                    settings=config,
+                    history_rows=cls.history_windows,
+                    metrics=cls.metrics,
+                )
         nodes = num_nodes if num_nodes >= 1 and num_ranks % num_nodes == 0 else 1
-        current = None
+        current, alive = None, None
         if old_global_expert_indices is not None:
-            current = engine_placement(old_global_expert_indices, window_WLE.sum(axis=0), num_ranks, nodes)
+            # The live map's empty slots are filled from the newest window's load.
+            current, alive = elastic_current(
+                old_global_expert_indices, load_LE, num_replicas, num_ranks, nodes
+            )
+        if alive is not None:
+            # Scale-down: the leaving ranks still serve their experts to the survivors (vLLM moves
+            # the weights before it shuts them down), so nothing comes from the checkpoint.
+            planner = dataclasses.replace(
+                planner, options=dataclasses.replace(planner.options, reload_source="peer")
+            )
         plan = decisions.rebalance(
-            window_WLE,
+            load_LE,
             num_physical=num_replicas,
             num_gpus=num_ranks,
             num_nodes=nodes,
             num_groups=num_groups,
             planner=planner,
             current=current,
+            alive=alive,
         )
         cls.last_plan = plan
         _LOG.info(
-            "eplb %s: %s windows, %s (%s)",
+            "eplb %s (%s): %s windows, %s, %d copies (%s)",
             cls.algorithm,
-            window_WLE.shape[0],
+            config.mode,
+            decisions.kept_rows,
             "new placement" if plan.applied else "placement kept",
+            plan.copies,
             plan.reason,
         )
         return torch.from_numpy(plan.phy2log_int64())
+
+
+def elastic_current(
+    old_phy2log: Any, load_LE: np.ndarray, num_replicas: int, num_ranks: int, num_nodes: int
+) -> tuple[Placement | None, np.ndarray | None]:
+    """The live placement vLLM's map ``old_phy2log`` [L, P_old] stands for, and which of its ranks live.
+
+    vLLM 0.33's elastic EP hands the policy the new sizes with the old map. Scale-down
+    (``rank_mapping`` {r: r if r < new size else -1}, elastic_execute's only form): the old map is
+    wider than ``num_replicas``; its ranks from ``num_ranks`` on are leaving, so the plan is the
+    degraded plan over the first ``num_ranks`` (bool [G_old] returned), numbered as vLLM numbers
+    them. Scale-up: the new ranks' slots hold -1 (``reconfigure_physical_expert_slots``), or the map
+    is the old ranks' only and is padded so, as vLLM's ``_map_old_expert_indices_with_rank_mapping``
+    does; the -1 slots are filled as any empty slot (:func:`engine_placement`). (None, None) when
+    the map fits neither: a fresh plan.
+    """
+    if hasattr(old_phy2log, "detach"):
+        old_phy2log = old_phy2log.detach().cpu().numpy()
+    old_LP = np.asarray(old_phy2log, dtype=np.int64)
+    if old_LP.ndim != 2 or num_ranks < 1 or num_replicas % num_ranks:
+        return None, None
+    S = num_replicas // num_ranks
+    width = old_LP.shape[1]
+    if width < num_replicas and width % S == 0:  # scale-up: the joining ranks' slots are empty
+        old_LP = np.pad(old_LP, ((0, 0), (0, num_replicas - width)), constant_values=-1)
+    if old_LP.shape[1] <= num_replicas:
+        return engine_placement(old_LP, load_LE, num_ranks, num_nodes), None
+    if width % S:
+        return None, None
+    old_ranks = width // S
+    per_node = num_ranks // num_nodes
+    old_nodes = old_ranks // per_node if old_ranks % per_node == 0 else 1
+    current = engine_placement(old_LP, load_LE, old_ranks, old_nodes)
+    return (None, None) if current is None else (current, np.arange(old_ranks) < num_ranks)
 
 
 _POLICY_CLASS: type[EplbVllmPolicy] | None = None
@@ -200,27 +277,42 @@ def register() -> None:
     """The ``vllm.general_plugins`` entry point: install eplb's policy if ``EPLB_VLLM_POLICY`` asks.
 
     Runs in every vLLM process, maybe more than once: the second call changes nothing. A bad
-    ``EPLB_VLLM_POLICY``, ``EPLB_VLLM_HISTORY`` or ``EPLB_SOLVER_OPTIONS`` raises ValueError, which
-    stops vLLM at start-up.
+    value of any ``EPLB_*`` variable (``EPLB_VLLM_POLICY``, ``EPLB_VLLM_HISTORY``, those of
+    eplb.integrations.engine_env) raises ValueError naming it, which stops vLLM at start-up; so
+    does asking for continuous mode or metrics with the policy off.
     """
     algorithm = requested_algorithm()
+    config = read_engine_env(known=VLLM_ENV)
+    history = history_from_env(continuous=config.continuous)
     if algorithm is None:
+        asked = [
+            var
+            for var, on in ((MODE_ENV, config.continuous), (METRICS_ENV, config.metrics_port is not None))
+            if on
+        ]
+        if asked:
+            raise ValueError(
+                f"{', '.join(asked)} set, but eplb's vLLM policy is off: set {POLICY_ENV}=1 (or unset {asked[0]})"
+            )
         _LOG.debug("eplb: %s is not set; vLLM's EPLB policy is unchanged", POLICY_ENV)
         return
     from vllm.distributed.eplb.policy import EPLB_POLICIES
 
     policy = policy_class()
-    policy.configure(algorithm=algorithm, history_windows=history_from_env())
+    if policy.settings != config or policy.algorithm != algorithm or policy.history_windows != history:
+        policy.configure(algorithm=algorithm, history_windows=history, settings=config)
     current = EPLB_POLICIES[VLLM_POLICY_NAME]
     if current is not policy:
         policy.vllm_default = current
         EPLB_POLICIES[VLLM_POLICY_NAME] = policy
     _LOG.info(
-        "eplb: vLLM's EPLB policy %r is eplb's %r (%s=%s); unset %s to use vLLM's own",
+        "eplb: vLLM's EPLB policy %r is eplb's %r (%s=%s, %s mode, %d windows); unset %s to use vLLM's own",
         VLLM_POLICY_NAME,
         algorithm,
         POLICY_ENV,
         os.environ.get(POLICY_ENV, ""),
+        config.mode,
+        history,
         POLICY_ENV,
     )
 

@@ -192,7 +192,9 @@ METRICS: tuple[MetricSpec, ...] = (
         kind="gauge",
         labels=("when",),
         unit="ratio",
-        help="Model balancedness the last rebalance started from (when=before) and expected or reached (when=after).",
+        help="Model balancedness the last rebalance started from (when=before) and expected or reached (when=after); "
+        "inside an engine also what the previous rebalance predicted for the window (when=predicted) and what it "
+        "realized (when=realized).",
     ),
     MetricSpec(
         name=LAST_REBALANCE_TIMESTAMP,

@@ -163,7 +163,14 @@ class PrometheusSink(MetricsSink):
             self._transfer.observe(transfer_seconds)
             self._experts_moved.inc(experts_moved)
             self._bytes_moved.inc(bytes_moved)
-        self._last_rebalance.record(outcome, cause, event["balancedness_before"], event["balancedness_after"])
+        self._last_rebalance.record(
+            outcome,
+            cause,
+            event["balancedness_before"],
+            event["balancedness_after"],
+            event.get("predicted_balancedness"),
+            event.get("realized_balancedness"),
+        )
 
     def on_topology(
         self, *, num_layers: int, num_logical: int, num_physical: int, num_gpus: int, num_nodes: int
@@ -205,11 +212,24 @@ class _LastRebalanceCollector(Collector):
         self._lock = threading.Lock()
         self._last: dict[tuple[str, str], float] = {}
         self._balancedness: tuple[float, float] | None = None
+        # when=predicted / when=realized, once a reporter (the engine adapters) gave them.
+        self._forecast: dict[str, float] = {}
 
-    def record(self, outcome: str, cause: str, before: float, after: float) -> None:
+    def record(
+        self,
+        outcome: str,
+        cause: str,
+        before: float,
+        after: float,
+        predicted: float | None = None,
+        realized: float | None = None,
+    ) -> None:
         with self._lock:
             self._last[(outcome, cause)] = time.time()
             self._balancedness = (before, after)
+            for when, value in (("predicted", predicted), ("realized", realized)):
+                if value is not None:
+                    self._forecast[when] = float(value)
 
     def describe(self) -> Iterator[Metric]:
         yield from self._families()
@@ -217,7 +237,7 @@ class _LastRebalanceCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         stamps, balance = self._families()
         with self._lock:
-            last, balancedness = dict(self._last), self._balancedness
+            last, balancedness, forecast = dict(self._last), self._balancedness, dict(self._forecast)
         for outcome in names.REBALANCE_OUTCOMES:
             for cause in causes_of(outcome):
                 if (outcome, cause) in last:
@@ -225,6 +245,8 @@ class _LastRebalanceCollector(Collector):
         if balancedness is not None:
             balance.add_metric(["before", *self._engine_values], balancedness[0])
             balance.add_metric(["after", *self._engine_values], balancedness[1])
+        for when, value in sorted(forecast.items()):
+            balance.add_metric([when, *self._engine_values], value)
         yield stamps
         yield balance
 

@@ -48,6 +48,11 @@ class RebalanceEvent(TypedDict):
     balancedness_after: float
     cause: NotRequired[RebalanceCause | None]
     """One of :data:`eplb.metrics.causes.REBALANCE_CAUSES`; absent or None: derived from ``reason``."""
+    predicted_balancedness: NotRequired[float | None]
+    """What the previous rebalance predicted for the placement that then served the window
+    (the engine adapters report it; absent or None: not exported)."""
+    realized_balancedness: NotRequired[float | None]
+    """What that placement realized on the window (absent or None: not exported)."""
 
 
 class MetricsSink(Protocol):

@@ -141,7 +141,7 @@ def vllm_checks() -> dict[str, Any]:
             plans.append(current.tolist())
         runs.append(plans)
     out["history_runs"] = runs
-    out["history_kept"] = len(next(iter(policy._history.values())))
+    out["history_kept"] = next(iter(policy._decisions.values())).kept_rows
 
     # Drifting load, one summed window per rebalance: each policy from its own live map.
     out["drift"] = []

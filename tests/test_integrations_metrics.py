@@ -1,0 +1,76 @@
+"""The adapters' metrics (eplb.integrations.engine_metrics) in process: what each rebalance reports,
+against values recomputed here in plain numpy; nothing without a port."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from eplb.integrations.engine_env import read_engine_env
+from eplb.integrations.engine_metrics import EngineMetrics
+from eplb.integrations.engine_plan import EngineDecisions, make_planner
+from eplb.metrics import names
+from eplb.placement.model import Placement
+
+
+def _balancedness(load_LE: np.ndarray, phy2log_LP: np.ndarray, G: int) -> float:
+    E = load_LE.shape[1]
+    replicas_LE = np.stack([np.bincount(row, minlength=E) for row in phy2log_LP])
+    share_LP = np.take_along_axis(load_LE / replicas_LE, phy2log_LP, axis=1)
+    gpu_LG = share_LP.reshape(load_LE.shape[0], G, -1).sum(axis=2)
+    return float(np.mean(gpu_LG.mean(axis=1) / gpu_LG.max(axis=1)))
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_each_rebalance_is_reported_and_only_with_a_port() -> None:
+    L, E, G, P = 3, 12, 4, 16
+    settings = read_engine_env({"EPLB_REBALANCE_MODE": "continuous", "EPLB_METRICS_PORT": "0",
+                                "EPLB_MODEL_NAME": "m"})  # fmt: skip
+    metrics = EngineMetrics(settings, logging.getLogger("test"))
+    try:
+        decisions = EngineDecisions(num_gpus=G, num_nodes=1, passes_per_rebalance=5, settings=settings,
+                                    history_rows=10, metrics=metrics)  # fmt: skip
+        planner = make_planner("auto", "flag", settings=settings)
+        rng = np.random.default_rng(1)
+        live = Placement.trivial(L, E, G, P - E)
+        windows = [rng.poisson(50 * np.exp(rng.standard_normal((L, E))), size=(5, L, E)) for _ in range(3)]
+        plans, befores = [], []
+        for window in windows:
+            befores.append(_balancedness(window.sum(axis=0).astype(float), live.phy2log_LP, G))
+            plan = decisions.rebalance(window, num_physical=P, num_gpus=G, num_nodes=1, num_groups=1,
+                                       planner=planner, current=live)  # fmt: skip
+            plans.append(plan)
+            live = plan.placement
+        assert metrics.exporter is not None
+        got = _samples(metrics.sink.render().decode())  # type: ignore[union-attr]
+        const = (("engine", "0"), ("model_name", "m"))
+
+        def value(name: str, **labels: str) -> float:
+            return got[(name, tuple(sorted({**labels, **dict(const)}.items())))]
+
+        assert sum(v for (n, _), v in got.items() if n == names.REBALANCES) == 3
+        assert value(names.REBALANCES, outcome="applied", cause="applied") == sum(p.applied for p in plans)
+        assert value(names.EXPERTS_MOVED) == sum(p.copies for p in plans)
+        assert value(names.LAST_REBALANCE_BALANCEDNESS, when="before") == befores[-1]
+        after = _balancedness(windows[-1].sum(axis=0).astype(float), plans[-1].placement.phy2log_LP, G)
+        assert value(names.LAST_REBALANCE_BALANCEDNESS, when="after") == after
+        # The last window was served by what the second rebalance left; it predicted this for it.
+        assert plans[1].predicted is not None
+        assert value(names.LAST_REBALANCE_BALANCEDNESS, when="predicted") == plans[1].predicted
+        assert value(names.LAST_REBALANCE_BALANCEDNESS, when="realized") == befores[-1]
+        assert value(names.MODEL_BALANCEDNESS) == befores[-1]
+        assert value(names.MANAGER_PHASE, phase="idle") == 1.0
+    finally:
+        metrics.close()
+    quiet = EngineMetrics(read_engine_env({}), logging.getLogger("test"))
+    quiet.start()
+    assert quiet.exporter is None
