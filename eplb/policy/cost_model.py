@@ -19,6 +19,8 @@ beside the following passes (:func:`swap_beside_passes`): it costs no stall whil
 last longer than its link time, and stalls for the excess when they do not; meanwhile every pass
 runs ``1 + slowdown`` times slower, where the slowdown depends on the swap's pace and kind
 (:meth:`CostModel.interference_slowdown`, from H200 measurements until a two-GPU run refines them).
+An engine's own swap pays per chunk of layers (:meth:`CostModel.chunk_transfer_seconds`): SGLang's
+stalls serving for each chunk's busiest GPU, vLLM's sends one layer per pass beside the passes.
 """
 
 from __future__ import annotations
@@ -93,14 +95,40 @@ class CostModel:
         each link at most at ``gbps`` (the swap's pace; None: link speed)."""
         arrivals_G = diff.arrivals_LGE.sum(axis=(0, 2))
         cross_node_G = diff.cross_node_arrivals_LGE.sum(axis=(0, 2))
-        intra_node_G = arrivals_G - cross_node_G
+        return float(self._link_seconds_xG(diff, arrivals_G, cross_node_G, gbps).max(initial=0.0))
+
+    def chunk_transfer_seconds(
+        self, diff: PlacementDiff, layers_per_chunk: int | None, gbps: float | None = None
+    ) -> np.ndarray:
+        """float64 [k]: link seconds of each chunk of ``layers_per_chunk`` consecutive layers (None:
+        one chunk of all, equal to :meth:`transfer_seconds`), each on its own busiest receiving GPU.
+
+        An engine that swaps chunk by chunk pays each chunk's busiest GPU in turn, so their sum is at
+        least :meth:`transfer_seconds`: SGLang's synchronous ``ExpertLocationUpdater`` stalls serving
+        for each chunk (``--eplb-rebalance-layers-per-chunk``), vLLM's asynchronous worker sends one
+        layer per pass (chunks of 1) beside the passes."""
+        if layers_per_chunk is not None and layers_per_chunk < 1:
+            raise ValueError(f"--eplb-rebalance-layers-per-chunk must be >= 1, got {layers_per_chunk}")
+        L = diff.arrivals_LGE.shape[0]
+        if L == 0:
+            return np.zeros(0)
+        starts_k = np.arange(0, L, L if layers_per_chunk is None else layers_per_chunk)
+        arrivals_kG = np.add.reduceat(diff.arrivals_LGE.sum(axis=2), starts_k, axis=0)
+        cross_node_kG = np.add.reduceat(diff.cross_node_arrivals_LGE.sum(axis=2), starts_k, axis=0)
+        return self._link_seconds_xG(diff, arrivals_kG, cross_node_kG, gbps).max(axis=-1, initial=0.0)
+
+    def _link_seconds_xG(
+        self, diff: PlacementDiff, arrivals_xG: np.ndarray, cross_node_xG: np.ndarray, gbps: float | None
+    ) -> np.ndarray:
+        """float64 [..., G]: link seconds of each GPU's arriving expert copies (intra-node over
+        NVLink, cross-node over the network), each link at most at ``gbps``."""
+        intra_node_xG = arrivals_xG - cross_node_xG
         pace = np.inf if gbps is None else gbps
         bytes_per = float(diff.bytes_per_expert)
-        seconds_G = bytes_per * (
-            intra_node_G / (min(self.nvlink_gbps, pace) * 1e9)
-            + cross_node_G / (min(self.internode_gbps, pace) * 1e9)
+        return bytes_per * (
+            intra_node_xG / (min(self.nvlink_gbps, pace) * 1e9)
+            + cross_node_xG / (min(self.internode_gbps, pace) * 1e9)
         )
-        return float(seconds_G.max(initial=0.0))
 
     def interference_slowdown(self, gbps: float | None) -> float:
         """Fraction by which a pass slows while a swap paced at ``gbps`` (None: unpaced) runs beside it."""

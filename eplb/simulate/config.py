@@ -13,8 +13,19 @@ the GPUs:
   ``--eplb-transfer-gbps`` and the maps switch at the first pass boundary after it arrives
   (``eplb.policy.cost_model``).
 
+Inside an engine the swap is the engine's own (``SimulationConfig.engine_swap``, either schedule):
+
+- ``sglang``: SGLang 0.5.23's ``ExpertLocationUpdater``, synchronous: serving waits for each
+  chunk of ``--eplb-rebalance-layers-per-chunk`` layers (all at once by default), one chunk per
+  pass; the stall is the sum of each chunk's busiest GPU's link time
+  (``CostModel.chunk_transfer_seconds``). The new placement serves from the next step.
+- ``vllm``: vLLM 0.33's asynchronous EPLB (its default): a worker thread moves one layer per pass
+  beside the passes (``rearrange_expert_weights_inplace``'s ``transfer_layer``), so a swap takes
+  at least one pass per layer; no stall, the passes lose the interference. A rearrangement due
+  while one is in flight is skipped (vLLM's ``step`` waits for it instead of stalling).
+
 The rest (the cost model, the model's bytes per expert and expert groups, seeds, solver options,
-the first scored step) exists only offline.
+the first scored step, the engine's swap) exists only offline.
 """
 
 from __future__ import annotations
@@ -25,6 +36,9 @@ from typing import Any
 
 from eplb.config import EplbConfig
 from eplb.policy.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
+
+ENGINE_SWAPS = ("eplb", "sglang", "vllm")
+"""SimulationConfig.engine_swap choices: eplb's own swap, SGLang's synchronous one, vLLM's asynchronous one."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,8 +67,16 @@ class SimulationConfig:
     score_from: int | None = None
     """--score-from: first scored step (None: the first rebalance). Runs of different schedules
     compare only on the same scored steps."""
+    engine_swap: str = "eplb"
+    """Whose swap moves the weights (ENGINE_SWAPS): eplb's own (periodic: one stall for the whole
+    transfer; continuous: beside the passes at ``--eplb-transfer-gbps``), SGLang's synchronous
+    one, or vLLM's asynchronous one (module docstring)."""
 
     def __post_init__(self) -> None:
+        if self.engine_swap not in ENGINE_SWAPS:
+            raise ValueError(
+                f"SimulationConfig.engine_swap: unknown swap {self.engine_swap!r}; choose from {ENGINE_SWAPS}"
+            )
         if not self.eplb.enable_eplb:
             raise ValueError(
                 "SimulationConfig.eplb: a simulation rebalances, so build it with "
@@ -82,6 +104,7 @@ class SimulationConfig:
             "cost": asdict(self.cost),
             "solver_options": dict(self.solver_options),
             "score_from": self.score_from,
+            "engine_swap": self.engine_swap,
             "num_gpus": flags.ep_size,
             "num_nodes": flags.nnodes,
             "num_redundant": flags.ep_num_redundant_experts,

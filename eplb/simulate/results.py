@@ -33,6 +33,8 @@ class RebalanceEvent:
     cover in continuous mode."""
     interference_seconds: float = 0.0
     """Time the passes lost while its swap ran beside them (continuous mode)."""
+    longest_stall_seconds: float = 0.0
+    """Longest single pause of serving in ``stall_seconds`` (SGLang's swap: its costliest chunk of layers)."""
     switch_step: int | None = None
     """First step on the new placement (periodic: ``step``; None: not applied, or still in flight at the end)."""
     changed_slots: int = 0

@@ -4,13 +4,16 @@ Shape legend: F steps, n passes (the steps of one chunk), W window, L layers, E 
 GPUs.
 
 At a rebalance the run plans from the window. Periodic mode switches to the plan at once and
-stalls for its transfer. Continuous mode keeps serving on the old placement while the swap goes
+stalls for its transfer (so does an engine's synchronous swap, SGLang's, chunk by chunk;
+``SimulationConfig.engine_swap``). Continuous mode keeps serving on the old placement while the swap goes
 beside the passes (``eplb.policy.cost_model.swap_beside_passes``); the maps switch at the pass
 boundary after it arrives, and a swap still in flight at the next rebalance stalls serving for
 the rest of its link time. Each applied plan's *realized* balancedness is what its prediction
 estimates (``Plan.predicted_balancedness``): the mean over the recorded steps it served until the
 next rebalance of their model balancedness, each step weighted by its load; the balancedness of
 that load summed, as a window is, is kept beside it (it reads higher: summing smooths the noise).
+vLLM's asynchronous swap goes beside the passes too, one layer per pass at least, and a rebalance
+due while it is in flight is skipped rather than stalled for.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ from eplb.simulate.planners import PastView, RunSpec
 from eplb.simulate.results import RebalanceEvent, RunResult
 from eplb.traces import Trace
 
+VLLM_IN_FLIGHT = "vLLM's asynchronous rearrangement of the previous plan is still moving layers"
+"""Why a rebalance is skipped under vLLM's swap: its ``EplbState.step`` does not rearrange while one runs."""
+
 
 @dataclass
 class _Swap:
@@ -47,6 +53,8 @@ class _Swap:
     """Slowdown of each pass it runs beside."""
     interference_seconds: float = 0.0
     """Time the passes have lost to it so far."""
+    passes_left: int = 0
+    """Passes it needs at least before it can switch (vLLM's swap: one per layer)."""
 
 
 class RunState:
@@ -93,6 +101,9 @@ class RunState:
     def rebalance(self, step: int) -> None:
         if self.planner is None:
             return
+        if self.swap is not None and self.config.engine_swap == "vllm":
+            self._skip_in_flight(step)
+            return
         if self.swap is not None:
             # Not arrived yet: serving stalls until it has, then switches before this plan is made.
             self.events[self.swap.event] = replace(
@@ -103,6 +114,17 @@ class RunState:
         counted = int(self.counted_F[step]) if step < self.counted_F.size else int(self.recorded_F.sum())
         copies = self._plan(step, counted)
         self.decider.record(counted_pass=counted, applied=copies is not None, copies=copies or 0.0)
+
+    def _skip_in_flight(self, step: int) -> None:
+        """vLLM's swap still in flight: no plan now, the old one keeps going (VLLM_IN_FLIGHT)."""
+        counted = int(self.counted_F[step]) if step < self.counted_F.size else int(self.recorded_F.sum())
+        window_steps = len(self.past.recorded_steps()[-self.config.eplb.recorder_buffer_size :])
+        self.events.append(
+            RebalanceEvent(
+                step=step, window_steps=window_steps, applied=False, reason=VLLM_IN_FLIGHT, solve_seconds=0.0
+            )
+        )
+        self.decider.record(counted_pass=counted, applied=False, copies=0.0)
 
     def _plan(self, step: int, counted: int) -> float | None:
         """Plan at ``step`` (the ``counted``-th recorded pass) and apply the plan if it passes;
@@ -149,29 +171,45 @@ class RunState:
             return None
         diff = diff_placements(self.placement, proposal.placement, self.config.bytes_per_expert)
         cost, gbps = self.config.cost, self.config.eplb.eplb_transfer_gbps
-        continuous = self.config.eplb.continuous
-        link_seconds = cost.transfer_seconds(diff, gbps if continuous else None)
+        engine = self.config.engine_swap
+        # Beside the passes: eplb's continuous swap, vLLM's asynchronous one; SGLang's waits.
+        beside = engine == "vllm" or (engine == "eplb" and self.config.eplb.continuous)
+        longest = 0.0
+        if engine == "sglang":
+            # Synchronous and unpaced: serving waits for each chunk of layers in turn.
+            chunks_k = cost.chunk_transfer_seconds(diff, self.config.eplb.eplb_rebalance_layers_per_chunk)
+            link_seconds, longest = float(chunks_k.sum()), float(chunks_k.max(initial=0.0))
+        elif engine == "vllm":
+            # One layer after the other, each on its own busiest GPU.
+            link_seconds = float(cost.chunk_transfer_seconds(diff, 1, gbps).sum())
+        else:
+            link_seconds = cost.transfer_seconds(diff, gbps if beside else None)
+            longest = 0.0 if beside else link_seconds
         self.events.append(
             replace(
                 skipped,
                 applied=True,
                 transfer_seconds=link_seconds,
-                # Periodic: serving waits for the whole transfer.
-                stall_seconds=0.0 if continuous else link_seconds,
+                # Not beside the passes: serving waits for the whole transfer.
+                stall_seconds=0.0 if beside else link_seconds,
+                longest_stall_seconds=longest,
                 changed_slots=diff.num_changed_slots,
                 experts_moved_across_gpus=diff.experts_moved_across_gpus,
                 experts_moved_across_nodes=diff.experts_moved_across_nodes,
                 bytes_moved=diff.bytes_across_gpus,
             )
         )
+        # vLLM's swap runs at the link's own pace unless paced.
+        pace = gbps if engine != "vllm" or gbps is not None else min(cost.nvlink_gbps, cost.internode_gbps)
         self.swap = _Swap(
             proposal.placement,
             proposal.dispatch_weights_LER,
             len(self.events) - 1,
             link_seconds,
-            cost.interference_slowdown(gbps) if continuous else 0.0,
+            cost.interference_slowdown(pace) if beside else 0.0,
+            passes_left=self.trace.num_layers if engine == "vllm" else 0,
         )
-        if not continuous or link_seconds == 0:
+        if not beside or (link_seconds == 0 and self.swap.passes_left == 0):
             self._switch(step)
         # Counted as the manager counts them: the plan's expert copies across GPUs.
         return float(diff.experts_moved_across_gpus)
@@ -229,8 +267,10 @@ class RunState:
             progress = swap_beside_passes(self.swap.remaining_seconds, moe_us_n, self.swap.slowdown)
             self.swap.remaining_seconds = progress.remaining_seconds
             self.swap.interference_seconds += progress.interference_seconds
-            if progress.remaining_seconds == 0:
-                switched = progress.passes
+            floor = self.swap.passes_left
+            self.swap.passes_left = max(floor - n, 0)
+            if progress.remaining_seconds == 0 and floor <= n:
+                switched = max(progress.passes, floor)
                 self._switch(start + switched)
                 # Fake dispatch ignores the placement: its load stays as drawn.
                 if switched < n and self.spec.dispatch != "fake":
