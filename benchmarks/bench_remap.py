@@ -18,8 +18,8 @@ all-gather's network latency is not in these figures), ``sglang-fused`` (SGLang 
 kernel, benchmarks/peers.py) and ``sglang-unfused`` (gather + ``scatter_add_``).
 
 Recorder: host CPU per pass of ``--graph-calls`` layers at T = 4096 (thread clock, GPU work queued)
-of the public function and of prepared calls, each plain and with the stat recorder
-(``layer_kwargs``; ``ExpertDistributionRecorder.prepare``), ``begin_pass``/``end_pass`` included.
+of every documented recorder path, each minus plain prepared remap in the same run
+(benchmarks.bench_remap_host.recorder_pass_us, the one measurement both benchmarks print).
 
 ``--sweep`` adds static launch configs inside the graph (block x warps x programs per SM, with
 and without ``gather_map``: the lookup from the map row in registers; shared-memory bins or
@@ -46,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.bench_remap_host import recorder_pass_us
 from benchmarks.harness import capture_graph, event_us, run_info, warm_up_gpu, write_result
 from benchmarks.peers import load_sglang_fused_kernel
 from benchmarks.remap_inputs import (
@@ -58,8 +59,7 @@ from benchmarks.remap_inputs import (
     triton_copy,
 )
 from eplb.kernels.remap_record import default_config, remap_record_triton
-from eplb.placement.model import Placement
-from eplb.recorder.recorder import CUDA_COUNT_ROWS, ExpertDistributionRecorder, RecorderConfig
+from eplb.recorder.recorder import CUDA_COUNT_ROWS
 from eplb.remap.api import count_rows_sum, remap_and_record
 from eplb.remap.call import RemapCall
 from eplb.remap.prepared import prepare_remap
@@ -318,73 +318,6 @@ def lp_warps_sweep(
     return rows
 
 
-def recorder_pass_us(T: int, K: int, E: int, P: int, layers: int, device: torch.device, passes: int) -> dict:
-    """Host CPU µs per pass of ``layers`` layers: plain remap, and with the stat recorder."""
-    tables = make_tables(E, P, layers, device)
-    pl = Placement.trivial(layers, E, num_gpus=GPUS, num_redundant=P - E)
-    ids = router_ids(T, K, E, device, seed=T)
-    out = torch.empty_like(ids)
-    rec = ExpertDistributionRecorder(RecorderConfig(mode="stat", window=100), pl, device=device)
-    rec.start()
-    plain = [prepare_remap(tables, layer, backend="triton") for layer in range(layers)]
-    recorded = rec.prepare(tables, backend="triton")
-
-    def public_plain() -> None:
-        for layer in range(layers):
-            remap_and_record(ids, tables, layer, out_TK=out, backend="triton")
-
-    def public_recorder() -> None:
-        rec.begin_pass(has_prefill=True, num_tokens=T)
-        for layer in range(layers):
-            kw: dict[str, Any] = rec.layer_kwargs(layer)
-            remap_and_record(ids, tables, layer, out_TK=out, backend="triton", **kw)
-        rec.end_pass()
-
-    def prepared_plain() -> None:
-        for remap in plain:
-            remap(ids, out)
-
-    def prepared_recorder() -> None:
-        rec.begin_pass(has_prefill=True, num_tokens=T)
-        for remap in recorded:
-            remap(ids, out)
-        rec.end_pass()
-
-    rows = {
-        "public, plain": public_plain,
-        "public, recorder (layer_kwargs)": public_recorder,
-        "prepared, plain": prepared_plain,
-        "prepared, recorder (prepare)": prepared_recorder,
-    }
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for fn in rows.values():
-        for _ in range(3):
-            fn()
-    best = {name: float("inf") for name in rows}
-    order = list(rows)
-    for r in range(15):
-        random.Random(r).shuffle(order)
-        for name in order:
-            sync()
-            start = time.thread_time()
-            for _ in range(passes):
-                rows[name]()
-            best[name] = min(best[name], (time.thread_time() - start) / passes * 1e6)
-    sync()
-    base = best["public, plain"]
-    return {
-        "T": T,
-        "layers": layers,
-        "pass_us": best,
-        "recorder_overhead_vs_public_plain_us": {
-            "layer_kwargs": best["public, recorder (layer_kwargs)"] - base,
-            "prepare": best["prepared, recorder (prepare)"] - base,
-        },
-        "recorder_overhead_vs_prepared_plain_us": best["prepared, recorder (prepare)"]
-        - best["prepared, plain"],
-    }
-
-
 def print_tables(results: list[dict[str, Any]], recorder: dict[str, Any] | None, graph_calls: int) -> None:
     names = [
         "copy",
@@ -434,16 +367,12 @@ def print_tables(results: list[dict[str, Any]], recorder: dict[str, Any] | None,
             )
     if recorder is not None:
         print(
-            f"\nhost µs per pass of {recorder['layers']} layers at T = {recorder['T']} (thread CPU, min of 15)"
+            f"\nhost µs per pass of {recorder['layers']} layers at T = {recorder['T']} "
+            f"(thread CPU, median of {recorder['passes']}; benchmarks.bench_remap_host.recorder_pass_us)"
         )
         for name, us in recorder["pass_us"].items():
-            print(f"  {name:34s}{us:10.1f}")
-        over = recorder["recorder_overhead_vs_public_plain_us"]
-        print(
-            f"  recorder overhead vs plain public remap: layer_kwargs {over['layer_kwargs']:+.1f}, "
-            f"prepare {over['prepare']:+.1f}; vs plain prepared: "
-            f"{recorder['recorder_overhead_vs_prepared_plain_us']:+.1f} (target <= 20)"
-        )
+            above = recorder["above_prepared_plain_us"][name]
+            print(f"  {name:40s}{us:10.1f}  ({above:+.1f} above plain prepared; target <= 20)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -454,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--physical", type=int, default=288)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--graph-calls", type=int, default=58)
-    ap.add_argument("--recorder-passes", type=int, default=20, help="passes per round of the recorder rows")
+    ap.add_argument("--recorder-passes", type=int, default=300, help="passes of each recorder row (median)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--sweep", action="store_true", help="also time static launch configs in the graph")
     ap.add_argument(
@@ -493,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
         results.append(row)
     recorder = None
     if timed:
-        recorder = recorder_pass_us(4096, K, E, P, args.graph_calls, device, args.recorder_passes)
+        recorder = recorder_pass_us(4096, args.graph_calls, args.recorder_passes, device)
         print_tables(results, recorder, args.graph_calls)
     print(f"\ntotal {time.perf_counter() - started:.0f} s")
     path = args.json or (Path(os.environ["OUT"]) / "bench_remap.json" if os.environ.get("OUT") else None)
