@@ -99,6 +99,11 @@ class EplbConfig:
     """Skip a rebalance when the windowed balancedness is above this (1.0: never skip)."""
     eplb_record_prefill_only: bool = False
     """Record and count only passes that carry prefill tokens on some rank."""
+    eplb_host_backup: bool = False
+    """Keep a host copy (pinned on CUDA) of every logical expert's weights, each on two ranks (of
+    different nodes when there are several), so that after a rank is lost the survivors reload the
+    experts it alone held from a survivor's host memory instead of the caller's loader
+    (eplb.manager.backup; per rank: 2 x layers x experts / ranks experts of host memory)."""
     ep_num_redundant_experts: int = 0
     """Physical slots beyond one per logical expert."""
     ep_dispatch_algorithm: str | None = None
@@ -368,6 +373,12 @@ def add_cli_args(parser: argparse.ArgumentParser, *, check: bool = True) -> argp
         "--eplb-record-prefill-only",
         action="store_true",
         help="record and count only passes that carry prefill tokens",
+    )
+    g.add_argument(
+        "--eplb-host-backup",
+        action="store_true",
+        help="keep every expert's weights in host memory on two ranks, so the survivors of a lost "
+        "rank reload the experts it alone held from there (default: the caller's loader)",
     )
     g.add_argument(
         "--ep-num-redundant-experts",

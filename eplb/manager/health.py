@@ -12,10 +12,11 @@ result and, by what the error says:
   (kept, never used again) and serves on; the manager makes a fresh one at the next rebalance
   boundary, which every rank reaches on the same pass through the serving group
   (:meth:`SwapGroups.renew`), once the ranks agree they hold the same placement;
-- a rank possibly gone (a heartbeat stopped, a connection broke, the store is unreachable) or
-  this rank's maps or slots undefined: *stops* for good: the manager serves on the placement it
-  holds and runs no collective and no rebalance again (a lost peer leaves the serving group no
-  better off).
+- a rank possibly gone (a heartbeat stopped, a connection broke, the store is unreachable):
+  stops, and names the rank (:attr:`SwapGroups.lost`): the manager's survivors then form a group
+  of their own and serve on (eplb.manager.recovery), or stop for good when they cannot;
+- this rank's maps or slots undefined: *stops* for good: the manager serves on the placement it
+  holds and runs no collective and no rebalance again.
 
 Either way the failure is logged and reported (its reason names the cause: ``peer lost`` or
 ``timeout``, and the rank).
@@ -60,6 +61,9 @@ class SwapGroups:
         """Why the last swap group was dropped; a fresh one is made at the next rebalance boundary."""
         self.stopped: str | None = None
         """Why this manager may never swap (nor run a collective) again; None while it may."""
+        self.lost: tuple[int, ...] | None = None
+        """After a swap that lost a peer (``alive`` False): the ranks of the group it named (may be
+        empty); the manager's survivors then recover without them (eplb.manager.recovery)."""
         self._given_up: list[dist.ProcessGroup] = []
         if agree.world_size > 1:
             if not all(agree.same(group_count())):
@@ -154,6 +158,7 @@ class SwapGroups:
             self.stopped = f"rank {self.rank}'s maps or slots are undefined"
         elif not exc.alive:
             self.stopped = "a rank may be gone"
+            self.lost = () if exc.rank is None or exc.rank == self.rank else (exc.rank,)
         else:
             self.dropped = str(exc)
         log.error(

@@ -1,5 +1,5 @@
-"""The manager's types and plan helpers: the engine protocol, records, state, swap jobs, the
-default planner and the plan's broadcast from rank 0.
+"""The manager's types and plan helpers: the engine protocol, the serving world, records, state,
+swap jobs, the default planner and the plan's broadcast from rank 0.
 
 Shape legend: W window (passes), L layers, E logical experts, P physical slots, R max replicas.
 """
@@ -10,10 +10,11 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from eplb.config import EplbConfig
 from eplb.hotswap.swap import PreparedSwap
@@ -24,13 +25,46 @@ from eplb.metrics.sink import MetricsSink, RebalanceOutcome
 from eplb.placement.model import Placement
 from eplb.policy.base import PlanLike, Planner
 
+if TYPE_CHECKING:
+    from eplb.manager.recovery import RecoveryRecord
+    from eplb.placement.degraded import DegradedPlacement
+    from eplb.recorder.recorder import ExpertDistributionRecorder
+
 
 class ExpertEngine(Protocol):
-    """The serving engine's side: slot buffers to swap and maps to update (eplb.moe.model.MoEModel)."""
+    """The serving engine's side: slot buffers to swap and maps to update (eplb.moe.model.MoEModel).
+
+    To serve on after a rank is lost, an engine also needs ``set_world(world: ServingWorld)``:
+    from the next pass on, serve on ``world.group`` as its rank ``world.rank`` with
+    ``world.placement`` (over the survivors; the slot buffers keep their rows, which hold it
+    already) and record through ``world.recorder``. The manager calls it once the survivors
+    reloaded what the lost ranks alone held; an engine without it makes a lost rank stop the
+    manager (eplb.manager.recovery).
+    """
 
     def slot_tensors(self, layer: int) -> Mapping[str, torch.Tensor]: ...
 
     def set_placement(self, placement: Placement, dispatch_weights_LER: np.ndarray | None = None) -> None: ...
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingWorld:
+    """The ranks that serve on after a rank was lost, as an engine's ``set_world`` receives them."""
+
+    group: dist.ProcessGroup
+    """The survivors' process group: the model's collectives (all-to-all) run on it from now on."""
+    rank: int
+    """This rank's rank in ``group`` (its index among ``ranks``)."""
+    ranks: tuple[int, ...]
+    """The survivors' global ranks, ascending: survivor i holds slots [i*S, (i+1)*S) of ``placement``."""
+    placement: Placement
+    """The live placement over the survivors (G' GPUs, P' = G' * S slots; this rank's slots are
+    its slot buffers' rows, unchanged in number)."""
+    dispatch_weights_LER: np.ndarray | None
+    """Per-replica dispatch weights of ``placement`` (None: uniform)."""
+    recorder: ExpertDistributionRecorder
+    """The recorder over ``placement`` that the layers record into from now on (a new one: its
+    count buffers have P' slots)."""
 
 
 @dataclass(frozen=True)
@@ -86,6 +120,13 @@ class ManagerState:
     """Hot-swap process groups made so far (one at start with several ranks, one per renewal)."""
     stopped: str | None = None
     """Why rebalancing stopped for good (phase ``stopped``); None while it runs."""
+    ranks: tuple[int, ...] = ()
+    """Global ranks the manager serves with now, ascending (fewer after a rank was lost)."""
+    degraded: DegradedPlacement | None = None
+    """After a rank was lost: the live placement in the numbering of the ranks the manager
+    started with, the lost ranks' slots -1 (eplb.placement.degraded); None before."""
+    recoveries: tuple[RecoveryRecord, ...] = field(default_factory=tuple)
+    """One record per recovery from a lost rank (eplb.manager.recovery)."""
 
 
 FAILED, SKIP, APPLY = 0.0, 1.0, 2.0

@@ -56,6 +56,10 @@ class ExactExchange:
         self.slots_per_rank = slots_per_rank
         self.group = group
 
+    def on_group(self, group: dist.ProcessGroup, world_size: int) -> ExactExchange:
+        """This exchange over another group (the survivors' after a rank was lost)."""
+        return ExactExchange(world_size, self.slots_per_rank, group)
+
     def dispatch(self, hidden_TH: torch.Tensor, phys_TK: torch.Tensor, valid_TK: torch.Tensor) -> Routed:
         K = phys_TK.shape[1]
         G = self.world_size
@@ -110,6 +114,10 @@ class PaddedExchange:
         self.capacity = capacity
         self.group = group
         self.dropped_1: torch.Tensor | None = None
+
+    def on_group(self, group: dist.ProcessGroup, world_size: int) -> PaddedExchange:
+        """This exchange over another group (the survivors' after a rank was lost), same capacity."""
+        return PaddedExchange(world_size, self.slots_per_rank, self.capacity, group)
 
     def dispatch(self, hidden_TH: torch.Tensor, phys_TK: torch.Tensor, valid_TK: torch.Tensor) -> Routed:
         T, K = phys_TK.shape

@@ -59,6 +59,18 @@ class ExpertParallelMoE:
     def num_logical(self) -> int:
         return self.tables.num_logical
 
+    def serve_on(self, exchange: Exchange, tables: DispatchTables) -> None:
+        """Serve from the next call on through ``exchange`` and ``tables``: after a rank was lost,
+        the survivors' group and this rank's tables of their placement (eplb.manager.recovery).
+        The slot buffers stay (their rows are this rank's slots in the survivors' placement)."""
+        S = self.slots["w13"].shape[0]
+        if exchange.slots_per_rank != S or tables.slots_per_gpu != S:
+            raise ValueError(
+                f"the new exchange and tables must keep {S} slots per rank, got "
+                f"{exchange.slots_per_rank} and {tables.slots_per_gpu}"
+            )
+        self.exchange, self.tables = exchange, tables
+
     def forward(
         self,
         hidden_TH: torch.Tensor,

@@ -1,0 +1,433 @@
+"""After a rank is lost: the survivors form a group of their own, agree on the degraded plan and
+reload what only the lost ranks held (docs/architecture.md, "Surviving a lost rank").
+
+Shape legend: W window (passes), L layers, E logical experts, P physical slots, G GPUs (ranks),
+S slots per GPU.
+
+:func:`regroup` is what every survivor runs, in the same order, on inputs they agree on:
+
+1. The members (eplb.manager.rendezvous): who serves on, decided once in the store.
+2. Checks every member makes on the same arrivals, so all refuse alike: one placement, as many
+   process groups, room for every logical expert in the survivors' slots, an engine that can
+   serve on another group, a source for every expert only the lost ranks held.
+3. A process group over the members (``new_group(ranks, use_local_synchronization=True)``: only
+   the members meet in the store, so it forms after a member died), with its control group and
+   liveness watch. Member i is the i-th lowest surviving global rank and keeps its slots: the
+   survivors' slot ``i * S + s`` is its slot ``s``.
+4. The window: every member's counts of the passes all of them recorded, summed over the members.
+5. The degraded plan: eplb.solver.solve with ``alive_ranks`` (no wall-clock budget; the members
+   check they computed the same), and the repaired placement it starts from
+   (eplb.solver.degraded.survivors), in which each lost expert took one slot of an expert that
+   keeps another replica.
+6. The reloads into those slots, from a host copy (the keeper's, sent point to point, or this
+   rank's own) or the caller's loader. They land in temporaries; only once every member agrees
+   that all arrived are the slots written, so a failed reload leaves every slot as it was.
+
+The slots then hold the repaired placement; the manager serves on it and moves on to the plan
+by a hot-swap on the survivors' own swap group.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import zlib
+from collections.abc import Callable, Collection, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from eplb.manager.backup import ExpertLoader, HostBackup, Move, SlotsOf, checked_weights, move_experts
+from eplb.manager.collectives import RankAgreement
+from eplb.manager.liveness import Liveness, RankLost
+from eplb.manager.rendezvous import Arrival, Members, RankLossError, rendezvous
+from eplb.placement.degraded import orphans, survivors_phy2log
+from eplb.placement.model import Placement
+from eplb.recorder.buffers import PassInfo
+
+if TYPE_CHECKING:
+    from eplb.solver.types import Plan, SolveOptions
+
+__all__ = ["RankLossError", "RecoveryRecord", "Regrouped", "Reload", "regroup", "reload_plan"]
+
+log = logging.getLogger("eplb.manager.recovery")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RecoveryRecord:
+    """One recovery from a lost rank, the same on every member (``seconds``: this rank's clock)."""
+
+    at_pass: int
+    lost: tuple[int, ...]
+    """Global ranks left out."""
+    ranks: tuple[int, ...]
+    """Global ranks serving on, ascending (member i is rank i of the survivors' group)."""
+    accounted: bool
+    """Every rank was accounted for when the members were decided (False: at the deadline)."""
+    seconds: float
+    reloads: int
+    """(layer, expert) pairs reloaded: those whose every replica was on a lost rank."""
+    reload_source: str
+    """host (a host copy) | loader (the caller's) | none (nothing to reload)."""
+    survivor_copies: int
+    """Expert copies between survivors the plan moved beyond the repair (0 when not rebalanced)."""
+    bytes_reloaded: int
+    bytes_moved: int
+    rebalanced: bool
+    """The plan went beyond the repair and its hot-swap committed."""
+    reason: str
+    balancedness_before: float
+    """The agreed window's balancedness on the repaired placement (as this server dispatches)."""
+    balancedness_after: float
+    """... on the placement served after the recovery."""
+    solve_seconds: float
+
+
+@dataclass(frozen=True)
+class Reload:
+    """One lost expert's reload into the survivors' slot ``slot`` (on member ``slot // S``)."""
+
+    layer: int
+    expert: int
+    slot: int
+    dest: int
+    """Member index of the rank receiving it."""
+    source: int | None
+    """Member index of the keeper sending its host copy (``dest``: its own copy); None: the
+    caller's loader, on ``dest``."""
+
+
+@dataclass
+class Regrouped:
+    """What :func:`regroup` leaves: the survivors' group, their plan, and the slots repaired."""
+
+    members: Members
+    group: dist.ProcessGroup
+    agree: RankAgreement
+    liveness: Liveness
+    rank: int
+    """This rank's index among the members (its rank in ``group``)."""
+    alive_G: np.ndarray
+    """bool [G]: the old group's ranks that serve on."""
+    load_WLE: np.ndarray
+    plan: Plan
+    repaired: Placement
+    reloads: list[Reload]
+
+
+def placement_digest(placement: Placement) -> int:
+    return zlib.crc32(np.ascontiguousarray(placement.phy2log_LP, dtype=np.int32).tobytes())
+
+
+def window_span(infos: Sequence[PassInfo], counted: int) -> tuple[int, int]:
+    """[first, end) counted-pass ids of a recorder's window (``(counted, counted)`` when empty)."""
+    return (infos[0].pass_id, infos[-1].pass_id + 1) if infos else (counted, counted)
+
+
+def reload_plan(
+    current: Placement,
+    repaired_LP: np.ndarray,
+    alive_G: np.ndarray,
+    *,
+    keepers_of: Mapping[tuple[int, int], tuple[int, ...]] | None,
+    ranks: Sequence[int],
+    has_loader: bool,
+) -> list[Reload]:
+    """The reloads that turn the survivors' part of ``current`` into ``repaired_LP`` [L, P'].
+
+    Every slot the repair changed gets an expert no survivor held. Its source: a keeper of its
+    host copy among the members (the receiving rank itself first, else the lowest), else the
+    loader. ``keepers_of``: global ranks keeping each lost (layer, expert) (None: no host copy);
+    ``ranks``: the members' global ranks. RankLossError when an expert has no source.
+    """
+    S = current.slots_per_gpu
+    live_LP = survivors_phy2log(current, alive_G)
+    held_LE = np.zeros((current.num_layers, current.num_logical), dtype=bool)
+    np.put_along_axis(held_LE, live_LP.astype(np.int64), True, axis=1)
+    out = []
+    for layer, slot in zip(*np.nonzero(live_LP != repaired_LP), strict=True):
+        expert = int(repaired_LP[layer, slot])
+        assert not held_LE[layer, expert], "the repair gives changed slots to lost experts only"
+        dest = int(slot) // S
+        keeping = [] if keepers_of is None else [r for r in keepers_of[(int(layer), expert)] if r in ranks]
+        members = [ranks.index(r) for r in keeping]
+        if dest in members:
+            source: int | None = dest
+        elif members:
+            source = min(members)
+        elif has_loader:
+            source = None
+        else:
+            what = "and its host copies were" if keepers_of is not None else "was"
+            raise RankLossError(
+                f"expert {expert} of layer {layer}: every replica {what} on lost rank(s), and there is "
+                "nothing to reload it from: pass the manager a loader, or run with --eplb-host-backup"
+            )
+        out.append(Reload(int(layer), expert, int(slot), dest, source))
+    return out
+
+
+def check_arrivals(members: Members, current: Placement) -> None:
+    """The checks every member makes on the same arrivals (RankLossError, alike on all)."""
+    arrivals = list(members.arrivals.values())
+    if len({a.placement for a in arrivals}) > 1:
+        raise RankLossError("the survivors hold different placements: they cannot plan together")
+    if len({a.groups for a in arrivals}) > 1:
+        raise RankLossError(
+            "the survivors hold different numbers of process groups, so a group over them would get "
+            "a different name on each"
+        )
+    if not all(a.can_regroup for a in arrivals):
+        raise RankLossError(
+            "the engine cannot serve on the survivors' group: give it a set_world(world) method "
+            "(eplb.manager.types.ExpertEngine)"
+        )
+    S, E = current.slots_per_gpu, current.num_logical
+    if len(members.ranks) * S < E:
+        raise RankLossError(
+            f"{len(members.ranks)} surviving rank(s) hold {len(members.ranks) * S} slots ({S} each), fewer "
+            f"than the {E} logical experts: every expert cannot be served"
+        )
+
+
+def regroup(
+    *,
+    old_group: dist.ProcessGroup | None,
+    world: Sequence[int],
+    me: int,
+    device: torch.device,
+    arrival: Arrival,
+    named_lost: Collection[int],
+    timeout_s: float,
+    lost_after_s: float,
+    why: str,
+    current: Placement,
+    window: tuple[Sequence[PassInfo], np.ndarray],
+    to_logical: Callable[[np.ndarray, list[int]], np.ndarray],
+    base_options: SolveOptions,
+    num_groups: int,
+    backup: HostBackup | None,
+    loader: ExpertLoader | None,
+    slots_of: SlotsOf,
+) -> Regrouped:
+    """Steps 1-6 on this rank (see the module's doc); collective over the survivors.
+
+    ``world``: the old group's global ranks; ``me``: this rank's global rank; ``window``: this
+    rank's recorder window (its passes and slot counts); ``to_logical``: the recorder's
+    conversion of slot counts to expert counts. RankLossError, alike on every member, when they
+    cannot serve on together.
+    """
+    from eplb.hotswap.heartbeat import group_store, root_store
+
+    store = group_store(old_group)
+    members = rendezvous(
+        store,
+        root_store(store),
+        world,
+        me,
+        arrival,
+        named_lost=named_lost,
+        timeout_s=timeout_s,
+        lost_after_s=lost_after_s,
+        why=why,
+    )
+    check_arrivals(members, current)
+    alive_G = np.isin(np.asarray(world), members.ranks)
+    keepers_of = None
+    if backup is not None:
+        keepers_of = {
+            (layer, e): backup.keepers(layer, e) for layer, e in np.argwhere(orphans(current, alive_G))
+        }
+    has_loader = all(a.loader for a in members.arrivals.values())
+    group, agree, liveness = _survivors_group(old_group, members, me, device, timeout_s, lost_after_s)
+    rank = members.ranks.index(me)
+    try:
+        infos, phys_FLP = window
+        load_WLE = agreed_window(
+            infos, phys_FLP, to_logical, members.arrivals, agree, (current.num_layers, current.num_logical)
+        )
+        options = degraded_options(base_options, alive_G, backup is not None)
+        plan, repaired = degraded_plan(load_WLE, current, options, num_groups)
+        same = agree.same(placement_digest(plan.placement), placement_digest(repaired))
+    except RankLost as exc:
+        raise RankLossError(f"a rank was lost while the survivors agreed on their plan: {exc}") from exc
+    if not all(same):
+        raise RankLossError("the survivors computed different degraded plans from the same inputs")
+    reloads = reload_plan(
+        current,
+        repaired.phy2log_LP,
+        alive_G,
+        keepers_of=keepers_of,
+        ranks=members.ranks,
+        has_loader=has_loader,
+    )
+    run_reloads(
+        reloads,
+        rank=rank,
+        ranks=members.ranks,
+        group=group,
+        agree=agree,
+        liveness=liveness,
+        slots_of=slots_of,
+        slots_per_gpu=current.slots_per_gpu,
+        backup=backup,
+        loader=loader,
+    )
+    return Regrouped(members, group, agree, liveness, rank, alive_G, load_WLE, plan, repaired, reloads)
+
+
+def _survivors_group(
+    old_group: dist.ProcessGroup | None,
+    members: Members,
+    me: int,
+    device: torch.device,
+    timeout_s: float,
+    lost_after_s: float,
+) -> tuple[dist.ProcessGroup, RankAgreement, Liveness]:
+    """Step 3: the members' group (collective over them), its agreement and its liveness watch."""
+    backend = str(dist.get_backend(old_group))
+    if "nccl" in backend:  # free the stream a collective with the lost peer may hold
+        pg = old_group if old_group is not None else dist.distributed_c10d._get_default_group()
+        try:
+            pg.abort()
+        except Exception as exc:  # the survivors' group does not depend on it
+            log.warning("rank %d: aborting the old serving group failed: %s", me, exc)
+    try:
+        group = dist.new_group(
+            list(members.ranks),
+            backend="nccl" if "nccl" in backend else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+            use_local_synchronization=True,
+        )
+    except RuntimeError as exc:  # a member lost meanwhile, or the store gone (DistError is one)
+        raise RankLossError(f"the survivors could not form their group: {type(exc).__name__}: {exc}") from exc
+    rank = members.ranks.index(me)
+    liveness = Liveness(group, members.ranks, rank, lost_after_s)
+    return group, RankAgreement.create(group, len(members.ranks), device, liveness), liveness
+
+
+def agreed_window(
+    infos: Sequence[PassInfo],
+    phys_FLP: np.ndarray,
+    to_logical: Callable[[np.ndarray, list[int]], np.ndarray],
+    arrivals: Mapping[int, Arrival],
+    agree: RankAgreement,
+    shape_LE: tuple[int, int],
+) -> np.ndarray:
+    """float64 [W, L, E]: the passes every member's window holds, summed over the members (one
+    all-reduce; each member fills the rows by pass id, so the shapes agree whatever it holds)."""
+    first = max(a.window[0] for a in arrivals.values())
+    end = min(a.window[1] for a in arrivals.values())
+    if end <= first:
+        return np.ones((1, *shape_LE))  # no pass in common: plan for an even load
+    rows = [f for f, info in enumerate(infos) if first <= info.pass_id < end]
+    local_FLE = np.zeros((end - first, *shape_LE), dtype=np.int64)
+    if rows:
+        got = to_logical(phys_FLP[rows], [infos[f].map_version for f in rows])
+        local_FLE[[infos[f].pass_id - first for f in rows]] = got
+    summed = agree.sum(torch.from_numpy(local_FLE)).numpy()
+    return summed.astype(np.float64)
+
+
+def degraded_plan(
+    load_WLE: np.ndarray, current: Placement, options: SolveOptions, num_groups: int
+) -> tuple[Plan, Placement]:
+    """Step 5: the degraded plan and the repaired placement it starts from (both compact: over
+    the members' slots)."""
+    from eplb.solver.degraded import survivors
+    from eplb.solver.solve import solve
+    from eplb.solver.types import Topology, as_load_array
+
+    topology = Topology(
+        num_gpus=current.num_gpus,
+        num_nodes=current.num_nodes,
+        num_physical=current.num_physical,
+        num_groups=num_groups,
+    )
+    plan = solve(load_WLE, topology, current, options)
+    repaired = survivors(as_load_array(load_WLE), topology, current, options).repaired
+    return plan, repaired
+
+
+def degraded_options(base: SolveOptions, alive_G: np.ndarray, host_backup: bool) -> SolveOptions:
+    """``base`` for the degraded plan: the ranks alive, where reloads come from, and no
+    wall-clock budget (every member must compute the same plan)."""
+    return replace(
+        base,
+        alive_ranks=tuple(bool(a) for a in alive_G),
+        reload_source="host" if host_backup else "checkpoint",
+        time_budget_s=None,
+    )
+
+
+def run_reloads(
+    reloads: Sequence[Reload],
+    *,
+    rank: int,
+    ranks: Sequence[int],
+    group: dist.ProcessGroup,
+    agree: RankAgreement,
+    liveness: Liveness,
+    slots_of: SlotsOf,
+    slots_per_gpu: int,
+    backup: HostBackup | None,
+    loader: ExpertLoader | None,
+) -> None:
+    """Step 6 on this rank: gather its reloads into temporaries, agree that every member's
+    arrived, then write them into the slots (RankLossError on every member when one failed)."""
+    moves: list[Move] = [
+        (r.source, r.dest, (r.layer, r.expert, r.slot)) for r in reloads if r.source is not None
+    ]
+
+    def host_copy(key: tuple[int, int, int]) -> Mapping[str, torch.Tensor]:
+        assert backup is not None, "a host copy's keeper has the backup"
+        return backup.kept[(key[0], key[1])]
+
+    failure = ""
+    got: dict[tuple[int, int, int], Mapping[str, torch.Tensor]] = {}
+    try:
+        got.update(
+            move_experts(
+                moves,
+                me=rank,
+                ranks=ranks,
+                group=group,
+                read=host_copy,
+                like=lambda key: slots_of(key[0]),
+                liveness=liveness,
+                what="reloading from the host copies",
+            )
+        )
+    except RankLost as exc:
+        raise RankLossError(f"a rank was lost while the survivors reloaded experts: {exc}") from exc
+    for r in reloads:
+        if r.dest != rank or (key := (r.layer, r.expert, r.slot)) in got:
+            continue
+        try:
+            if r.source == rank:
+                got[key] = host_copy(key)
+            else:
+                assert loader is not None, "reload_plan names the loader only when there is one"
+                got[key] = checked_weights(
+                    loader(r.layer, r.expert),
+                    slots_of(r.layer),
+                    f"reloading layer {r.layer} expert {r.expert}",
+                )
+        except Exception as exc:  # reported to every member below
+            failure = failure or f"{type(exc).__name__}: {exc}"
+    try:
+        failed = agree.any(bool(failure))
+    except RankLost as exc:
+        raise RankLossError(f"a rank was lost while the survivors reloaded experts: {exc}") from exc
+    if failed:
+        raise RankLossError(
+            f"reloading the lost experts failed ({failure or 'on another rank'}); no slot was written"
+        )
+    for r in reloads:
+        if r.dest == rank:
+            views = got[(r.layer, r.expert, r.slot)]
+            for name, t in slots_of(r.layer).items():
+                t[r.slot % slots_per_gpu].copy_(views[name])
