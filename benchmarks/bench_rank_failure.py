@@ -15,12 +15,16 @@ load on the experts lost with every replica (served only once reloaded); for ``n
 its maps still send to the lost ranks; and balancedness before the loss (passes 500-999: what
 failure-aware placement costs there).
 
-Cases: one rank lost (ranks 0, 5, 10, 15, 20, 25, 30, one replay each, and their mean); one node
-lost (ranks 8-15): at 32 redundant experts the 24 survivors hold 216 slots for 256 experts, which
-no plan can serve, so that case runs at 96 redundant (11 slots per GPU, 264 left), with and
-without eplb's failure-aware placement (``failure_domain=node``) before the loss.
+Cases: one rank lost (ranks 0, 5, 10, 15, 20, 25, 30, one replay each, and their mean), with and
+without eplb's failure-aware placement (``failure_domain=gpu``, one more replay per rank, eplb's run
+alone: SGLang's and ``none``'s do not depend on it); one node lost (ranks 8-15): at 32 redundant
+experts the 24 survivors hold 216 slots for 256 experts, which no plan can serve, so that case runs
+at 96 redundant (11 slots per GPU, 264 left), with and without ``failure_domain=node``. The last
+table checks, for each case, what issue 25 asks of failure-aware eplb against SGLang: balancedness
+after the loss at least SGLang's (to the next rebalance and to the end), fewer bytes reloaded and
+fewer moved at the loss.
 
-    python -m benchmarks.bench_rank_failure            # everything (about 5 minutes on 2 cores)
+    python -m benchmarks.bench_rank_failure            # everything (about 6 minutes on 2 cores)
     python -m benchmarks.bench_rank_failure --ranks 5  # one single-rank case
 """
 
@@ -63,13 +67,27 @@ def config(redundant: int, solver_options: dict[str, Any] | None = None) -> Simu
 
 
 def case(
-    trace: Trace, sim: SimulationConfig, ranks: tuple[int, ...], sglang: Any, tag: str
+    trace: Trace,
+    sim: SimulationConfig,
+    ranks: tuple[int, ...],
+    sglang: Any,
+    tag: str,
+    runs: tuple[str, ...] = ("scipy", "none"),
 ) -> list[dict[str, Any]]:
     started = time.perf_counter()
-    runs = [RunSpec("scipy", "static"), RunSpec("none", "static")]
-    result = simulate_rank_failures(trace, runs, sim, [RankFailure(LOSS_STEP, ranks)], sglang=sglang)
+    specs = [RunSpec(name, "static") for name in runs]
+    result = simulate_rank_failures(trace, specs, sim, [RankFailure(LOSS_STEP, ranks)], sglang=sglang)
     print(result.table(), f"\n({tag}: {time.perf_counter() - started:.0f} s)\n", flush=True)
     return [{**row, "case": tag} for row in result.summaries()]
+
+
+def aware_case(
+    trace: Trace, redundant: int, domain: str, ranks: tuple[int, ...], tag: str, runs: tuple[str, ...]
+) -> list[dict[str, Any]]:
+    """eplb's runs with failure-aware placement over ``domain``, named ``scipy:static failure_domain=...``."""
+    sim = config(redundant, {"failure_domain": domain})
+    rows = case(trace, sim, ranks, None, f"{tag}, failure_domain={domain}", runs)
+    return [{**r, "name": f"{r['name']} failure_domain={domain}"} for r in rows]
 
 
 def mean_rows(rows: list[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
@@ -98,6 +116,45 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def goal_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per case: failure-aware eplb against SGLang, the issue's four conditions."""
+    out = []
+    for r in rows:
+        if "refused" in r or "failure_domain" not in r["name"] or not r["name"].startswith("scipy"):
+            continue
+        base = r["case"].split(", failure_domain=")[0]
+        peer = next(
+            (p for p in rows if p["case"] == base and p["name"].startswith("sglang_elasticity_aware")), None
+        )
+        if peer is None:
+            continue
+        checks = {
+            "balance_to_rebalance": r["balancedness_to_rebalance"] >= peer["balancedness_to_rebalance"],
+            "balance_to_end": r["balancedness_after"] >= peer["balancedness_after"],
+            "fewer_reloaded": r["bytes_reloaded"] < peer["bytes_reloaded"],
+            "fewer_moved": r["bytes_moved_at_loss"] < peer["bytes_moved_at_loss"],
+        }
+        out.append({"case": base, "eplb": r, "sglang": peer, **checks, "met": all(checks.values())})
+    return out
+
+
+def goal_markdown(goals: list[dict[str, Any]]) -> str:
+    lines = [
+        "| case | to the next rebalance: eplb / SGLang | to the end | reloaded | moved at the loss | met |",
+        "|---|---|---|---|---|---|",
+    ]
+    for g in goals:
+        e, p = g["eplb"], g["sglang"]
+        lines.append(
+            f"| {g['case']} | {e['balancedness_to_rebalance']:.3f} / {p['balancedness_to_rebalance']:.3f} | "
+            f"{e['balancedness_after']:.3f} / {p['balancedness_after']:.3f} | "
+            f"{e['bytes_reloaded'] / 1e9:.1f} / {p['bytes_reloaded'] / 1e9:.1f} GB | "
+            f"{e['bytes_moved_at_loss'] / 1e9:.1f} / {p['bytes_moved_at_loss'] / 1e9:.1f} GB | "
+            f"{'yes' if g['met'] else 'no'} |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, nargs="*", default=list(RANKS), help="single ranks to lose")
@@ -110,9 +167,13 @@ def main() -> None:
     singles: list[dict[str, Any]] = []
     for rank in args.ranks:
         singles += case(trace, config(32), (rank,), sglang, f"rank {rank}")
+        singles += aware_case(trace, 32, "gpu", (rank,), f"rank {rank}", ("scipy",))
     rows += singles
     if singles:
-        rows += mean_rows(singles, f"one rank, mean of {len(args.ranks)}")
+        default = [r for r in singles if "failure_domain" not in r["case"]]
+        aware = [r for r in singles if "failure_domain" in r["case"]]
+        rows += mean_rows(default, f"one rank, mean of {len(args.ranks)}")
+        rows += mean_rows(aware, f"one rank, mean of {len(args.ranks)}, failure_domain=gpu")
     if not args.no_node:
         try:
             case(trace, config(32), NODE, sglang, "node 1 at 32 redundant")
@@ -120,23 +181,14 @@ def main() -> None:
             print(f"node 1 at 32 redundant: {exc}\n")
             rows.append({"case": "node 1 at 32 redundant", "refused": str(exc)})
         rows += case(trace, config(96), NODE, sglang, "node 1, 96 redundant")
-        spread = case(
-            trace,
-            config(96, {"failure_domain": "node"}),
-            NODE,
-            sglang,
-            "node 1, 96 redundant, failure_domain=node",
-        )
-        rows += [r for r in spread if r["name"].startswith(("scipy", "none"))]
-    print(
-        markdown(
-            [
-                r
-                for r in rows
-                if "refused" not in r and (not r["case"].startswith("rank") or len(args.ranks) == 1)
-            ]
-        )
-    )
+        rows += aware_case(trace, 96, "node", NODE, "node 1, 96 redundant", ("scipy", "none"))
+    shown = [
+        r for r in rows if "refused" not in r and (not r["case"].startswith("rank") or len(args.ranks) == 1)
+    ]
+    goals = goal_rows(rows)
+    print(markdown(shown))
+    print()
+    print(goal_markdown(goals))
     write_result(
         args.out,
         {
@@ -146,6 +198,7 @@ def main() -> None:
             "loss_step": LOSS_STEP,
             "interval": INTERVAL,
             "rows": rows,
+            "goal": [{k: v for k, v in g.items() if k not in ("eplb", "sglang")} for g in goals],
         },
     )
     print(f"wrote {args.out}")

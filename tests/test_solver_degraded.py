@@ -1,4 +1,4 @@
-"""The degraded plan (``solve`` with ``alive_ranks``) and failure-aware placement (``failure_domain``).
+"""The degraded plan (``solve`` with ``alive_ranks``); failure-aware placement is in tests/test_spread.py.
 
 Checked against plain loops over slots (which experts need a reload, what each transfer copies)
 and against a brute force over every placement of tiny cases (the fewest slots any plan must
@@ -17,7 +17,6 @@ from eplb.placement.degraded import DegradedPlacement, check_alive, reload_repor
 from eplb.placement.model import Placement
 from eplb.solver import SolveOptions, Topology, solve
 from eplb.solver.degraded import survivors
-from eplb.solver.search.spread import spread_replicas
 
 BYTES = 1000
 
@@ -270,64 +269,16 @@ def test_degraded_placement_validation() -> None:
         DegradedPlacement.from_survivors(survivors, np.array([True, False, False]), 1)
 
 
-# ---- failure-aware placement -----------------------------------------------------------------------
-
-
-def _lost_load_by_loop(phy2log_LP: np.ndarray, load_LE: np.ndarray, width: int) -> float:
-    """Mean over layers of the largest share of load whose every replica lies in one domain."""
-    out = []
-    for layer, row in enumerate(phy2log_LP):
-        per_domain = []
-        for d in range(row.size // width):
-            inside = set(row[d * width : (d + 1) * width].tolist())
-            outside = set(np.delete(row, np.arange(d * width, (d + 1) * width)).tolist())
-            per_domain.append(sum(load_LE[layer, e] for e in inside - outside))
-        out.append(max(per_domain) / load_LE[layer].sum())
-    return float(np.mean(out))
-
-
-@pytest.mark.parametrize(("seed", "domain"), [(s, d) for s in range(4) for d in ("gpu", "node")])
-def test_spread_keeps_counts_and_loses_less(seed: int, domain: str) -> None:
-    rng = np.random.default_rng(300 + seed)
-    L, E, G, N, S = 3, 12, 8, 4, 3
-    placement = _random_placement(rng, L, E, G * S, G, N)
-    load_LE = rng.gamma(0.7, 100.0, (L, E))
-    stats: dict[str, float] = {}
-    out = spread_replicas(placement.phy2log_LP, load_LE, G, N, domain, stats)
-    for layer in range(L):
-        assert sorted(out[layer].tolist()) == sorted(placement.phy2log_LP[layer].tolist())
-    width = S if domain == "gpu" else S * (G // N)
-    assert stats["lost_load_before"] == pytest.approx(
-        _lost_load_by_loop(placement.phy2log_LP, load_LE, width)
-    )
-    assert stats["lost_load_after"] == pytest.approx(_lost_load_by_loop(out, load_LE, width))
-    assert stats["lost_load_after"] <= stats["lost_load_before"] + 1e-12
-    after = Placement.from_phy2log(out, G, N)
-    assert stats["spread_cost"] == pytest.approx(
-        float(model_balancedness(load_LE, placement)) - float(model_balancedness(load_LE, after))
-    )
-
-
-def test_spread_splits_replicas_sharing_a_gpu() -> None:
-    # Expert 0 (the hottest) has both replicas on GPU 0 (load 40; GPU 1: 30, GPU 2: 20).
-    row = np.array([[0, 0, 1, 3, 2, 4]])
-    load = np.array([[40.0, 10.0, 10.0, 20.0, 10.0]])
-    stats: dict[str, float] = {}
-    out = spread_replicas(row, load, 3, 1, "gpu", stats)
-    gpus_of_0 = {s // 2 for s in np.flatnonzero(out[0] == 0)}
-    assert len(gpus_of_0) == 2 and stats["spread_swaps"] == 1
-    # Trading with expert 2 on GPU 2 peaks at 30 (with expert 3 on GPU 1: 40): every GPU at 30.
-    np.testing.assert_array_equal(out, [[2, 0, 1, 3, 0, 4]])
-    assert stats["spread_cost"] == pytest.approx(0.75 - 1.0)
-
-
-def test_failure_domain_through_solve() -> None:
-    rng = np.random.default_rng(5)
-    L, E, G, N, S = 3, 16, 8, 2, 3
-    load = rng.gamma(0.5, 100.0, (10, L, E))
-    topology = Topology(num_gpus=G, num_nodes=N, num_physical=G * S)
-    plain = solve(load, topology, None, SolveOptions())
-    spread = solve(load, topology, None, SolveOptions(failure_domain="node"))
-    np.testing.assert_array_equal(spread.placement.logcnt_LE, plain.placement.logcnt_LE)
-    assert {"spread_swaps", "spread_cost", "lost_load_before", "lost_load_after"} <= set(spread.stats)
-    assert spread.stats["lost_load_after"] <= spread.stats["lost_load_before"]
+def test_an_expert_lost_with_two_replicas_is_reloaded_once() -> None:
+    """Expert 0 has both its replicas on rank 0, and the degraded plan gives it two again: one load
+    from the reload source (per layer), the second replica a copy between survivors."""
+    current = Placement.from_phy2log(np.array([[0, 0, 1, 1, 2, 3, 3, 2, 4]] * 2), 3)
+    load = np.array([[[60.0, 5.0, 5.0, 5.0, 5.0]] * 2])
+    options = SolveOptions(alive_ranks=(False, True, True), bytes_per_expert=BYTES, copy_cost=0.0)
+    plan = solve(load, Topology(num_gpus=3, num_nodes=1, num_physical=9), current, options)
+    assert plan.reload is not None and plan.degraded is not None
+    np.testing.assert_array_equal(plan.degraded.logcnt_LE[:, 0], [2, 2])
+    assert plan.reload.reload_list() == [(0, 0), (1, 0)]
+    assert plan.reload.reloads == 2 and plan.reload.bytes_reloaded == 2 * BYTES
+    reloads, copies = _copies_by_loop(current, plan.degraded, (False, True, True))
+    assert (plan.reload.reloads, plan.reload.survivor_copies) == (reloads, copies) and copies >= 2

@@ -19,6 +19,11 @@ Shape legend: W window (passes), L layers, E logical experts, P physical slots, 
    (eplb.placement.degraded.reload_report): the lost experts reloaded from ``reload_source``, the
    rest copied from survivors. The degraded plan is always applied: the old one uses dead ranks.
 
+No degraded plan reloads less: every expert with a replica on a survivor keeps it (it is never
+reloaded), and each expert lost with every replica is loaded once per layer, into one slot (its
+further replicas are copies from there), the fewest any plan that serves it needs. What a loss
+reloads is set before it, by the placement: ``failure_domain`` (eplb.solver.search.spread) lowers it.
+
 Every step is deterministic (ties broken by expert id), so every survivor computes the same plan.
 """
 

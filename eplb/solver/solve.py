@@ -36,7 +36,7 @@ from eplb.solver.scoring.horizon import Cuts, PassScores, calibrate, find_shift
 from eplb.solver.scoring.served import layer_scores, scored_balancedness, scored_placement
 from eplb.solver.search.budget import budget_of, fit_layers
 from eplb.solver.search.split import lp_split
-from eplb.solver.search.spread import spread_replicas
+from eplb.solver.search.spread import failure_aware_phy2log
 from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check_shapes
 
 NOISE_HORIZON_FLOOR = 50
@@ -237,8 +237,7 @@ def _plan(
         stats["budget_dropped_layers"] = float((fitted_LP != phy2log_LP).any(axis=1).sum())
         phy2log_LP = fitted_LP
     if options.failure_domain != "none":
-        G, N = topology.num_gpus, topology.num_nodes
-        phy2log_LP = spread_replicas(phy2log_LP, prediction.point_LE, G, N, options.failure_domain, stats)
+        phy2log_LP = failure_aware_phy2log(phy2log_LP, prediction, topology, current, options, stats)
     max_replicas = topology.num_physical - prediction.point_LE.shape[1] + 1
     placement = Placement.from_phy2log(
         phy2log_LP, topology.num_gpus, topology.num_nodes, max_replicas=max_replicas

@@ -1,28 +1,129 @@
-"""Failure-aware placement: the replicas of each replicated expert in different failure domains.
+"""Failure-aware placement: a second replica, in another domain, for as many experts as balance allows.
 
-Shape legend: L layers, E logical experts, P physical slots, G GPUs, N nodes, S slots per GPU, c
-candidate moves; a domain is a GPU or a node.
+Shape legend: L layers, E logical experts, P physical slots, G GPUs, N nodes, S slots per GPU, R
+max replicas (tables over replica counts), c candidate moves; a domain is a GPU or a node.
 
-An expert whose replicas share one GPU (or node) loses all of them with it, and its load then
-waits for a reload (eplb.solver.degraded). :func:`spread_replicas` visits the replicated experts
-of each layer hottest first; while an expert has two replicas more in one domain than in another,
-its replica on the busiest GPU of its fullest domain trades slots with a slot of one of its
-emptiest domains. The partner is the slot whose GPU loads after the trade peak lowest (ties: the
-lowest slot), among those whose expert does not end less evenly spread than before (a trade that
-would undo a hotter expert's spread is never taken, so the pass ends) and that leave no domain
-orphaning more load than the worst one did (the lost load never grows). What it costs in balance
-and what a single domain's loss orphans, before and after, go to the solve's stats.
+An expert whose every replica lies in one GPU (or node) is lost with it and must be reloaded
+(eplb.solver.degraded): one load per (layer, expert), whatever its load, so what a loss reloads is
+set by the placement before it. :func:`spread_replicas` rewrites a placement in four steps per
+layer, all deterministic (ties to the lower id):
+
+1. **Cover** (:func:`cover_counts`): replicas move, one at a time, from experts that can spare
+   one to the hottest experts with one replica, in the same slots. The donor is the expert whose
+   replicas then carry least of its load each (times the largest share one replica gets:
+   ``max_share_table`` under static dispatch, ``1 / count`` otherwise), and it gives only while
+   that stays within :data:`COVER_CAP` times a GPU's mean load, so no replica outweighs a GPU.
+   The placement is rewritten in the fewest slots (eplb.solver.search.migration.retarget_replicas).
+2. **Spread**: while an expert has two replicas more in one domain than in another (hottest
+   expert first), its replica on the busiest GPU of its fullest domain trades slots with a slot
+   of one of its emptiest domains, the one whose two GPUs then peak lowest, among those whose
+   expert ends no less evenly spread and that leave no domain orphaning more load than the worst
+   did.
+3. **Even**: each domain ends with its quota of the layer's lost experts (those confined to one
+   domain), as even as the domains allow; the extra ones go to the domains that have lost the
+   fewest over the layers before, so that one domain's loss reloads no more than another's over
+   the model: a single replica in a domain over quota trades slots with a replica, in a domain
+   under quota, of an expert that stays in two domains, the pair whose two GPUs then peak lowest.
+4. **Polish**: while the busiest GPU peaks above the placement given (an even split over
+   replicas), it swaps one of its slots with another GPU's where both then peak lower, keeping
+   every domain's lost experts, each expert's spread over domains and over nodes.
+
+A row repaired in place keeps its copies but packs the covered counts worse than a fresh packing
+does; :func:`failure_aware_phy2log` (what ``solve`` runs with ``failure_domain``) therefore takes,
+per layer, the better of the policy's row repaired and a fresh packing of the same counts
+relabelled onto the live placement, by the score the policy plans with, net of copies.
+
+On the deepseek-v3 preset at EP32 (docs/benchmarks.md, bench_rank_failure) that turns 20.2-20.9 GB
+of reloads on losing one rank into 17.9 GB (7 experts per layer, the fewest 32 redundant slots
+allow), at about the same balancedness.
 """
 
 from __future__ import annotations
 
+import heapq
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from eplb.placement.balance import balancedness
-from eplb.solver.search.copies import holds_per_gpu
+from eplb.solver.scoring.dispatch import Dispatch
+from eplb.solver.scoring.served import layer_scores
+from eplb.solver.search.copies import arrivals_L, holds_per_gpu
+from eplb.solver.search.migration import relabel, retarget_replicas
+from eplb.solver.search.static_pack import max_share_table, static_spread_phy2log
+
+if TYPE_CHECKING:
+    from eplb.placement.model import Placement
+    from eplb.solver.predict import Prediction
+    from eplb.solver.types import SolveOptions, Topology
 
 MAX_TRADES_PER_EXPERT = 64
 """Deterministic cap on the trades one expert's spread may take (each evens its domains by one)."""
+MAX_POLISH_SWAPS = 256
+"""Deterministic cap on the swaps one layer's polish may take."""
+COVER_CAP = 1.0
+"""A donor gives up a replica only while each of its replicas then carries at most this many
+times a GPU's mean load (its load times the largest share one replica gets): a hot expert keeps
+the replicas that stop one replica from outweighing a GPU, the rest cover colder experts."""
+
+
+def failure_aware_phy2log(
+    phy2log_LP: np.ndarray,
+    prediction: Prediction,
+    topology: Topology,
+    current: Placement | None,
+    options: SolveOptions,
+    stats: dict[str, float],
+) -> np.ndarray:
+    """int64 [L, P]: the policy's ``phy2log_LP`` made failure-aware (``options.failure_domain``).
+
+    Two candidates per layer, both through the steps of :func:`spread_replicas`: the policy's row
+    repaired in place (it keeps its copies but packs the covered counts worse), and a fresh
+    packing of the same covered counts (eplb.solver.search.static_pack's, with the dispatch's
+    largest shares; relabelled onto ``current``). Each layer takes the one whose expected
+    balancedness as the server dispatches, minus ``options.copy_cost`` per copy from ``current``,
+    is higher (ties: the repaired row); the chosen rows are evened out over the layers once more.
+    """
+    G, N, P = topology.num_gpus, topology.num_nodes, topology.num_physical
+    point_LE = prediction.point_LE
+    L, E = point_LE.shape
+    policy_LP = np.asarray(phy2log_LP, dtype=np.int64)
+    domain_P, D = _domains(P, G, N, options.failure_domain)
+    if D < 2:  # one domain: nothing survives its loss, so nothing to spread
+        _record(stats, policy_LP, policy_LP, point_LE, G, domain_P, D, 0, np.zeros(L), 0.0)
+        stats["spread_fresh_layers"] = 0.0
+        return policy_LP
+    dispatch = Dispatch(options.dispatch, N)
+    repaired_LP, repaired_L, covered = _spread(
+        policy_LP, point_LE, G, N, options.failure_domain, dispatch.static
+    )
+    count_LE = holds_per_gpu(repaired_LP, G, E).sum(axis=1)
+    fresh_LP = static_spread_phy2log(
+        point_LE, count_LE, _share_table(P - E + 1, G, N, P // G, dispatch.static), G, N
+    )
+    if current is not None:
+        fresh_LP = relabel(fresh_LP, current.phy2log_LP, G, N, keep_nodes=dispatch.static)
+    fresh_LP, fresh_L, _ = _spread(fresh_LP, point_LE, G, N, options.failure_domain, dispatch.static)
+
+    def score_L(candidate_LP: np.ndarray) -> np.ndarray:
+        return layer_scores(
+            candidate_LP, prediction.scenarios_ZLE, prediction.scenario_weights_Z, G, dispatch
+        )
+
+    def value_L(candidate_LP: np.ndarray) -> np.ndarray:
+        if current is None:
+            return score_L(candidate_LP)
+        copies_L = arrivals_L(holds_per_gpu(candidate_LP, G, E), current.gpu_has_expert())
+        return score_L(candidate_LP) - (options.copy_cost or 0.0) * copies_L
+
+    take_fresh_L = value_L(fresh_LP) > value_L(repaired_LP) + 1e-12
+    chosen_LP = np.where(take_fresh_L[:, None], fresh_LP, repaired_LP)
+    out, final_L, _ = _spread(chosen_LP, point_LE, G, N, options.failure_domain, dispatch.static)
+    trades_L = np.where(take_fresh_L, fresh_L, repaired_L) + final_L
+    cost = float(score_L(policy_LP).mean() - score_L(out).mean())
+    _record(stats, policy_LP, out, point_LE, G, domain_P, D, covered, trades_L, cost)
+    stats["spread_fresh_layers"] = float(take_fresh_L.sum())
+    return out
 
 
 def spread_replicas(
@@ -32,35 +133,123 @@ def spread_replicas(
     num_nodes: int,
     domain: str,
     stats: dict[str, float],
+    *,
+    static: bool = False,
 ) -> np.ndarray:
-    """int64 [L, P]: ``phy2log_LP`` with replicas traded into different ``domain``s (gpu | node)."""
+    """int64 [L, P]: ``phy2log_LP`` repaired in place by the steps of the module docstring, for
+    ``domain`` (gpu | node) and the forecast ``load_LE``; ``static``: replicas' largest shares follow
+    the static maps (the cover's cap). ``spread_cost`` in ``stats``: forecast balancedness under an
+    even split over replicas, before minus after."""
+    before_LP = np.asarray(phy2log_LP, dtype=np.int64)
+    out, trades_L, covered = _spread(before_LP, load_LE, num_gpus, num_nodes, domain, static)
+    domain_P, D = _domains(before_LP.shape[1], num_gpus, num_nodes, domain)
+    cost = (
+        _scores(before_LP, load_LE, num_gpus, domain_P, D)[0]
+        - _scores(out, load_LE, num_gpus, domain_P, D)[0]
+    )
+    _record(stats, before_LP, out, load_LE, num_gpus, domain_P, D, covered, trades_L, cost)
+    return out
+
+
+def _domains(P: int, G: int, N: int, domain: str) -> tuple[np.ndarray, int]:
+    """(int64 [P] the domain of each slot, D the number of domains)."""
+    width = P // G if domain == "gpu" else P // N
+    return np.arange(P) // width, P // width
+
+
+def _record(
+    stats: dict[str, float],
+    before_LP: np.ndarray,
+    after_LP: np.ndarray,
+    load_LE: np.ndarray,
+    G: int,
+    domain_P: np.ndarray,
+    D: int,
+    covered: int,
+    trades_L: np.ndarray,
+    cost: float,
+) -> None:
+    """The stats of one failure-aware rewrite (Plan.stats documents the keys)."""
+    before, after = _scores(before_LP, load_LE, G, domain_P, D), _scores(after_LP, load_LE, G, domain_P, D)
+    stats["spread_covered"] = float(covered)
+    stats["spread_swaps"] = float(np.sum(trades_L))
+    stats["spread_changed_slots"] = float((before_LP != after_LP).sum())
+    stats["spread_cost"] = float(cost)
+    stats["lost_load_before"], stats["lost_load_after"] = before[1], after[1]
+    stats["lost_experts_before"], stats["lost_experts_after"] = before[2], after[2]
+
+
+def _share_table(
+    max_replicas: int, num_gpus: int, num_nodes: int, slots_per_gpu: int, static: bool
+) -> np.ndarray:
+    """float64 [R + 1]: the largest share of its expert's load one of R replicas gets (entry 0 unused)."""
+    if static:
+        return max_share_table(max_replicas, num_gpus, num_nodes, slots_per_gpu)
+    return 1.0 / np.maximum(np.arange(max_replicas + 1), 1)
+
+
+def _spread(
+    phy2log_LP: np.ndarray, load_LE: np.ndarray, num_gpus: int, num_nodes: int, domain: str, static: bool
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """(int64 [L, P] the rows rewritten, int64 [L] the trades of each layer, replicas moved by the cover)."""
     out = np.asarray(phy2log_LP, dtype=np.int64).copy()
     L, P = out.shape
     E = load_LE.shape[1]
-    S = P // num_gpus
-    width = S if domain == "gpu" else S * (num_gpus // num_nodes)
-    D = P // width
-    domain_P = np.arange(P) // width
-    before = _scores(out, load_LE, num_gpus, domain_P, D)
-    trades = 0
+    G, S = num_gpus, P // num_gpus
+    domain_P, D = _domains(P, G, num_nodes, domain)
+    trades_L = np.zeros(L, dtype=np.int64)
+    if D < 2:
+        return out, trades_L, 0
+    count_LE = holds_per_gpu(out, G, E).sum(axis=1)
+    target_LE = cover_counts(count_LE, load_LE, _share_table(P - E + 1, G, num_nodes, S, static), G)
+    covered = int(np.maximum(target_LE - count_LE, 0).sum())
+    # The polish brings each layer's busiest GPU back down to where the rows given peaked.
+    layer_LP = np.arange(L)[:, None]
+    item_LP = load_LE[layer_LP, out] / count_LE[layer_LP, out]
+    peak_L = item_LP.reshape(L, G, S).sum(axis=2).max(axis=1)
+    out = retarget_replicas(out, target_LE, load_LE, G)
+    node_P = np.arange(P) // (P // num_nodes)
+    lost_so_far_D = np.zeros(D, dtype=np.int64)
     for layer in range(L):
-        trades += _spread_layer(out[layer], load_LE[layer], num_gpus, S, domain_P, D, E)
-    after = _scores(out, load_LE, num_gpus, domain_P, D)
-    stats["spread_swaps"] = float(trades)
-    stats["spread_cost"] = before[0] - after[0]
-    stats["lost_load_before"], stats["lost_load_after"] = before[1], after[1]
-    return out
+        row, load = out[layer], load_LE[layer]
+        trades_L[layer] = (
+            _spread_layer(row, load, G, S, domain_P, D, E)
+            + _even_layer(row, load, G, S, domain_P, D, E, lost_so_far_D)
+            + _polish_layer(row, load, G, S, domain_P, node_P, E, float(peak_L[layer]))
+        )
+    return out, trades_L, covered
+
+
+def cover_counts(count_LE: np.ndarray, load_LE: np.ndarray, share_R: np.ndarray, num_gpus: int) -> np.ndarray:
+    """int64 [L, E]: ``count_LE`` with replicas moved to the hottest single experts (step 1).
+
+    ``share_R`` [R + 1]: the largest share of its expert's load one of R replicas gets.
+    """
+    target_LE = count_LE.astype(np.int64).copy()
+    for layer in range(target_LE.shape[0]):
+        row, load = target_LE[layer], load_LE[layer]
+        cap = COVER_CAP * float(load.sum()) / num_gpus
+        singles = np.flatnonzero(row == 1)
+        singles = singles[np.lexsort((singles, -load[singles]))].tolist()
+        heap = [(float(load[e] * share_R[row[e] - 1]), int(e)) for e in np.flatnonzero(row > 2)]
+        heapq.heapify(heap)
+        for taker in singles:
+            if not heap or heap[0][0] > cap:
+                break
+            _, donor = heapq.heappop(heap)
+            row[donor] -= 1
+            row[taker] = 2
+            if row[donor] > 2:
+                heapq.heappush(heap, (float(load[donor] * share_R[row[donor] - 1]), donor))
+    return target_LE
 
 
 def _spread_layer(
     row_P: np.ndarray, load_E: np.ndarray, G: int, S: int, domain_P: np.ndarray, D: int, E: int
 ) -> int:
-    """Trade replicas of one layer's row in place; returns the trades made."""
-    count_E = np.bincount(row_P, minlength=E)
-    item_P = load_E[row_P] / count_E[row_P]
-    gpu_G = item_P.reshape(G, S).sum(axis=1)
-    held_DE = np.zeros((D, E), dtype=np.int64)
-    np.add.at(held_DE, (domain_P, row_P), 1)
+    """Step 2 on one layer's row, in place; returns the trades made."""
+    count_E, item_P, gpu_G = _loads(row_P, load_E, G, S, E)
+    held_DE = _holds(domain_P, row_P, E)
     # Load of the experts whose every replica lies in each domain (what losing it orphans).
     lost_D = ((held_DE == count_E[None, :]) * load_E[None, :]).sum(axis=1)
     trades = 0
@@ -97,30 +286,172 @@ def _spread_layer(
             if not ok_c.any():
                 break
             cand_c, lost_cD = cand_c[ok_c], lost_cD[ok_c]
-            gpu_a, gpu_b_c = slot_a // S, cand_c // S
-            delta_c = item_P[cand_c] - item_P[slot_a]
-            peak_c = np.maximum(gpu_G[gpu_a] + delta_c, gpu_G[gpu_b_c] - delta_c)
-            pick = int(np.argmin(peak_c))  # argmin: the lowest slot among equal peaks
+            pick = int(np.argmin(_peaks(gpu_G, item_P, slot_a, cand_c, S)))  # the lowest slot among ties
             slot_b = int(cand_c[pick])
             lost_D[:] = lost_cD[pick]
-            partner = int(row_P[slot_b])
-            gpu_G[gpu_a] += item_P[slot_b] - item_P[slot_a]
-            gpu_G[slot_b // S] += item_P[slot_a] - item_P[slot_b]
-            held_DE[src_dom, expert] -= 1
-            held_DE[domain_P[slot_b], expert] += 1
-            held_DE[domain_P[slot_b], partner] -= 1
-            held_DE[src_dom, partner] += 1
-            row_P[slot_a], row_P[slot_b] = partner, expert
-            item_P[slot_a], item_P[slot_b] = item_P[slot_b], item_P[slot_a]
+            _trade(row_P, item_P, gpu_G, held_DE, domain_P, S, slot_a, slot_b)
             trades += 1
     return trades
 
 
+def _even_layer(
+    row_P: np.ndarray,
+    load_E: np.ndarray,
+    G: int,
+    S: int,
+    domain_P: np.ndarray,
+    D: int,
+    E: int,
+    lost_so_far_D: np.ndarray,
+) -> int:
+    """Step 3 on one layer's row, in place; adds each domain's lost experts to ``lost_so_far_D``."""
+    count_E, item_P, gpu_G = _loads(row_P, load_E, G, S, E)
+    held_DE = _holds(domain_P, row_P, E)
+    lost_D = (held_DE == count_E[None, :]).sum(axis=1)
+    total = int(lost_D.sum())
+    # The domains that have lost the fewest so far take the extra ones (then those holding more now).
+    order = np.lexsort((np.arange(D), -lost_D, lost_so_far_D))
+    quota_D = np.full(D, total // D, dtype=np.int64)
+    quota_D[order[: total % D]] += 1
+    trades = 0
+    while (lost_D > quota_D).any():
+        src_dom = int(np.argmax(lost_D - quota_D))  # the lowest domain among the most over
+        single_a = np.flatnonzero((domain_P == src_dom) & (count_E[row_P] == 1))
+        # Partners: replicas in a domain under quota of experts not then confined to src_dom and
+        # no less evenly spread (one replica leaves its domain, one arrives in src_dom).
+        cand_c = np.flatnonzero((lost_D < quota_D)[domain_P] & (count_E[row_P] > 1))
+        partner_c = row_P[cand_c]
+        rows_cD = held_DE[:, partner_c].T.copy()
+        spread_before_c = rows_cD.max(axis=1) - rows_cD.min(axis=1)
+        rows_cD[np.arange(cand_c.size), domain_P[cand_c]] -= 1
+        rows_cD[:, src_dom] += 1
+        ok_c = (rows_cD.max(axis=1) - rows_cD.min(axis=1) <= spread_before_c) & (
+            rows_cD[:, src_dom] < count_E[partner_c]
+        )
+        cand_c = cand_c[ok_c]
+        if single_a.size == 0 or cand_c.size == 0:
+            break
+        delta_ac = item_P[cand_c][None, :] - item_P[single_a][:, None]
+        peak_ac = np.maximum(gpu_G[single_a // S][:, None] + delta_ac, gpu_G[cand_c // S][None, :] - delta_ac)
+        best = int(np.argmin(peak_ac))  # row-major: the lowest single, then the lowest partner
+        slot_a, slot_b = int(single_a[best // cand_c.size]), int(cand_c[best % cand_c.size])
+        _trade(row_P, item_P, gpu_G, held_DE, domain_P, S, slot_a, slot_b)
+        lost_D = (held_DE == count_E[None, :]).sum(axis=1)
+        trades += 1
+    lost_so_far_D += lost_D
+    return trades
+
+
+def _polish_layer(
+    row_P: np.ndarray,
+    load_E: np.ndarray,
+    G: int,
+    S: int,
+    domain_P: np.ndarray,
+    node_P: np.ndarray,
+    E: int,
+    target: float,
+) -> int:
+    """Step 4 on one layer's row, in place: swaps off the busiest GPU while it peaks above ``target``."""
+    count_E, item_P, gpu_G = _loads(row_P, load_E, G, S, E)
+    gpu_P = np.arange(row_P.size) // S
+    holds_GE, held_DE, node_NE = (_holds(part_P, row_P, E) for part_P in (gpu_P, domain_P, node_P))
+    single_P = count_E[row_P] == 1
+    swaps = 0
+    for _ in range(MAX_POLISH_SWAPS):
+        g = int(np.argmax(gpu_G))
+        peak = float(gpu_G[g])
+        if peak <= target * (1 + 1e-9):
+            break
+        a_s = np.arange(g * S, (g + 1) * S)
+        b_c = np.flatnonzero(gpu_P != g)
+        ea, eb = row_P[a_s][:, None], row_P[b_c][None, :]
+        delta = item_P[b_c][None, :] - item_P[a_s][:, None]
+        new_peak = np.maximum(peak + delta, gpu_G[gpu_P[b_c]][None, :] - delta)
+        ok = (ea != eb) & (holds_GE[gpu_P[b_c][None, :], ea] == 0) & (holds_GE[g, eb] == 0)
+        cross = domain_P[a_s][:, None] != domain_P[b_c][None, :]
+        ok &= ~cross | (single_P[a_s][:, None] == single_P[b_c][None, :])
+        ok &= _keeps_spread(held_DE, count_E, ea, eb, domain_P[a_s][:, None], domain_P[b_c][None, :])
+        ok &= _keeps_spread(node_NE, count_E, ea, eb, node_P[a_s][:, None], node_P[b_c][None, :])
+        ok &= new_peak < peak * (1 - 1e-9)
+        if not ok.any():
+            break
+        flat = int(np.argmin(np.where(ok, new_peak, np.inf)))
+        slot_a, slot_b = int(a_s[flat // b_c.size]), int(b_c[flat % b_c.size])
+        xa, xb = int(row_P[slot_a]), int(row_P[slot_b])
+        for arr, idx in ((holds_GE, gpu_P), (node_NE, node_P)):
+            arr[idx[slot_a], xa] -= 1
+            arr[idx[slot_b], xa] += 1
+            arr[idx[slot_b], xb] -= 1
+            arr[idx[slot_a], xb] += 1
+        _trade(row_P, item_P, gpu_G, held_DE, domain_P, S, slot_a, slot_b)
+        single_P[slot_a], single_P[slot_b] = single_P[slot_b], single_P[slot_a]
+        swaps += 1
+    return swaps
+
+
+def _keeps_spread(
+    held_XE: np.ndarray, count_E: np.ndarray, ea: np.ndarray, eb: np.ndarray, xa: np.ndarray, xb: np.ndarray
+) -> np.ndarray:
+    """bool: whether moving ``ea`` from part ``xa`` to ``xb`` (and ``eb`` back) leaves each no less
+    evenly spread over the parts (a node or a domain) than before."""
+    out = np.ones(np.broadcast(ea, eb).shape, dtype=bool)
+    same = xa == xb
+    for e, src, dst in ((ea, xa, xb), (eb, xb, xa)):
+        col_src, col_dst = held_XE[src, e], held_XE[dst, e]
+        # Moving one replica from src to dst: no worse when src held more than dst.
+        out &= same | (count_E[e] == 1) | (col_src > col_dst)
+    return out
+
+
+def _loads(row_P: np.ndarray, load_E: np.ndarray, G: int, S: int, E: int) -> tuple[np.ndarray, ...]:
+    """(replicas of each expert [E], the load each slot carries [P], each GPU's load [G]): an even split."""
+    count_E = np.bincount(row_P, minlength=E)
+    item_P = load_E[row_P] / count_E[row_P]
+    return count_E, item_P, item_P.reshape(G, S).sum(axis=1)
+
+
+def _holds(part_P: np.ndarray, row_P: np.ndarray, E: int) -> np.ndarray:
+    """int64 [parts, E]: replicas of each expert in each part of the slots (a GPU, node or domain)."""
+    out = np.zeros((int(part_P.max()) + 1, E), dtype=np.int64)
+    np.add.at(out, (part_P, row_P), 1)
+    return out
+
+
+def _peaks(gpu_G: np.ndarray, item_P: np.ndarray, slot_a: int, cand_c: np.ndarray, S: int) -> np.ndarray:
+    """float64 [c]: the higher of the two GPUs' loads after ``slot_a`` trades with each candidate."""
+    delta_c = item_P[cand_c] - item_P[slot_a]
+    return np.maximum(gpu_G[slot_a // S] + delta_c, gpu_G[cand_c // S] - delta_c)
+
+
+def _trade(
+    row_P: np.ndarray,
+    item_P: np.ndarray,
+    gpu_G: np.ndarray,
+    held_DE: np.ndarray,
+    domain_P: np.ndarray,
+    S: int,
+    slot_a: int,
+    slot_b: int,
+) -> None:
+    """Swap the experts of two slots, and the loads and domain counts that follow them."""
+    expert, partner = int(row_P[slot_a]), int(row_P[slot_b])
+    gpu_G[slot_a // S] += item_P[slot_b] - item_P[slot_a]
+    gpu_G[slot_b // S] += item_P[slot_a] - item_P[slot_b]
+    held_DE[domain_P[slot_a], expert] -= 1
+    held_DE[domain_P[slot_b], expert] += 1
+    held_DE[domain_P[slot_b], partner] -= 1
+    held_DE[domain_P[slot_a], partner] += 1
+    row_P[slot_a], row_P[slot_b] = partner, expert
+    item_P[slot_a], item_P[slot_b] = item_P[slot_b], item_P[slot_a]
+
+
 def _scores(
     phy2log_LP: np.ndarray, load_LE: np.ndarray, G: int, domain_P: np.ndarray, D: int
-) -> tuple[float, float]:
+) -> tuple[float, float, float]:
     """(balancedness of ``load_LE`` under an even split, the mean over layers of the largest share of
-    a layer's load whose every replica lies in one domain)."""
+    a layer's load whose every replica lies in one domain, the largest number of (layer, expert)
+    pairs one domain's loss leaves with no replica, over the model)."""
     L, E = load_LE.shape
     count_LE = holds_per_gpu(phy2log_LP, G, E).sum(axis=1)
     layer_LP = np.arange(L)[:, None]
@@ -131,4 +462,4 @@ def _scores(
     only_LDE = held_LDE == count_LE[:, None, :]
     total_L = np.maximum(load_LE.sum(axis=1), 1e-300)
     lost_LD = (only_LDE * load_LE[:, None, :]).sum(axis=2) / total_L[:, None]
-    return balance, float(lost_LD.max(axis=1).mean())
+    return balance, float(lost_LD.max(axis=1).mean()), float(only_LDE.sum(axis=(0, 2)).max())
