@@ -15,10 +15,14 @@ machine do not count; the minimum over ``--rounds`` rounds of ``--calls`` calls.
   in for the compiled kernel;
 - ``recorder`` (``--layers`` layers, T = ``--recorder-tokens``): the per-pass host cost of every
   documented recorder path, as the difference to plain prepared remaps measured in the same run
-  (median of ``--passes`` passes, the paths interleaved in a shuffled order): ``rec.prepare()``,
-  the public function with ``**rec.layer_kwargs(layer)`` (README, eplb.moe) and with the two
-  tensors named, the public function without a recorder, and ``begin_pass``/``end_pass`` alone. On
-  CPU every remap ends in the no-op launcher behind the direct path; on CUDA in the real kernel;
+  (``--passes`` rounds of one pass per path in a shuffled order; the median over rounds of each
+  path minus the baseline of its round):
+  ``rec.prepare()``; the public function with ``**rec.layer_kwargs(layer)`` (README, manager docs,
+  eplb.moe's model), with the two tensors named, with every keyword named as eplb.moe.layer calls
+  it, without a recorder, and with two argument sets taking turns on each layer (SGLang's adapter
+  with padding); ``begin_pass``/``end_pass`` alone; and, for scale, each call form into a function
+  that does nothing (what Python's argument passing costs: ``**`` unpacks a dict per call). On CPU
+  every remap ends in the no-op launcher behind the direct path; on CUDA in the real kernel;
 - on CUDA also the real calls: the public function, the launcher alone, the launcher through
   ``kernel[grid]`` (an explicit config), SGLang 0.5.23's fused kernel and ``Tensor.copy_`` of
   the same bytes, and the prepared call. The GPU work is queued, not waited for (one sync per round).
@@ -26,6 +30,7 @@ machine do not count; the minimum over ``--rounds`` rounds of ``--calls`` calls.
     python -m benchmarks.bench_remap_host            # CPU: the Python parts
     python -m benchmarks.bench_remap_host --only-recorder --passes 400   # the recorder rows alone
     python -m benchmarks.bench_remap_host --json out.json   # on a CUDA machine: also real launches
+    python -m benchmarks.bench_remap_host --only-recorder --passes 2000 --json rec.json   # CUDA: recorder rows
 """
 
 from __future__ import annotations
@@ -136,11 +141,51 @@ class _NoOpCache(DirectLaunchCache):
         return self._noop
 
 
+BASELINE = "prepared, plain (the baseline)"
+"""The recorder rows' reference: one prepared remap per layer, no recorder."""
+
+
+def _empty_remap(
+    topk_ids_TK: Any,
+    tables: Any,
+    layer: int,
+    *,
+    mode: str = "static",
+    counts_P: Any = None,
+    logical_counts_E: Any = None,
+    num_valid_tokens: Any = None,
+    record: Any = None,
+    out_TK: Any = None,
+    backend: str = "auto",
+    lp: Any = None,
+) -> Any:
+    """remap_and_record's signature doing nothing: what Python's argument passing costs alone."""
+    return out_TK
+
+
+class _EmptyPrepared:
+    """A prepared call doing nothing: what calling one costs alone."""
+
+    __slots__ = ()
+
+    def __call__(self, topk_ids_TK: Any, out_TK: Any = None) -> Any:
+        return out_TK
+
+
 def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callable[[], Any]]:
-    """One forward pass of ``layers`` remaps per documented path (module docstring, ``recorder``)."""
+    """One forward pass of ``layers`` remaps per documented path (module docstring, ``recorder``).
+
+    The public function keeps one prepared call per tables and layer (eplb.remap.api), so the rows
+    that pass different argument sets use their own tables, as a serving process has one argument
+    set per layer; ``two argument sets taking turns`` shows what sharing costs.
+    """
     K, E, P = 8, 256, 288
     placement = Placement.trivial(layers, E, num_gpus=8, num_redundant=P - E)
-    tables = DispatchTables.from_placement(placement, 3, device)
+
+    def new_tables() -> DispatchTables:
+        return DispatchTables.from_placement(placement, 3, device)
+
+    tables, plain_tables, turns_tables = new_tables(), new_tables(), new_tables()
     ids = router_ids(T, K, E, device, seed=T)
     out = torch.empty_like(ids)
     rec = ExpertDistributionRecorder(RecorderConfig(mode="stat", window=100), placement, device=device)
@@ -148,6 +193,7 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
     backend = "triton"
     plain = [prepare_remap(tables, layer, backend=backend) for layer in range(layers)]
     recorded = rec.prepare(tables, backend=backend)
+    turn = [0]
 
     def prepared_plain() -> None:
         for remap_layer in plain:
@@ -161,7 +207,7 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
 
     def public_plain() -> None:
         for layer in range(layers):
-            remap.remap_and_record(ids, tables, layer, out_TK=out, backend=backend)
+            remap.remap_and_record(ids, plain_tables, layer, out_TK=out, backend=backend)
 
     def public_layer_kwargs() -> None:
         rec.begin_pass(has_prefill=True, num_tokens=T)
@@ -180,22 +226,71 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
             )
         rec.end_pass()
 
+    def public_moe() -> None:  # eplb.moe.layer's call: every keyword named (and here out_TK)
+        rec.begin_pass(has_prefill=True, num_tokens=T)
+        for layer in range(layers):
+            kw = rec.layer_kwargs(layer)
+            remap.remap_and_record(
+                ids,
+                tables,
+                layer,
+                mode="static",
+                counts_P=kw["counts_P"],
+                logical_counts_E=None,
+                num_valid_tokens=None,
+                record=kw["record"],
+                out_TK=out,
+                backend=backend,
+            )
+        rec.end_pass()
+
+    def public_turns() -> None:  # a recorded and an unrecorded argument set alternating per pass
+        turn[0] ^= 1
+        rec.begin_pass(has_prefill=True, num_tokens=T)
+        for layer in range(layers):
+            kw: dict[str, Any] = rec.layer_kwargs(layer) if turn[0] else {}
+            remap.remap_and_record(ids, turns_tables, layer, out_TK=out, backend=backend, **kw)
+        rec.end_pass()
+
     def passes_only() -> None:
         rec.begin_pass(has_prefill=True, num_tokens=T)
         rec.end_pass()
 
+    empties = [_EmptyPrepared() for _ in range(layers)]
+
+    def prepared_call_only() -> None:
+        for empty in empties:
+            empty(ids, out)
+
+    def unpacking_only() -> None:
+        for layer in range(layers):
+            kw: dict[str, Any] = rec.layer_kwargs(layer)
+            _empty_remap(ids, tables, layer, out_TK=out, backend=backend, **kw)
+
+    def named_only() -> None:
+        flag = rec.record_flag_1
+        for layer in range(layers):
+            counts = rec.layer_kwargs(layer)["counts_P"]
+            _empty_remap(ids, tables, layer, out_TK=out, backend=backend, counts_P=counts, record=flag)
+
     return {
-        "prepared, plain (the baseline)": prepared_plain,
+        BASELINE: prepared_plain,
         "prepared, recorder (rec.prepare)": prepared_recorder,
         "public, plain": public_plain,
         "public, recorder (**rec.layer_kwargs)": public_layer_kwargs,
         "public, recorder (counts_P=, record=)": public_named,
+        "public, recorder (eplb.moe's keywords)": public_moe,
+        "public, two argument sets taking turns": public_turns,
         "begin_pass + end_pass alone": passes_only,
+        "empty callee, remaps[layer](ids, out)": prepared_call_only,
+        "empty callee, **rec.layer_kwargs": unpacking_only,
+        "empty callee, counts_P=, record=": named_only,
     }
 
 
 def recorder_pass_us(T: int, layers: int, passes: int, device: torch.device) -> dict[str, Any]:
-    """Median thread-CPU µs per pass of each recorder path, and each minus the baseline (same run)."""
+    """Median thread-CPU µs per pass of each recorder path, and the median over pass rounds of each
+    minus the baseline of the same round (one run)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     real_direct = kernel.DIRECT
     if device.type == "cpu":
@@ -220,14 +315,13 @@ def recorder_pass_us(T: int, layers: int, passes: int, device: torch.device) -> 
     finally:
         kernel.DIRECT = real_direct
     median = {name: statistics.median(v) for name, v in samples.items()}
-    base = median["prepared, plain (the baseline)"]
-    return {
-        "T": T,
-        "layers": layers,
-        "passes": passes,
-        "pass_us": median,
-        "above_prepared_plain_us": {name: us - base for name, us in median.items()},
+    base = samples[BASELINE]
+    # Each pass round runs every row once, so a row minus the baseline of the same round cancels
+    # most of what another process's load adds to both; the median of those differences.
+    above = {
+        name: statistics.median(a - b for a, b in zip(v, base, strict=True)) for name, v in samples.items()
     }
+    return {"T": T, "layers": layers, "passes": passes, "pass_us": median, "above_prepared_plain_us": above}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -89,11 +89,12 @@ class ExpertDistributionRecorder:
     captured CUDA graph records or not by the flag alone. Both are built once (views, dicts,
     checked arguments), so a pass costs the kernel launches plus two device ops at its end
     (the window push and the reset of the pass counts) and the flag's fill when it changes.
-    ``prepare`` is the cheaper of the two on the host: the public function keeps a prepared remap
-    per tensor object from its second call, but still builds a key and unpacks the keywords per
-    call (docs/benchmarks.md, "Recorder host cost per documented path"). After a hot-swap call :meth:`set_placement` before the next
-    pass: every stored pass remembers which placement was live, and its slot counts become expert
-    counts through that placement's map.
+    Per layer the two cost the same once the public function keeps the layer's preparation (from
+    its second call: eplb.remap.api); what the ``layer_kwargs`` path pays above ``prepare`` is
+    Python's keyword passing, mostly the ``**`` unpacking of a dict on every call
+    (docs/benchmarks.md, "Recorder host cost per documented path"). After a hot-swap call
+    :meth:`set_placement` before the next pass: every stored pass remembers which placement was
+    live, and its slot counts become expert counts through that placement's map.
 
     Modes: ``stat`` (circular window of W passes on the device, int32 [W, L, P]), ``per_pass``
     (each pass copied to pinned host memory without a stream stall; the last W kept), ``per_token``
@@ -259,7 +260,8 @@ class ExpertDistributionRecorder:
     def layer_kwargs(self, layer: int) -> dict[str, torch.Tensor]:
         """Keyword arguments for eplb.remap.api.remap_and_record that record into this pass.
 
-        The same dict on every call (built once; do not modify it).
+        The same dict of the same tensors on every call (built once; do not modify it), so the
+        public function keeps the layer's checked call from its second pass on.
         """
         return self._kwargs[layer]
 

@@ -44,17 +44,22 @@ eplb.remap.backends.
 
 Per-call cost: a forward pass calls this once per MoE layer with the same fixed arguments (tables,
 layer, mode, the recorder's counts and flag, ``num_valid_tokens``). The second call with the same
-tensor *objects* builds a :class:`eplb.remap.prepared.PreparedRemap` for them, kept per object, and
-later calls check only the ids and the output and go through it (the Triton backend's direct path):
-the cost of ``rec.prepare()``, with one key lookup more. A bad argument raises as before, since a
-new tensor object is checked in full. A tensor passed here must keep its shape, dtype, device and
-storage while it is used (no ``resize_``/``set_`` on a counts buffer in place), as for a prepared
-call; :func:`clear_prepared_cache` forgets every kept preparation.
+tensor *objects* builds a :class:`eplb.remap.prepared.PreparedRemap` for them and keeps it in the
+tables (``derived``, per layer: the last argument set and up to three earlier ones); later calls
+find it by the layer, compare the fixed arguments with its own by identity, and go through it
+(it checks the ids and the output; on Triton it launches directly): the cost of ``rec.prepare()``
+plus a dict lookup and seven comparisons. A bad argument raises as before, since a new tensor
+object is checked in full. A tensor passed here must keep its shape, dtype, device and storage
+while it is used (no ``resize_``/``set_`` on a counts buffer in place), as for a prepared call;
+an argument that is a new object on every call (a fresh view, a new ``num_valid_tokens`` per pass)
+is checked in full on every call. Python's own keyword passing is the caller's: ``**kwargs``
+unpacking costs more per call than the cache (docs/benchmarks.md, "Recorder host cost per
+documented path"). :func:`clear_prepared_cache` forgets every kept preparation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -78,12 +83,25 @@ if TYPE_CHECKING:
 # than hashing the device).
 _BY_DEVICE: dict[tuple[str, torch.device, bool], RemapBackend] = {}
 
-# (ids of the fixed arguments, layer, mode, backend) -> the bound call of the PreparedRemap for them,
-# or, after their
+# The per-layer cache of prepared calls, kept in each tables' ``derived``: under _KEPT, {layer:
+# the PreparedRemap of the argument set prepared last there}; under _OTHERS, {layer: those of up to
+# _OTHERS_PER_LAYER earlier sets} (an engine may call one layer with two sets, SGLang's adapter
+# does). A call finds its entry with one attribute read and two dict lookups, and compares its
+# five optional arguments with the kept ones by identity (``is``: the entry holds them, so no id
+# can be reused) and its mode and backend by equality: that is all a cached call pays above a
+# prepared one (an earlier set: one function call and those lookups more).
+_KEPT = "remap_and_record:prepared"
+_OTHERS = "remap_and_record:others"
+_OTHERS_PER_LAYER = 3
+_KEPT_IN: weakref.WeakSet[DispatchTables] = weakref.WeakSet()  # tables holding such entries
+
+# (ids of the fixed arguments, layer, mode, backend) -> the PreparedRemap for them, or, after their
 # first call, a tuple holding the objects (a marker: prepare on the second call, so a caller that
-# passes a fresh view every call pays no preparation). Each value holds its key's objects, so no id
-# in a live key can be reused by another object. Bounded: a caller of fresh views fills it, and it
-# is emptied when full.
+# passes a fresh view every call pays no preparation). Consulted only when no layer entry matches:
+# first calls, fresh objects, or more argument sets on one layer than the entries hold (a set
+# found here is kept again, without the checks). Each value holds its key's objects, so no id in
+# a live key can be reused by another object. Bounded: a caller of fresh views fills it, and it is
+# emptied when full.
 _PREPARED: dict[tuple[Any, ...], Any] = {}
 _PREPARED_MAX = 4096
 
@@ -91,6 +109,10 @@ _PREPARED_MAX = 4096
 def clear_prepared_cache() -> None:
     """Forget every preparation :func:`remap_and_record` kept (and the objects they hold)."""
     _PREPARED.clear()
+    for tables in list(_KEPT_IN):
+        tables.derived.pop(_KEPT, None)
+        tables.derived.pop(_OTHERS, None)
+    _KEPT_IN.clear()
 
 
 def remap_and_record(
@@ -116,6 +138,59 @@ def remap_and_record(
     in mode ``lp`` (None: the tables' own, over the default process group). See the module
     docstring for each mode, and for the per-object cache of the fixed arguments' checks.
     """
+    try:
+        kept: PreparedRemap | None = tables.derived[_KEPT][layer]
+    except (AttributeError, KeyError, TypeError):  # none kept yet, or not tables: checked below
+        kept = None
+    if (
+        kept is not None
+        and kept.counts_P is counts_P
+        and kept.record is record
+        and kept.num_valid_tokens is num_valid_tokens
+        and kept.logical_counts_E is logical_counts_E
+        and kept.lp is lp
+        and kept.mode == mode
+        and kept.backend == backend
+    ):
+        # PreparedRemap.takes, inlined; the call checks the ids and the output, as below.
+        return kept.__call__(topk_ids_TK, out_TK)
+    return _call_uncached(
+        topk_ids_TK,
+        tables,
+        layer,
+        mode,
+        counts_P,
+        logical_counts_E,
+        num_valid_tokens,
+        record,
+        out_TK,
+        backend,
+        lp,
+    )
+
+
+def _call_uncached(
+    topk_ids_TK: torch.Tensor,
+    tables: DispatchTables,
+    layer: int,
+    mode: str,
+    counts_P: torch.Tensor | None,
+    logical_counts_E: torch.Tensor | None,
+    num_valid_tokens: torch.Tensor | None,
+    record: torch.Tensor | None,
+    out_TK: torch.Tensor | None,
+    backend: str,
+    lp: LpExchange | None,
+) -> torch.Tensor:
+    """:func:`remap_and_record` where the layer's last entry does not match: an earlier entry's
+    call, or every argument checked (prepared, and kept, on the second call with the same objects)."""
+    try:
+        others: tuple[PreparedRemap, ...] = tables.derived[_OTHERS][layer]
+    except (AttributeError, KeyError, TypeError):
+        others = ()
+    for kept in others:
+        if kept.takes(mode, counts_P, logical_counts_E, num_valid_tokens, record, backend, lp):
+            return kept(topk_ids_TK, out_TK)
     key = (
         id(tables),
         layer,
@@ -128,22 +203,21 @@ def remap_and_record(
         id(lp),
     )
     try:
-        kept, cacheable = _PREPARED.get(key), True
+        found, cacheable = _PREPARED.get(key), True
     except TypeError:  # an unhashable layer or mode: the checks below say what is wrong
-        kept, cacheable = None, False
-    if kept is not None and kept.__class__ is not tuple:
-        run: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor] = kept
-        return run(topk_ids_TK, out_TK)
+        found, cacheable = None, False
+    if found is not None and found.__class__ is not tuple:  # prepared (so checked) before
+        return _keep(tables, layer, found)(topk_ids_TK, out_TK)
     device = check_remap_args(
         topk_ids_TK, tables, layer, mode, counts_P, logical_counts_E, num_valid_tokens, record
     )
     if cacheable:
         if len(_PREPARED) >= _PREPARED_MAX:
             _PREPARED.clear()
-        if kept is None:  # first call with these objects: keep them, prepare on the next one
+        if found is None:  # first call with these objects: keep them, prepare on the next one
             _PREPARED[key] = (tables, counts_P, logical_counts_E, num_valid_tokens, record, lp)
         else:
-            prepared = PreparedRemap(
+            prepared = _PREPARED[key] = PreparedRemap(
                 tables,
                 layer,
                 mode=mode,
@@ -154,8 +228,7 @@ def remap_and_record(
                 backend=backend,
                 lp=lp,
             )
-            _PREPARED[key] = prepared.__call__  # bound: calling it skips the instance-call slot
-            return prepared(topk_ids_TK, out_TK)
+            return _keep(tables, layer, prepared)(topk_ids_TK, out_TK)
     if out_TK is None:
         out_TK = torch.empty_like(topk_ids_TK)  # int32 and contiguous, as checked; the fastest allocator call
     else:
@@ -188,6 +261,19 @@ def remap_and_record(
         )
     )
     return out_TK
+
+
+def _keep(tables: DispatchTables, layer: int, prepared: PreparedRemap) -> PreparedRemap:
+    """Make ``prepared`` the layer's last entry, the one before it an earlier one; returns it."""
+    last = tables.derived.setdefault(_KEPT, {})
+    before = last.get(layer)
+    last[layer] = prepared
+    if before is not None:
+        others = tables.derived.setdefault(_OTHERS, {})
+        kept = tuple(p for p in others.get(layer, ()) if p is not prepared)
+        others[layer] = (*kept, before)[-_OTHERS_PER_LAYER:]
+    _KEPT_IN.add(tables)
+    return prepared
 
 
 __all__ = [

@@ -4,13 +4,14 @@ Shape legend: T tokens, K top-k, E logical experts, P physical slots.
 
 Every argument of :func:`eplb.remap.api.remap_and_record` but the ids and the output stays the same
 on every pass of one layer (the tables, the layer, the mode, the recorder's counts row and flag,
-``num_valid_tokens``), yet the public function checks them all on every call, and the launcher
-re-derives their pointers. :func:`prepare_remap` checks them once; the :class:`PreparedRemap` it
+``num_valid_tokens``), and checking them all, and re-deriving their pointers, on every call costs
+more than the launch. :func:`prepare_remap` checks them once; the :class:`PreparedRemap` it
 returns checks only the ids (and the output, when given) per call and, on the Triton backend,
 launches through a direct path whose fixed pointers and salt were resolved at preparation
-(eplb.kernels.remap_record_direct.PreparedDirect). Semantics are the public function's, bit for
-bit; the fixed tensors must keep their storage for the prepared call's life (the recorder's and
-the tables' do).
+(eplb.kernels.remap_record_direct.PreparedDirect). The public function builds and keeps these
+too, for the argument objects it sees twice (:meth:`PreparedRemap.takes`). Semantics are the
+public function's, bit for bit; the fixed tensors must keep their storage for the prepared call's
+life (the recorder's and the tables' do).
 """
 
 from __future__ import annotations
@@ -35,7 +36,21 @@ _INT32 = torch.int32
 class PreparedRemap:
     """Call with the router's int32 ids [T, K] (and ``out_TK``); returns the physical ids [T, K]."""
 
-    __slots__ = ("_device", "_direct", "_fn", "_template", "layer", "mode", "tables")
+    __slots__ = (
+        "_device",
+        "_direct",
+        "_fn",
+        "_template",
+        "backend",
+        "counts_P",
+        "layer",
+        "logical_counts_E",
+        "lp",
+        "mode",
+        "num_valid_tokens",
+        "record",
+        "tables",
+    )
 
     def __init__(
         self,
@@ -57,7 +72,11 @@ class PreparedRemap:
             from eplb.remap.exchange import exchange_for
 
             exchange = exchange_for(tables, lp)
-        self.tables, self.layer, self.mode = tables, layer, mode
+        self.tables, self.layer, self.mode, self.backend = tables, layer, mode, backend
+        # The fixed arguments as given (lp: the argument, not the exchange it resolves to), read
+        # only to compare a later call's arguments by identity (eplb.remap.api's per-layer cache).
+        self.counts_P, self.logical_counts_E = counts_P, logical_counts_E
+        self.num_valid_tokens, self.record, self.lp = num_valid_tokens, record, lp
         self._device = tables.device
         self._fn = get_backend(backend, self._device, mode)
         # The call's fixed fields; the ids and the output fill in per call.
@@ -78,6 +97,28 @@ class PreparedRemap:
         if mode != "lp" and name in _PREPARERS:
             module, func = _PREPARERS[name].split(":")
             self._direct = getattr(importlib.import_module(module), func)(self._template)
+
+    def takes(
+        self,
+        mode: str,
+        counts_P: torch.Tensor | None,
+        logical_counts_E: torch.Tensor | None,
+        num_valid_tokens: torch.Tensor | None,
+        record: torch.Tensor | None,
+        backend: str,
+        lp: LpExchange | None,
+    ) -> bool:
+        """Whether a public call with these fixed arguments is this one (the same objects, mode and
+        backend), so that it may skip their checks (eplb.remap.api inlines this on its fast path)."""
+        return (
+            self.counts_P is counts_P
+            and self.record is record
+            and self.num_valid_tokens is num_valid_tokens
+            and self.logical_counts_E is logical_counts_E
+            and self.lp is lp
+            and self.mode == mode
+            and self.backend == backend
+        )
 
     def __call__(self, topk_ids_TK: torch.Tensor, out_TK: torch.Tensor | None = None) -> torch.Tensor:
         check_ids(topk_ids_TK)  # the public function's checks on the ids and output, nothing else
