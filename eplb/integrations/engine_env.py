@@ -44,6 +44,10 @@ MODEL_NAME_ENV = "EPLB_MODEL_NAME"
 METRICS_ENGINE_ENV = "EPLB_METRICS_ENGINE"
 """The ``engine`` label of eplb's series (default ``0``, vLLM's first engine)."""
 
+SGLANG_LP_ENV = "EPLB_SGLANG_LP"
+"""SGLang only: ``1`` serves ``--ep-dispatch-algorithm lp`` with eplb's ``lp`` kernels
+(eplb.integrations.sglang_lp); ``0`` or unset: SGLang's own LP solver (default)."""
+
 SHARED_ENV = (
     MODE_ENV,
     MAX_MOVED_ENV,
@@ -81,6 +85,12 @@ def env_flag(environ: Mapping[str, str], var: str, default: bool) -> bool:
     if raw in _FALSE:
         return False
     raise ValueError(f"{var} must be one of {_TRUE + _FALSE}, got {environ[var]!r}")
+
+
+def sglang_lp_requested(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``EPLB_SGLANG_LP`` asks for eplb's ``lp`` dispatch under SGLang (ValueError naming
+    the variable for a value that is not a boolean)."""
+    return env_flag(os.environ if environ is None else environ, SGLANG_LP_ENV, False)
 
 
 def env_int(environ: Mapping[str, str], var: str, *, low: int, high: int | None = None) -> int | None:

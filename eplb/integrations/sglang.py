@@ -41,7 +41,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from eplb.integrations.engine_env import EngineEnv, env_flag, read_engine_env
+from eplb.integrations.engine_env import (
+    SGLANG_LP_ENV,
+    EngineEnv,
+    env_flag,
+    read_engine_env,
+    sglang_lp_requested,
+)
 from eplb.integrations.engine_metrics import EngineMetrics
 from eplb.integrations.engine_plan import EngineDecisions, EnginePlan, engine_placement, make_planner
 from eplb.integrations.sglang_updater import UPDATER_ENV
@@ -60,7 +66,7 @@ FUSED_ENV = "EPLB_SGLANG_FUSED_REMAP"
 """Environment variable: ``1`` replaces SGLang's ``eplb_map_and_record_fused`` with eplb's kernel."""
 BACKEND_ENV = "EPLB_SGLANG_REMAP_BACKEND"
 """Environment variable: the fused replacement's remap backend (eplb.integrations.sglang_remap)."""
-SGLANG_ENV = (PLUGIN_ENV, FUSED_ENV, BACKEND_ENV, *UPDATER_ENV)
+SGLANG_ENV = (PLUGIN_ENV, FUSED_ENV, BACKEND_ENV, SGLANG_LP_ENV, *UPDATER_ENV)
 """The ``EPLB_*`` variables of this plugin (beside eplb.integrations.engine_env.SHARED_ENV), the
 weight updater's (eplb.integrations.sglang_updater) included."""
 PREFIX = "eplb:"
@@ -405,6 +411,7 @@ def register() -> None:
             _LOG.info("eplb: %s=0, the eplb SGLang plugin registers nothing", PLUGIN_ENV)
             return
         fused = _enabled(FUSED_ENV, default=False)
+        lp = sglang_lp_requested()  # EPLB_SGLANG_LP: eplb.integrations.sglang_lp
         _check_backend()
         _STATE["settings"] = config = read_engine_env(known=SGLANG_ENV)
         make_planner("auto", "--eplb-algorithm", settings=config)  # EPLB_SOLVER_OPTIONS checked now
@@ -447,6 +454,11 @@ def register() -> None:
         except ValueError as exc:
             raise SettingsExit(exc) from exc
         _REGISTERED.append("fused")
+    if lp and "lp" not in _REGISTERED:
+        from eplb.integrations.sglang_lp import register_lp
+
+        register_lp(HookRegistry, HookType)
+        _REGISTERED.append("lp")
     # Further opt-in hooks register here, each behind its own variable and _REGISTERED name.
 
 

@@ -1,6 +1,6 @@
 """eplb's remap+record kernel behind SGLang's ``eplb_map_and_record_fused`` (the MegaMoE path).
 
-Shape legend: T tokens, K top-k, E logical experts, P physical slots.
+Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, C count rows.
 
 SGLang calls ``eplb_map_and_record_fused(topk_ids [T, K], dispatch_info, load_buffer int32 [P],
 num_token_non_padded [1] | None)`` once per MoE layer on recorded prefill passes: map each router
@@ -20,6 +20,17 @@ SGLang maps every row, padded ones included, and stops only the counting at
 ``num_token_non_padded``, whereas eplb's kernel passes rows at or past ``num_valid_tokens``
 through unmapped. To return exactly SGLang's ids, a call with padding launches the kernel twice:
 once counting the valid rows, once (without counts) mapping all of them.
+
+Count rows: SGLang's ``load_buffer`` is one row ``[P]`` of its recorder's per-pass buffer
+``_SelectExpertsSinglePassGatherer._data`` int32 [L, P], so every program of the kernel would
+flush into the same P addresses (the single-row form: 1.9-2.7x a copy of the same bytes at
+T = 65536). The gatherer's ``reset`` (at the start of every recorded pass) and ``collect`` (where
+SGLang reads the pass, at its end) are wrapped: ``reset`` gives the buffer count rows of its own,
+int32 [L, C, P] with C = :data:`COUNT_ROWS`, zeroed; the kernel adds into the layer's rows
+instead of ``load_buffer`` (the 16-row form eplb's recorder uses); ``collect`` adds the rows' sum
+into the buffer before SGLang reads it, so SGLang reads the same totals. A buffer without rows
+(one ``reset`` never saw, or a backend that does not spread its counts: torch, aiter) is counted
+into directly, as before.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from eplb.recorder.recorder import CUDA_COUNT_ROWS
 from eplb.remap import DispatchTables, available_backends, remap_and_record
 
 if TYPE_CHECKING:
@@ -37,6 +49,11 @@ if TYPE_CHECKING:
 BACKEND_ENV = "EPLB_SGLANG_REMAP_BACKEND"
 """Environment variable: the remap backend (auto | triton | torch | aiter; default auto)."""
 _MODULE = "sglang.srt.eplb"
+_GATHERER = f"{_MODULE}.expert_distribution._SelectExpertsSinglePassGatherer"
+"""SGLang's per-pass buffer owner on the select-experts path (the only one whose
+``get_current_pass_count_buffer`` hands out a ``load_buffer``)."""
+COUNT_ROWS = CUDA_COUNT_ROWS
+"""Count rows C the kernel spreads SGLang's counts over (as eplb's recorder on CUDA)."""
 
 
 @dataclass
@@ -48,6 +65,17 @@ class _Entry:
     generation: int
 
 
+@dataclass
+class _Rows:
+    """Count rows of one SGLang per-pass buffer; ``source`` keeps the buffer alive, so the
+    addresses of its layer rows stay its own."""
+
+    source: torch.Tensor
+    """SGLang's int32 [L, P] buffer (``_SelectExpertsSinglePassGatherer._data``)."""
+    rows_LCP: torch.Tensor
+    """int32 [L, C, P]: this pass's counts not yet in ``source`` (their sum over C)."""
+
+
 _BACKEND = ["auto"]
 """The remap backend, read from ``EPLB_SGLANG_REMAP_BACKEND`` once, when the plugin registers."""
 _CACHE: dict[tuple[Any, ...], _Entry] = {}
@@ -55,6 +83,13 @@ _LOCK = threading.Lock()
 _GENERATION = [0]
 TRANSLATIONS = [0]
 """How many times a dispatch map was translated into tables (for tests and logs)."""
+_ROWS: dict[int, _Rows] = {}
+"""Count rows by the address of the SGLang buffer they belong to."""
+_ROW_OF: dict[int, torch.Tensor] = {}
+"""A layer row's address in a buffer of ``_ROWS`` -> that layer's count rows [C, P] (one view,
+made once, so the remap's per-object preparation is kept across calls)."""
+_MAX_BUFFERS = 8
+"""Buffers given rows at most (SGLang makes one recorder per process; a new one replaces it)."""
 
 
 def placement_changed() -> None:
@@ -109,6 +144,64 @@ def tables_for(dispatch_map: torch.Tensor | None, num_physical: int, device: tor
         return entry.tables
 
 
+def _spreads_rows(device: torch.device) -> bool:
+    """Whether this process's backend spreads counts over rows on ``device`` (Triton's kernel:
+    ``triton``, or ``auto`` on a GPU); torch and aiter add every count to the first row."""
+    backend = _BACKEND[0]
+    return backend == "triton" or (backend == "auto" and device.type == "cuda")
+
+
+def attach_rows(data_LP: torch.Tensor) -> None:
+    """Give SGLang's per-pass buffer ``data_LP`` (int32 [L, P]) zeroed count rows, or zero those
+    it has. Called where SGLang zeroes the buffer, at the start of a recorded pass (eagerly, so no
+    CUDA graph captures an allocation or a zeroing)."""
+    import torch
+
+    if data_LP.dtype != torch.int32 or data_LP.dim() != 2 or not data_LP.is_contiguous():
+        return
+    if not _spreads_rows(data_LP.device):
+        return
+    with _LOCK:
+        entry = _ROWS.get(data_LP.data_ptr())
+        if entry is not None and entry.source.shape == data_LP.shape:
+            entry.rows_LCP.zero_()
+            return
+        if entry is not None or len(_ROWS) >= _MAX_BUFFERS:
+            _forget_rows(entry.source if entry is not None else next(iter(_ROWS.values())).source)
+        L, P = data_LP.shape
+        rows_LCP = torch.zeros((L, COUNT_ROWS, P), dtype=torch.int32, device=data_LP.device)
+        _ROWS[data_LP.data_ptr()] = _Rows(data_LP, rows_LCP)
+        for layer, rows_CP in enumerate(rows_LCP.unbind(0)):
+            _ROW_OF[data_LP[layer].data_ptr()] = rows_CP
+
+
+def _forget_rows(data_LP: torch.Tensor) -> None:
+    """Drop a buffer's rows (under ``_LOCK``); its counts not yet folded are lost, as SGLang's
+    own are when it replaces the buffer."""
+    entry = _ROWS.pop(data_LP.data_ptr())
+    for layer in range(entry.source.shape[0]):
+        _ROW_OF.pop(entry.source[layer].data_ptr(), None)
+
+
+def fold_rows(data_LP: torch.Tensor) -> None:
+    """Add the count rows of ``data_LP`` into it and zero them: where SGLang reads the pass."""
+    import torch
+
+    entry = _ROWS.get(data_LP.data_ptr())
+    if entry is None or entry.source.shape != data_LP.shape:
+        return
+    data_LP.add_(entry.rows_LCP.sum(dim=1, dtype=torch.int32))
+    entry.rows_LCP.zero_()
+
+
+def _counts_for(load_buffer: torch.Tensor) -> torch.Tensor:
+    """The count rows [C, P] that stand for ``load_buffer`` [P], or the buffer itself."""
+    rows_CP = _ROW_OF.get(load_buffer.data_ptr())
+    if rows_CP is None or rows_CP.shape[1] != load_buffer.numel() or rows_CP.device != load_buffer.device:
+        return load_buffer
+    return rows_CP
+
+
 def eplb_map_and_record_fused(
     topk_ids: torch.Tensor,
     dispatch_info: Any,
@@ -133,7 +226,8 @@ def eplb_map_and_record_fused(
     tables = tables_for(dispatch, int(load_buffer.numel()), ids.device)
     backend = _BACKEND[0]
     valid = _valid(num_token_non_padded)
-    out = remap_and_record(ids, tables, 0, counts_P=load_buffer, num_valid_tokens=valid, backend=backend)
+    counts = _counts_for(load_buffer)
+    out = remap_and_record(ids, tables, 0, counts_P=counts, num_valid_tokens=valid, backend=backend)
     if num_token_non_padded is not None:
         remap_and_record(ids, tables, 0, out_TK=out, backend=backend)
     return out
@@ -147,6 +241,8 @@ def _valid(num_token_non_padded: torch.Tensor | None) -> torch.Tensor | None:
         return None
     if num_token_non_padded.dtype != torch.int32:
         num_token_non_padded = num_token_non_padded.to(torch.int32)
+    if num_token_non_padded.shape == (1,):
+        return num_token_non_padded  # the same object every layer: the remap keeps its preparation
     return num_token_non_padded.reshape(1)
 
 
@@ -166,8 +262,26 @@ def _after_replace(original: Any, *args: Any, **kwargs: Any) -> Any:
     return result
 
 
+def _after_reset(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``_SelectExpertsSinglePassGatherer.reset`` (a recorded pass starts): zeroed count rows."""
+    result = original(*args, **kwargs)
+    data = getattr(args[0], "_data", None) if args else None
+    if data is not None:
+        attach_rows(data)
+    return result
+
+
+def _before_collect(original: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``_SelectExpertsSinglePassGatherer.collect`` (SGLang reads the pass): rows folded first."""
+    data = getattr(args[0], "_data", None) if args else None
+    if data is not None:
+        fold_rows(data)
+    return original(*args, **kwargs)
+
+
 def register_fused(registry: Any, hook_type: Any) -> None:
-    """Register the replacement and the placement-change hooks with SGLang's HookRegistry.
+    """Register the replacement, the count rows' hooks and the placement-change hooks with
+    SGLang's HookRegistry.
 
     ``EPLB_SGLANG_REMAP_BACKEND`` is read here: a backend this process cannot run raises
     ValueError at start-up, not at the first prefill.
@@ -182,6 +296,8 @@ def register_fused(registry: Any, hook_type: Any) -> None:
         eplb_map_and_record_fused,
         hook_type.REPLACE,
     )
+    registry.register(f"{_GATHERER}.reset", _after_reset, hook_type.AROUND)
+    registry.register(f"{_GATHERER}.collect", _before_collect, hook_type.AROUND)
     registry.register(
         f"{_MODULE}.expert_location.ExpertLocationMetadata.update", _after_update, hook_type.AROUND
     )

@@ -1,12 +1,14 @@
 """Run inside a subprocess with vLLM or SGLang importable (tests.helpers.engines): exercise eplb's
 plugin through the engine's own loader and code, and write what happened as JSON for the tests.
 
-``python -m tests.helpers.engine_checks vllm|sglang OUT.json``. Maps travel as nested lists; the
+``python -m tests.helpers.engine_checks vllm|sglang OUT.json`` (or ``NAME``: the ``run`` of
+tests.helpers.NAME_checks). Maps travel as nested lists; the
 tests judge them (validity, balance, equality with the engine's own functions) in their process.
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -380,7 +382,9 @@ def fused_update_case(ours: Any, theirs: Any, info_cls: Any, metadata_cls: Any) 
 
 def main() -> int:
     engine, out_path = sys.argv[1], Path(sys.argv[2])
-    checks = {"vllm": vllm_checks, "sglang": sglang_checks}[engine]
+    checks = {"vllm": vllm_checks, "sglang": sglang_checks}.get(engine)
+    if checks is None:  # another helper's checks: tests.helpers.ENGINE_checks.run (e.g. sglang_rows)
+        checks = importlib.import_module(f"tests.helpers.{engine}_checks").run
     result = checks()
     out_path.write_text(json.dumps(result))
     return 0

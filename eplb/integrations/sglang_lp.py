@@ -1,0 +1,314 @@
+"""eplb's ``lp`` dispatch behind SGLang's ``--ep-dispatch-algorithm lp`` (``EPLB_SGLANG_LP=1``).
+
+Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, G GPUs (EP ranks).
+
+SGLang 0.5.23 serves ``lp`` with one ``LPLBSolver`` per MoE layer, built by
+``moe_ep_setup.init_lplb_solvers`` at start-up and after every rebalance chunk: ``solve(topk_ids)``
+counts the rank's tokens, all-reduces the counts over the EP group and solves the layer's min-max
+LP on the GPU (an interior-point method JIT-compiled with Math-DX, SM90 only, 20-40 s per shape;
+``init_lplb_solvers`` refuses every model outside the DeepSeek family); it returns a
+``log2phy_prob`` table that ``topk_ids_logical_to_physical(topk_ids, info, log2phy_prob)`` samples
+each token's replica from. Every EP rank calls ``solve`` on every layer, an idle one with no ids
+(``TopK.empty_topk_output``), or the all-reduce waits.
+
+Two hooks (SGLang's ``HookRegistry``) put eplb there instead:
+
+- ``init_lplb_solvers`` (REPLACE): one :class:`EplbLpSolver` per layer over one set of eplb
+  dispatch tables of the live placement (``get_global_expert_location_metadata()``), registered
+  through SGLang's own ``set_global_lplb_solver``. After a rebalance the tables are updated in
+  place (addresses kept, so captured CUDA graphs stay valid). No JIT step, no model-family gate.
+- ``topk_ids_logical_to_physical`` (AROUND), for ``lp`` only: the ids the solver mapped.
+
+``EplbLpSolver.solve`` runs ``eplb.remap.remap_and_record(mode="lp")`` (its rule:
+eplb.remap.lp_rule; Triton on CUDA and ROCm, torch on the CPU): count, one int32 all-gather of
+[G, E] over SGLang's EP group (``all_gather_into_tensor``, idle ranks with zeros), quotas, each
+token's replica. It returns the mapped ids as an :class:`LpDispatch`, which SGLang carries to its
+map call in place of ``log2phy_prob``. Where SGLang maps without solving first (its ROCm branch of
+``select_experts`` has no ``lp`` solve), the map call solves for the layer of the dispatch info.
+A layer whose experts all have one replica maps statically and exchanges nothing (every rank
+agrees: the placement is the same everywhere). Padded rows are counted as SGLang's solver counts
+them (SGLang masks them to -1 after the map).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from eplb.placement.model import Placement
+
+if TYPE_CHECKING:
+    import torch
+
+    from eplb.remap.exchange import GatherFn, LpExchange
+    from eplb.remap.tables import DispatchTables
+
+_SETUP = "sglang.srt.model_executor.model_runner_components.moe_ep_setup.init_lplb_solvers"
+_DISPATCH = "sglang.srt.eplb.expert_location_dispatch.topk_ids_logical_to_physical"
+BACKEND = "auto"
+"""The remap backend of the ``lp`` kernels (Triton on a GPU, torch on the CPU)."""
+
+_LOG = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, eq=False)
+class LpDispatch:
+    """What :meth:`EplbLpSolver.solve` returns where SGLang's solver returns ``log2phy_prob``: the
+    physical ids of the ids it was given, for SGLang's map call to hand back."""
+
+    source_TK: torch.Tensor
+    """The router ids [T, K] ``solve`` was given (the map call must pass the same)."""
+    phys_TK: torch.Tensor
+    """Their physical slot ids [T, K], in the ids' dtype."""
+
+
+class EplbLpSolver:
+    """One layer's stand-in for SGLang's ``LPLBSolver`` (``solve`` is all SGLang calls)."""
+
+    def __init__(self, serving: LpServing, layer: int) -> None:
+        self.serving = serving
+        self.layer = layer
+
+    def solve(self, topk_ids: torch.Tensor) -> LpDispatch:
+        """Map this rank's ids [T, K] (T = 0 on an idle rank) by the batch's global counts."""
+        return self.serving.map(self.layer, topk_ids)
+
+
+class LpServing:
+    """One process's eplb ``lp`` state: dispatch tables of every layer, their counts exchange, and
+    one solver per layer."""
+
+    def __init__(self, placement: Placement, rank: int, device: torch.device, gather: GatherFn) -> None:
+        from eplb.remap.exchange import LpExchange
+        from eplb.remap.tables import DispatchTables
+
+        self.tables: DispatchTables = DispatchTables.from_placement(placement, rank, device)
+        self.exchange: LpExchange = LpExchange(self.tables, gather=gather)
+        self.solvers = [EplbLpSolver(self, layer) for layer in range(placement.num_layers)]
+        self.rank = rank
+        self._shape = _shape(placement)
+        self._replicated = _replicated_layers(placement)
+        self.layer_by_map: dict[int, int] = {}
+        """Address of SGLang's ``logical_to_all_physical_map[layer]`` -> layer (dispatch info rows)."""
+
+    def fits(self, placement: Placement, rank: int, device: torch.device) -> bool:
+        """Whether these tables can take ``placement`` in place (same shapes, rank and device)."""
+        return (_shape(placement), rank, device) == (self._shape, self.rank, self.tables.device)
+
+    def update(self, placement: Placement) -> None:
+        """Copy a new placement into the tables (their addresses kept)."""
+        self.tables.update_(placement)
+        self._replicated = _replicated_layers(placement)
+
+    def map(self, layer: int, topk_ids: torch.Tensor) -> LpDispatch:
+        """This rank's physical ids for ``topk_ids`` [T, K] of ``layer`` (every rank calls, T >= 0)."""
+        import torch
+
+        from eplb.remap import remap_and_record
+
+        ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
+        ids = ids.contiguous()
+        if self._replicated[layer]:
+            phys = remap_and_record(ids, self.tables, layer, mode="lp", lp=self.exchange, backend=BACKEND)
+        else:  # one replica each: nothing to split, and no rank exchanges (same placement everywhere)
+            phys = remap_and_record(ids, self.tables, layer, mode="static", backend=BACKEND)
+        phys = phys.view(topk_ids.shape)
+        return LpDispatch(topk_ids, phys if phys.dtype == topk_ids.dtype else phys.to(topk_ids.dtype))
+
+    def layer_of(self, info: Any) -> int:
+        """The layer of SGLang's ``ExpertLocationDispatchInfo`` (its row of the metadata's map)."""
+        layer = self.layer_by_map.get(int(info.partial_logical_to_all_physical_map.data_ptr()))
+        if layer is None:
+            raise RuntimeError(
+                "eplb lp dispatch: this dispatch info's expert map is not a layer of the placement "
+                "the lp solvers were built for (init_lplb_solvers has not run since it changed)"
+            )
+        return layer
+
+
+def _shape(placement: Placement) -> tuple[int, int, int, int]:
+    return (placement.num_layers, placement.num_logical, placement.num_physical, placement.num_gpus)
+
+
+def _replicated_layers(placement: Placement) -> list[bool]:
+    """Per layer: whether some expert has more than one replica (host booleans, read per call)."""
+    return [bool(row.max(initial=0) >= 2) for row in placement.logcnt_LE]
+
+
+_STATE: dict[str, Any] = {}
+"""``serving``: this process's :class:`LpServing`; ``logged``: the start-up line was written."""
+
+
+def serving() -> LpServing | None:
+    """This process's ``lp`` state, once ``init_lplb_solvers`` ran."""
+    found = _STATE.get("serving")
+    assert found is None or isinstance(found, LpServing)
+    return found
+
+
+def reset() -> None:
+    """Forget this process's ``lp`` state (a fresh process's; tests)."""
+    _STATE.clear()
+
+
+def placement_of(metadata: Any) -> Placement:
+    """SGLang's ``ExpertLocationMetadata`` as an eplb Placement (ValueError where it has no
+    expert in a slot, as elastic EP leaves, or its experts are not 0..E-1)."""
+    cpu = getattr(metadata, "physical_to_logical_map_cpu", None)
+    phy2log = (cpu if cpu is not None else metadata.physical_to_logical_map).detach().cpu().numpy()
+    E = int(metadata.num_logical_experts)
+    if phy2log.size and phy2log.min() < 0:
+        raise ValueError("eplb lp dispatch needs an expert in every physical slot (the map holds -1)")
+    placement = Placement.from_phy2log(phy2log, int(metadata.ep_size))
+    if placement.num_logical != E:
+        raise ValueError(f"the placement holds {placement.num_logical} experts, SGLang's metadata {E}")
+    return placement
+
+
+def gather_for(group: Any, num_gpus: int, rank: int) -> GatherFn:
+    """The all-gather of [G, E] counts over SGLang's EP ``GroupCoordinator`` (None: one rank)."""
+    world = 1 if group is None else int(group.world_size)
+    if world != num_gpus or (group is not None and int(group.rank_in_group) != rank):
+        me = None if group is None else group.rank_in_group
+        raise ValueError(
+            f"eplb lp dispatch: SGLang's EP group has {world} ranks (this one {me}) but the "
+            f"placement {num_gpus} GPUs, this rank {rank}"
+        )
+    if world == 1:
+
+        def copy(local_E: torch.Tensor, out_GE: torch.Tensor) -> None:
+            out_GE.copy_(local_E[None])
+
+        return copy
+
+    def gather(local_E: torch.Tensor, out_GE: torch.Tensor) -> None:
+        group.all_gather_into_tensor(out_GE.view(-1), local_E)
+
+    return gather
+
+
+def serve(metadata: Any, rank: int, group: Any) -> LpServing:
+    """This process's :class:`LpServing` for SGLang's live metadata: built once, updated in place."""
+    placement = placement_of(metadata)
+    device = metadata.logical_to_all_physical_map.device
+    found = serving()
+    if found is not None and found.fits(placement, rank, device):
+        found.update(placement)
+    else:
+        found = LpServing(placement, rank, device, gather_for(group, placement.num_gpus, rank))
+        _STATE["serving"] = found
+    maps = metadata.logical_to_all_physical_map
+    found.layer_by_map = {int(maps[layer].data_ptr()): layer for layer in range(maps.shape[0])}
+    return found
+
+
+def sglang_solver_unavailable(device: torch.device) -> str | None:
+    """Why SGLang's own LP solver cannot run on ``device`` (None: it could), by SGLang 0.5.23's
+    own conditions: CUDA (not ROCm), SM 9.0 or newer, Math-DX's cuBLASDx headers (``MATHDX_HOME``
+    or the ``nvidia-mathdx`` package)."""
+    import torch
+
+    if device.type != "cuda":
+        return f"no CUDA device ({device.type})"
+    if torch.version.hip is not None:
+        return "ROCm (SGLang's LP solver is CUDA only)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 9:
+        return f"GPU SM {major}.{minor} < 9.0"
+    if not _mathdx_found():
+        return "Math-DX (cuBLASDx) headers not found: neither MATHDX_HOME nor the nvidia-mathdx package"
+    return None
+
+
+def _mathdx_found() -> bool:
+    """SGLang's ``get_mathdx_root`` lookup (``sglang.kernels.jit.utils.deps``), which itself raises
+    where no ``nvidia`` package exists at all."""
+    home = os.environ.get("MATHDX_HOME")
+    if home and (Path(home).expanduser() / "include").exists():
+        return True
+    try:
+        spec = importlib.util.find_spec("nvidia.mathdx")
+    except ModuleNotFoundError:
+        return False
+    if spec is None:
+        return False
+    roots = [
+        *(spec.submodule_search_locations or []),
+        *([str(Path(spec.origin).parent)] if spec.origin else []),
+    ]
+    return any((Path(root) / "include").exists() for root in roots)
+
+
+def init_lplb_solvers(*args: Any, **kwargs: Any) -> None:
+    """REPLACE for SGLang's ``init_lplb_solvers(*, model_config)``: eplb's solver on every layer
+    of the live placement, registered where SGLang's layers look their solver up."""
+    from sglang.srt.eplb.expert_location import get_global_expert_location_metadata
+    from sglang.srt.eplb.lplb_solver import clear_global_lplb_solvers, set_global_lplb_solver
+    from sglang.srt.runtime_context import get_parallel
+
+    metadata = get_global_expert_location_metadata()
+    if metadata is None:
+        return
+    parallel = get_parallel()
+    found = serve(metadata, int(parallel.moe_ep_rank), parallel.moe_ep_group)
+    clear_global_lplb_solvers()
+    for layer, solver in enumerate(found.solvers):
+        set_global_lplb_solver(layer, solver)
+    if not _STATE.get("logged"):
+        _STATE["logged"] = True
+        reason = sglang_solver_unavailable(found.tables.device)
+        if reason is None:
+            _LOG.info(
+                "eplb: --ep-dispatch-algorithm lp runs eplb's lp kernels (SGLang's LP solver is not used)"
+            )
+        else:
+            _LOG.info(
+                "eplb: --ep-dispatch-algorithm lp runs eplb's lp kernels; SGLang's own LP solver "
+                "could not run here: %s",
+                reason,
+            )
+
+
+def topk_ids_logical_to_physical_hook(
+    original: Any, topk_ids: torch.Tensor, info: Any, log2phy_prob: Any = None
+) -> torch.Tensor:
+    """AROUND ``topk_ids_logical_to_physical``: ``lp`` ids from eplb's solver; else SGLang's code."""
+    found = serving()
+    if info is None or found is None or info.ep_dispatch_algorithm != "lp":
+        return original(topk_ids, info, log2phy_prob)
+    if isinstance(log2phy_prob, LpDispatch):
+        source = log2phy_prob.source_TK
+        if source.data_ptr() != topk_ids.data_ptr() or source.shape != topk_ids.shape:
+            raise RuntimeError(
+                "eplb lp dispatch: the ids to map are not the ids the layer's solver was given"
+            )
+        return log2phy_prob.phys_TK
+    if log2phy_prob is None:  # mapped without a solve first (SGLang's ROCm branch): solve here
+        return found.map(found.layer_of(info), topk_ids).phys_TK
+    return original(topk_ids, info, log2phy_prob)
+
+
+def register_lp(registry: Any, hook_type: Any) -> None:
+    """Register both hooks with SGLang's HookRegistry (``EPLB_SGLANG_LP=1``)."""
+    registry.register(_SETUP, init_lplb_solvers, hook_type.REPLACE)
+    registry.register(_DISPATCH, topk_ids_logical_to_physical_hook, hook_type.AROUND)
+
+
+__all__ = [
+    "EplbLpSolver",
+    "LpDispatch",
+    "LpServing",
+    "gather_for",
+    "init_lplb_solvers",
+    "placement_of",
+    "register_lp",
+    "reset",
+    "serve",
+    "serving",
+    "sglang_solver_unavailable",
+    "topk_ids_logical_to_physical_hook",
+]
