@@ -58,6 +58,7 @@ from benchmarks.remap_inputs import (
     stub_exchange,
     triton_copy,
 )
+from eplb.integrations import sglang_remap
 from eplb.kernels.remap_record import default_config, remap_record_triton
 from eplb.recorder.recorder import CUDA_COUNT_ROWS
 from eplb.remap.api import count_rows_sum, remap_and_record
@@ -136,7 +137,65 @@ def build_variants(
         out["sglang-unfused"] = sglang_unfused(ids, map_E, c_su, nvalid)
 
     variants["sglang-unfused"] = unfused
-    return variants, {"ids": ids, "tables": tables, "nvalid": nvalid, "lp": lp, "out": out, "counts": counts}
+    path_variants, fold, fold_check = sglang_path_variants(ids, map_E, nvalid, P, out, counts)
+    variants.update(path_variants)
+    bufs = {"ids": ids, "tables": tables, "nvalid": nvalid, "lp": lp, "out": out, "counts": counts}
+    return variants, {**bufs, "timed_only": {"sglang fold": fold}, "post_checks": [fold_check]}
+
+
+SGLANG_PATH = ("sglang-eplb", "sglang-eplb rows", "sglang-eplb rows nvalid")
+"""eplb's SGLang adapter (eplb.integrations.sglang_remap.eplb_map_and_record_fused) on SGLang's
+``load_buffer``: a [P] buffer of the caller's own (the single-row form, what the adapter ran before
+count rows), a row of a recorder-like buffer [L, P] given count rows (what SGLang's gatherer gets),
+and the same with a device ``num_token_non_padded`` (the adapter then launches twice: it counts the
+valid rows, then maps every row, as SGLang does). ``sglang fold``: one fold of the count rows of
+``--graph-calls`` layers into the buffer, once per pass where SGLang reads it."""
+
+
+def sglang_path_variants(
+    ids: torch.Tensor,
+    map_E: torch.Tensor,
+    nvalid: torch.Tensor,
+    P: int,
+    out: dict[str, torch.Tensor],
+    counts: dict[str, torch.Tensor],
+    layers: int = 58,
+) -> tuple[dict[str, Callable[[], Any]], Callable[[], None], Callable[[torch.Tensor], list[str]]]:
+    """The SGLANG_PATH variants (their counts in ``counts``), the fold, and the fold's check."""
+    sglang_remap._BACKEND[0] = "triton"  # what auto picks on a GPU; also the interpreter's on the CPU
+    info = SGLangDispatchInfo(map_E)
+    single_P = torch.zeros(P, dtype=torch.int32, device=ids.device)
+    data_LP = {
+        name: torch.zeros((layers, P), dtype=torch.int32, device=ids.device) for name in SGLANG_PATH[1:]
+    }
+    for data in data_LP.values():
+        sglang_remap.attach_rows(data)  # as SGLang's gatherer reset does at a recorded pass's start
+    counts["sglang-eplb"] = single_P
+    for name, data in data_LP.items():
+        counts[name] = sglang_remap._counts_for(data[LAYER])  # its count rows [C, P]
+        assert counts[name].dim() == 2, "the recorder-like buffer got no count rows"
+    buffers = {"sglang-eplb": single_P, **{name: data[LAYER] for name, data in data_LP.items()}}
+    valid = {"sglang-eplb": None, "sglang-eplb rows": None, "sglang-eplb rows nvalid": nvalid}
+
+    def call(name: str) -> Callable[[], Any]:
+        def run() -> None:
+            out[name] = sglang_remap.eplb_map_and_record_fused(ids, info, buffers[name], valid[name])
+
+        return run
+
+    folded = data_LP["sglang-eplb rows"]
+
+    def fold() -> None:
+        sglang_remap.fold_rows(folded)
+
+    def fold_check(ref_P: torch.Tensor) -> list[str]:
+        folded.zero_(), counts["sglang-eplb rows"].zero_()
+        call("sglang-eplb rows")()
+        fold()
+        ok = torch.equal(folded[LAYER], ref_P) and int(counts["sglang-eplb rows"].abs().sum()) == 0
+        return [] if ok else ["sglang fold: SGLang's buffer after the fold differs from the reference"]
+
+    return {name: call(name) for name in SGLANG_PATH}, fold, fold_check
 
 
 def check(variants: dict[str, Callable[[], Any]], bufs: dict[str, Any]) -> list[str]:
@@ -163,6 +222,7 @@ def check(variants: dict[str, Callable[[], Any]], bufs: dict[str, Any]) -> list[
                 "static ballot",
                 "sglang-fused",
                 "sglang-unfused",
+                *SGLANG_PATH,
             ],
         ),
         ("lp", ["lp"]),
@@ -180,6 +240,9 @@ def check(variants: dict[str, Callable[[], Any]], bufs: dict[str, Any]) -> list[
             want = torch.zeros_like(ref_c) if name == "static rec=0" else ref_c
             if not torch.equal(count_rows_sum(bufs["counts"][name]), want.to(torch.int64)):
                 problems.append(f"{name}: slot counts differ from the reference")
+        if mode == "static":
+            for post_check in bufs.get("post_checks", []):
+                problems += post_check(ref_c)
     for name in ("copy torch", "copy triton"):
         if not torch.equal(bufs["out"][name], ids):
             problems.append(f"{name}: copy is wrong")
@@ -301,20 +364,20 @@ def sweep(bufs: dict[str, Any], reps: int, graph_calls: int) -> list[dict[str, A
 def lp_warps_sweep(
     variants: dict[str, Callable[[], Any]], reps: int, graph_calls: int
 ) -> list[dict[str, Any]]:
-    """``lp`` inside the graph with 1, 2 and 4 warps per program of the assign kernel (its quota
-    prologue is a chain of small reductions: fewer warps, fewer barriers)."""
-    from eplb.kernels.remap_lp_launch import ASSIGN
+    """``lp`` inside the graph with 2, 4 and 8 warps in the quota kernel's one program (its re-fills
+    are a chain of dependent rounds over [X, G] tiles)."""
+    from eplb.kernels.remap_lp_launch import QUOTA
 
     rows = []
-    default = ASSIGN.num_warps
+    default = QUOTA.num_warps
     try:
-        for warps in (1, 2, 4):
-            ASSIGN.num_warps = warps
+        for warps in (2, 4, 8):
+            QUOTA.num_warps = warps
             graph = capture_graph(variants["lp"], graph_calls)  # the capture keeps this launch
             us = statistics.median(event_us(graph.replay) / graph_calls for _ in range(reps))
-            rows.append({"assign_warps": warps, "graph_us": us})
+            rows.append({"quota_warps": warps, "graph_us": us})
     finally:
-        ASSIGN.num_warps = default
+        QUOTA.num_warps = default
     return rows
 
 
@@ -363,8 +426,9 @@ def print_tables(results: list[dict[str, Any]], recorder: dict[str, Any] | None,
         if "lp_warps" in row:
             print(
                 f"lp T={row['T']}: "
-                + ", ".join(f"{r['assign_warps']} warps {r['graph_us']:.2f}" for r in row["lp_warps"])
+                + ", ".join(f"{r['quota_warps']} quota warps {r['graph_us']:.2f}" for r in row["lp_warps"])
             )
+    print_sglang_path(results, graph_calls)
     if recorder is not None:
         print(
             f"\nhost µs per pass of {recorder['layers']} layers at T = {recorder['T']} "
@@ -373,6 +437,32 @@ def print_tables(results: list[dict[str, Any]], recorder: dict[str, Any] | None,
         for name, us in recorder["pass_us"].items():
             above = recorder["above_prepared_plain_us"][name]
             print(f"  {name:40s}{us:10.1f}  ({above:+.1f} above plain prepared; target <= 20)")
+
+
+def print_sglang_path(results: list[dict[str, Any]], graph_calls: int) -> None:
+    """The SGLang adapter's forms against the copy of the same run (SGLANG_PATH); ``rows + fold``
+    adds one fold per pass of ``graph_calls`` layers, spread over them."""
+    if not results or "sglang-eplb" not in results[0]["timings"]:
+        return
+    names = [*SGLANG_PATH, "sglang fold"]
+    print(f"\nSGLang adapter, µs per call inside a graph of {graph_calls} calls (median); x = / copy")
+    print(
+        "T".rjust(6)
+        + "copy".rjust(9)
+        + "".join(n.rjust(25) for n in names)
+        + "  single x  rows+fold x  nvalid x"
+    )
+    for row in results:
+        t = row["timings"]
+        copy = min(t["copy torch"]["graph_median_us"], t["copy triton"]["graph_median_us"])
+        us = {n: t[n]["graph_median_us"] for n in names}
+        fold = us["sglang fold"] / max(graph_calls, 1)
+        rows = us["sglang-eplb rows"] + fold
+        print(
+            str(row["T"]).rjust(6) + f"{copy:9.2f}" + "".join(f"{us[n]:25.2f}" for n in names)
+            + f"{us['sglang-eplb'] / copy:10.2f}{rows / copy:12.2f}{(us['sglang-eplb rows nvalid'] + fold) / copy:10.2f}"
+            + ("" if row["T"] < 4096 else "  (target rows+fold <= 1.5x: " + ("met)" if rows <= 1.5 * copy else "NOT met)"))
+        )  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -414,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
         failed |= bool(problems)
         if not timed:
             continue
+        variants.update(bufs["timed_only"])  # not checked by check(): its own check ran there
         row: dict[str, Any] = {"T": T, "timings": time_variants(variants, args.reps, args.graph_calls)}
         if args.sweep:
             row["sweep"] = sweep(bufs, max(30, args.reps // 4), args.graph_calls)

@@ -4,10 +4,11 @@ Shape legend: T tokens, K top-k, E logical experts, P physical slots, G GPUs (EP
 replicated experts, C count rows (one per program).
 
 :func:`remap_record_lp_triton` zeroes the rank's counts, runs the count kernel, the exchange
-(eplb.remap.exchange.LpExchange) and the assign kernel, all on the current stream: the launch
-shapes depend only on T and the tables' shapes, so the whole call captures in a CUDA graph (with
-an NCCL group). After the first call of each specialisation both kernels launch directly
-(eplb.kernels.direct_launch), so an eager call pays two launcher calls, not two ``JITFunction.run``.
+(eplb.remap.exchange.LpExchange), the quota kernel and the map kernel, all on the current stream:
+the launch shapes depend only on T and the tables' shapes, so the whole call captures in a CUDA
+graph (with an NCCL group). After the first call of each specialisation every kernel launches
+directly (eplb.kernels.direct_launch), so an eager call pays three launcher calls, not three
+``JITFunction.run``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,14 @@ import torch
 import triton
 
 from eplb.kernels.direct_launch import DirectLaunchCache, direct_launch_supported
-from eplb.kernels.remap_lp import COUNT_BLOCK, MAX_PROGRAMS, SUB, _lp_assign_kernel, _lp_count_kernel
+from eplb.kernels.remap_lp import (
+    COUNT_BLOCK,
+    MAX_PROGRAMS,
+    SUB,
+    _lp_count_kernel,
+    _lp_map_kernel,
+    _lp_quota_kernel,
+)
 from eplb.kernels.remap_record import HIST_MASK, MAX_NUMEL, _num_bins, num_compute_units
 from eplb.remap.call import RemapCall
 from eplb.remap.exchange import LpExchange
@@ -42,7 +50,7 @@ def remap_record_lp_triton(call: RemapCall) -> None:
     ids_TK, out_TK, tables, lp = call.topk_ids_TK, call.out_TK, call.tables, call.lp
     assert lp is not None and tables.lp_expert_LX is not None and tables.lp_slot_LXG is not None
     assert (
-        tables.lp_index_LE is not None and tables.lp_colors_L is not None and tables.lp_cover_LXG is not None
+        tables.lp_index_LE is not None and tables.lp_colors_L is not None and tables.lp_color_LX is not None
     )
     numel = ids_TK.numel()
     if numel >= MAX_NUMEL:
@@ -74,7 +82,25 @@ def remap_record_lp_triton(call: RemapCall) -> None:
         ),
     )
     lp.exchange()
-    ASSIGN.launch(
+    QUOTA.launch(
+        1,
+        (
+            tables.static_LE,
+            tables.lp_index_LE,
+            tables.lp_expert_LX,
+            tables.lp_slot_LXG,
+            tables.lp_colors_L,
+            tables.lp_color_LX,
+            lp.gathered_GE,
+            starts_XG,
+            counts,
+            record,
+        ),
+        (E, P, G, tables.slots_per_gpu, tables.rank, call.layer),
+        # X, EBINS, GBINS, NBINS, PASSES, COUNT_PHYS, HAS_RECORD
+        (X, ebins, gbins, nbins, LP_PASSES, call.counts_P is not None, has_record),
+    )
+    MAP.launch(
         programs,
         (
             ids_TK,
@@ -83,36 +109,30 @@ def remap_record_lp_triton(call: RemapCall) -> None:
             tables.lp_index_LE,
             tables.lp_expert_LX,
             tables.lp_slot_LXG,
-            tables.lp_colors_L,
-            tables.lp_cover_LXG,
             lp.gathered_GE,
             hist_CE,
             starts_XG,
-            counts,
+            _direct(lp, nbins),
             nvalid,
-            record,
         ),
-        (numel, T, E, P, G, tables.slots_per_gpu, tables.rank, call.layer, chunk),
-        # K, X, SUB, EBINS, GBINS, LOG2_GBINS, NBINS, CBINS, PASSES, COUNT_PHYS, HAS_NVALID, HAS_RECORD
+        (numel, T, E, G, tables.rank, call.layer, chunk),
+        # K, X, BLOCK, EBINS, GBINS, LOG2_GBINS, NBINS, CBINS, HAS_NVALID
         (
             K,
             X,
-            SUB,
+            min(COUNT_BLOCK, triton.next_power_of_2(chunk)),
             ebins,
             gbins,
             gbins.bit_length() - 1,
             nbins,
             _pow2(programs),
-            LP_PASSES,
-            call.counts_P is not None,
             has_nvalid,
-            has_record,
         ),
     )
 
 
 class _Launcher:
-    """One of the two kernels: ``kernel[grid]`` the first time per specialisation, then direct.
+    """One of the kernels: ``kernel[grid]`` the first time per specialisation, then direct.
 
     Every integer argument is unspecialised (``do_not_specialize``), so a specialisation is the
     device, the warps, the constexprs and each pointer's 16-byte alignment
@@ -152,7 +172,19 @@ class _Launcher:
 
 
 COUNT = _Launcher(_lp_count_kernel)
-ASSIGN = _Launcher(_lp_assign_kernel)
+QUOTA = _Launcher(_lp_quota_kernel, num_warps=8)
+"""One program; 8 warps measured faster than 2 and 4 (docs/benchmarks.md, "lp on 58 solved layers")."""
+MAP = _Launcher(_lp_map_kernel)
+
+
+def _direct(lp: LpExchange, nbins: int) -> torch.Tensor:
+    """The map kernel's per-program table and list of split experts (int32 [C, 2X]), made once."""
+    direct = lp.scratch.get("direct_C2X")
+    if direct is None or direct.shape[1] != 2 * nbins:
+        direct = lp.scratch["direct_C2X"] = torch.zeros(
+            (MAX_PROGRAMS, 2 * nbins), dtype=torch.int32, device=lp.local_E.device
+        )
+    return direct
 
 
 def _scratch(lp: LpExchange, ebins: int, nbins: int, gbins: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -165,4 +197,4 @@ def _scratch(lp: LpExchange, ebins: int, nbins: int, gbins: int) -> tuple[torch.
     return hist, lp.scratch["starts_XG"]
 
 
-__all__ = ["ASSIGN", "COUNT", "lp_launch_shape", "remap_record_lp_triton"]
+__all__ = ["COUNT", "MAP", "QUOTA", "lp_launch_shape", "remap_record_lp_triton"]

@@ -299,7 +299,7 @@ def test_direct_launches_of_the_lp_kernels_equal_the_reference(monkeypatch: pyte
         return p
 
     monkeypatch.setattr(torch.Tensor, "data_ptr", data_ptr)
-    for launcher in (lp_kernels.COUNT, lp_kernels.ASSIGN):
+    for launcher in (lp_kernels.COUNT, lp_kernels.QUOTA, lp_kernels.MAP):
         jit = launcher.kernel
 
         class _Jit:

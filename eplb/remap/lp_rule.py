@@ -44,7 +44,7 @@ LP_PASSES = 4
 HiGHS, rounded up) on prefill batches of scipy's plans at EP32 (benchmarks/bench_lp_optimum.py):
 deepseek-v3 0.78% / 0.51% / 0.38% with two, three and four passes (the rule before colours,
 heaviest expert first, two passes: 0.77%), qwen3-235b-a22b 0.93% / 0.74% / 0.63% (before:
-0.73%). Four passes beat the old rule on every case's mean and p90; the kernel pays about 7 µs
+0.73%). Four passes beat the old rule on every case's mean and p90; the kernel pays about 5 µs
 per pass (docs/benchmarks.md, "lp on 58 solved layers")."""
 LP_FILL_WIDTH = 8
 """Most GPUs an expert may span and still re-fill (step 3); wider ones keep the even split."""
@@ -69,9 +69,6 @@ class LpTables(NamedTuple):
     more than :data:`LP_FILL_WIDTH` GPUs."""
     colors_L: np.ndarray
     """int32 [L]: colours per layer (0 when no expert re-fills)."""
-    cover_LXG: np.ndarray
-    """int32 [L, X, G]: row c, GPU g: the row x of colour c's expert on GPU g, -1 where none is
-    (the kernel re-fills a colour in GPU order: each GPU has at most one expert of a colour)."""
     slots_per_gpu: int
     """S: slot ``p`` lives on GPU ``p // S``."""
     num_gpus: int
@@ -89,11 +86,10 @@ def fill_columns(num_columns: int) -> int:
     return min(num_columns, LP_FILL_WIDTH)
 
 
-def _colors(slot_XD: np.ndarray, slots_per_gpu: int, num_gpus: int) -> tuple[np.ndarray, np.ndarray]:
-    """(colour [X], cover [X, G]) of one layer: greedy in ascending row (expert id) order."""
+def _colors(slot_XD: np.ndarray, slots_per_gpu: int, num_gpus: int) -> np.ndarray:
+    """int32 [X]: one layer's colours, greedy in ascending row (expert id) order."""
     X = slot_XD.shape[0]
     color_X = np.full(X, -1, dtype=np.int32)
-    cover_XG = np.full((X, num_gpus), -1, dtype=np.int32)
     taken_XG = np.zeros((X + 1, num_gpus), dtype=bool)  # colour c holds GPU g
     for x in range(X):
         held = slot_XD[x] >= 0
@@ -104,8 +100,7 @@ def _colors(slot_XD: np.ndarray, slots_per_gpu: int, num_gpus: int) -> tuple[np.
         c = int(np.flatnonzero(~taken_XG[:, gpus].any(axis=1))[0])
         color_X[x] = c
         taken_XG[c, gpus] = True
-        cover_XG[c, gpus] = x
-    return color_X, cover_XG
+    return color_X
 
 
 def lp_tables(placement: Placement) -> LpTables:
@@ -132,9 +127,8 @@ def lp_tables(placement: Placement) -> LpTables:
     held = slot_LXD >= 0
     slot_LXG[layer_LXD[held], n_LXD[held], slot_LXD[held] // S] = slot_LXD[held]
     color_LX = np.full((L, X), -1, dtype=np.int32)
-    cover_LXG = np.full((L, X, G), -1, dtype=np.int32)
     for layer in range(L):
-        color_LX[layer], cover_LXG[layer] = _colors(slot_LXD[layer], S, G)
+        color_LX[layer] = _colors(slot_LXD[layer], S, G)
     colors_L = (color_LX.max(axis=1) + 1).astype(np.int32)
     return LpTables(
         expert_LX=expert_LX,
@@ -144,7 +138,6 @@ def lp_tables(placement: Placement) -> LpTables:
         slot_LXG=slot_LXG,
         color_LX=color_LX,
         colors_L=colors_L,
-        cover_LXG=cover_LXG,
         slots_per_gpu=S,
         num_gpus=G,
     )

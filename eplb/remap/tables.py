@@ -103,8 +103,6 @@ class DispatchTables:
     """int32 [L, X]: each replicated expert's re-fill colour (eplb.remap.lp_rule), -1 for none."""
     lp_colors_L: torch.Tensor | None = None
     """int32 [L]: colours per layer."""
-    lp_cover_LXG: torch.Tensor | None = None
-    """int32 [L, X, G]: per colour and GPU, the row of the colour's expert there, or -1."""
 
     # Cached: the remap reads these on every call, and the tensors never change shape or device.
     @cached_property
@@ -154,7 +152,6 @@ class DispatchTables:
             lp_slot_LXG=_to_torch(host["lp_slot_by_gpu"], device),
             lp_color_LX=_to_torch(host["lp_color"], device),
             lp_colors_L=_to_torch(host["lp_colors"], device),
-            lp_cover_LXG=_to_torch(host["lp_cover"], device),
         )
 
     @property
@@ -187,7 +184,6 @@ class DispatchTables:
             ("lp_slot_by_gpu", self.lp_slot_LXG),
             ("lp_color", self.lp_color_LX),
             ("lp_colors", self.lp_colors_L),
-            ("lp_cover", self.lp_cover_LXG),
         ):
             if dst is not None:
                 dst.copy_(_to_torch(host[name], "cpu"))
@@ -228,7 +224,6 @@ def _host_tables(placement: Placement, rank: int, weights_LER: Any) -> dict[str,
         "lp_slot_by_gpu": lp.slot_LXG,
         "lp_color": lp.color_LX,
         "lp_colors": lp.colors_L,
-        "lp_cover": lp.cover_LXG,
     }
 
 
