@@ -13,7 +13,10 @@ DeepSeek-V3's expert tensors (fp8 ``w13 [S, 2I, H]``, ``w2 [S, H, I]`` and their
   same tensors: local copies into staging, checksums of both sides, the commit's copy into the
   slots (``prepare_swap``, host work an engine does ahead, is timed apart as ``prepare``).
 
-Both must leave the same bytes (checked once per setting). SGLang's file is loaded from the wheel
+Both must leave the same bytes, and the bytes the new placement says (checked once per setting).
+The slots start as the old placement says: replicas of an expert hold the same bytes, since the two
+updaters may copy an expert from different replicas (eplb prefers one that stays, SGLang the first
+slot); random bytes per slot made them disagree whenever a replica stayed. SGLang's file is loaded from the wheel
 ``python -m benchmarks.peers`` fetched, its imports stubbed (none is used on this path); on the
 device machine carry ``.peers``.
 
@@ -88,9 +91,10 @@ def load_sglang_updater() -> types.ModuleType:
 
 
 def expert_tensors(
-    layers: int, S: int, hidden: int, inter: int, device: torch.device
+    phy2log_LS: np.ndarray, hidden: int, inter: int, device: torch.device
 ) -> dict[int, list[Any]]:
-    """Per layer, DeepSeek-V3's four expert tensors [S, ...] (fp8 weights, fp32 block scales), random."""
+    """Per layer, DeepSeek-V3's four expert tensors [S, ...] (fp8 weights, fp32 block scales) as
+    ``phy2log_LS`` places them: random bytes per expert, every replica of an expert the same bytes."""
     block = 128
     shapes = [
         ((2 * inter, hidden), torch.float8_e4m3fn),
@@ -98,10 +102,15 @@ def expert_tensors(
         ((-(-2 * inter // block), -(-hidden // block)), torch.float32),
         ((-(-hidden // block), -(-inter // block)), torch.float32),
     ]
+    E = int(phy2log_LS.max()) + 1
+    S = phy2log_LS.shape[1]
     out = {}
-    for layer in range(layers):
+    for layer, row_S in enumerate(phy2log_LS):
+        slot_expert_S = torch.as_tensor(row_S, dtype=torch.long, device=device)
         out[layer] = [
-            torch.randint(0, 256, (S, *shape, dtype.itemsize), dtype=torch.uint8, device=device)
+            torch.randint(0, 256, (E, *shape, dtype.itemsize), dtype=torch.uint8, device=device)[
+                slot_expert_S
+            ]
             .view(dtype)
             .view(S, *shape)
             for shape, dtype in shapes
@@ -110,21 +119,28 @@ def expert_tensors(
 
 
 def placements(layers: int, S: int, seed: int) -> tuple[Placement, Placement]:
-    """One GPU's S slots over S - 1 experts (one redundant), and a placement that moves every slot."""
+    """One GPU's S slots over S - 1 experts (one redundant), and a placement that moves every slot
+    whose neighbour holds another expert (where both replicas of the redundant one are neighbours,
+    one of them stays)."""
     rng = np.random.default_rng(seed)
     rows = np.array([rng.permutation(np.concatenate([np.arange(S - 1), [0]])) for _ in range(layers)])
-    # Each layer's new map shifts every slot to another expert (a derangement of the contents).
     new_rows = np.roll(rows, 1, axis=1)
     return Placement.from_phy2log(rows, 1), Placement.from_phy2log(new_rows, 1)
+
+
+def placed(start: list[Any], old_S: list[int], new_S: list[int]) -> list[Any]:
+    """One layer's tensors as ``new_S`` places the experts ``start`` holds as ``old_S`` places them."""
+    source_S = [old_S.index(e) for e in new_S]
+    return [t.view(torch.uint8)[source_S] for t in start]  # fp8 has no CPU gather
 
 
 def run_setting(
     sglang: types.ModuleType, layers: int, S: int, hidden: int, inter: int, reps: int, device: torch.device
 ) -> dict[str, Any]:
     """Both updaters on one chunk of ``layers`` layers, alternating between two placements."""
-    weights = expert_tensors(layers, S, hidden, inter, device)
     chunk = tuple(range(layers))
     maps = placements(layers, S, seed=layers)
+    weights = expert_tensors(maps[0].phy2log_LP, hidden, inter, device)
     slots_L = slot_buffers(weights, chunk, layers)
     options = UpdaterConfig().options()
     state: dict[str, Any] = {"at": 0, "prepared": None}
@@ -161,7 +177,10 @@ def run_setting(
         phases.append(result.phase_seconds)
         state["at"] = 1 - state["at"]
 
-    # Same bytes after one move each way from the same start.
+    # From the same start, one move by each: the same bytes, and the bytes the new placement says.
+    def same(a: list[Any], b: list[Any]) -> bool:
+        return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b, strict=True))
+
     start = [t.clone() for layer in chunk for t in weights[layer]]
     sglang_chunk()
     after_sglang = [t.clone() for layer in chunk for t in weights[layer]]
@@ -170,11 +189,20 @@ def run_setting(
     state["at"] = 0
     prepare()
     eplb_chunk()
-    same = all(
-        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        for a, b in zip(after_sglang, (t for layer in chunk for t in weights[layer]), strict=True)
-    )
-    del start, after_sglang
+    after_eplb = [t for layer in chunk for t in weights[layer]]
+    n = len(weights[0])
+    want = [
+        t
+        for layer in chunk
+        for t in placed(
+            start[layer * n : (layer + 1) * n],
+            maps[0].phy2log_LP[layer].tolist(),
+            maps[1].phy2log_LP[layer].tolist(),
+        )
+    ]
+    same_bytes = same(after_sglang, after_eplb)
+    sglang_expected, eplb_expected = same(after_sglang, want), same(after_eplb, want)
+    del start, after_sglang, after_eplb, want
     sglang_s = wall_times(sglang_chunk, reps, warmup=1, sync=sync)
     prepare_s = wall_times(prepare, reps, warmup=1, sync=sync)
     prepare()
@@ -191,7 +219,9 @@ def run_setting(
         "bytes_per_expert": per_expert,
         "experts_moved": moved,
         "bytes_moved": moved * per_expert,
-        "same_bytes": same,
+        "same_bytes": same_bytes,
+        "sglang_expected": sglang_expected,
+        "eplb_expected": eplb_expected,
         "sglang_ms": 1e3 * statistics.median(sglang_s),
         "eplb_ms": 1e3 * statistics.median(eplb_s),
         "eplb_prepare_ms": 1e3 * statistics.median(prepare_s),
@@ -202,30 +232,39 @@ def run_setting(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, one repetition")
-    parser.add_argument("--layers", default="1,4,16", help="layers per chunk, comma-separated")
+    parser.add_argument(
+        "--layers",
+        type=int,
+        nargs="+",
+        help="layers per chunk, one setting each (default: 1 4 16; --smoke: 1 2)",
+    )
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
     if args.smoke:
-        hidden, inter, reps, chunks = 256, 128, 1, [1, 2]
+        hidden, inter, reps, chunks = 256, 128, 1, args.layers or [1, 2]
     else:
-        hidden, inter, reps, chunks = 7168, 2048, args.reps, [int(x) for x in args.layers.split(",")]
+        hidden, inter, reps, chunks = 7168, 2048, args.reps, args.layers or [1, 4, 16]
+    if min(chunks) < 1:
+        raise ValueError(f"--layers must be >= 1, got {chunks}")
     sglang = load_sglang_updater()
     rows = [run_setting(sglang, c, 9, hidden, inter, reps, device) for c in chunks]
     print(f"device {device}, H={hidden} I={inter}, S=9, {reps} reps (median ms per chunk)")
-    print(f"{'layers':>6} {'MB moved':>9} {'sglang':>9} {'eplb':>9} {'prepare':>8}  same  eplb phases")
+    print(f"{'layers':>6} {'MB moved':>9} {'sglang':>9} {'eplb':>9} {'prepare':>8}  same  right  eplb phases")
     for r in rows:
         phases = " ".join(f"{k}={v:.2f}" for k, v in r["eplb_phase_ms"].items())
         print(
             f"{r['layers']:>6} {r['bytes_moved'] / 1e6:>9.1f} {r['sglang_ms']:>9.2f} {r['eplb_ms']:>9.2f} "
-            f"{r['eplb_prepare_ms']:>8.2f}  {'yes' if r['same_bytes'] else 'NO':>4}  {phases}"
+            f"{r['eplb_prepare_ms']:>8.2f}  {'yes' if r['same_bytes'] else 'NO':>4}  "
+            f"{'yes' if r['sglang_expected'] and r['eplb_expected'] else 'NO':>5}  {phases}"
         )
     if args.json:
         write_result(
             args.json, {"device": str(device), "hidden": hidden, "intermediate": inter, "rows": rows}
         )
-    return 0 if all(r["same_bytes"] for r in rows) else 1
+    ok = all(r["same_bytes"] and r["sglang_expected"] and r["eplb_expected"] for r in rows)
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
