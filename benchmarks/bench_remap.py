@@ -179,7 +179,9 @@ def sglang_path_variants(
 
     def call(name: str) -> Callable[[], Any]:
         def run() -> None:
-            out[name] = sglang_remap.eplb_map_and_record_fused(ids, info, buffers[name], valid[name])
+            mapped = sglang_remap.eplb_map_and_record_fused(ids, info, buffers[name], valid[name])
+            assert mapped is not None, "a dispatch info was given"
+            out[name] = mapped
 
         return run
 
