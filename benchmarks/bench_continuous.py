@@ -185,10 +185,9 @@ def run_case(
         eplb_rebalance_mode="continuous",
         eplb_transfer_gbps=args.pace,
     )
-    base = SimulationConfig(
+    base = SimulationConfig.for_trace(
+        trace,
         eplb=server,
-        num_groups=int(trace.meta["num_groups"]),
-        bytes_per_expert=int(trace.meta["bytes_per_expert"]),
         seed=seed,
         score_from=SCORE_FROM,
     )

@@ -136,10 +136,9 @@ def periodic_case(workload: str, interval: int, steps: int, seed: int) -> dict[s
     started = time.perf_counter()
     trace = workload_trace(workload, steps, seed)
     groups = int(trace.meta["num_groups"])
-    config = SimulationConfig(
+    config = SimulationConfig.for_trace(
+        trace,
         eplb=flags("periodic", interval, "static"),
-        num_groups=groups,
-        bytes_per_expert=int(trace.meta["bytes_per_expert"]),
         seed=seed,
         score_from=2 * interval,
     )
@@ -181,10 +180,9 @@ def calibration_case(
     started = time.perf_counter()
     trace = workload_trace(workload, steps, seed)
     warmup = 1000 if mode == "continuous" else 2 * interval
-    config = SimulationConfig(
+    config = SimulationConfig.for_trace(
+        trace,
         eplb=flags(mode, interval, dispatch),
-        num_groups=int(trace.meta["num_groups"]),
-        bytes_per_expert=int(trace.meta["bytes_per_expert"]),
         seed=seed,
         score_from=warmup,
     )

@@ -81,10 +81,9 @@ def test_the_cli_and_the_api_build_the_same_config_and_results(case: str) -> Non
         assert main(["simulate", *TINY, *flags, "--algorithms", *algorithms, "--json", "-"]) == 0
     by_cli = json.loads(out.getvalue())
     trace = _tiny()
-    config = SimulationConfig(
+    config = SimulationConfig.for_trace(
+        trace,
         eplb=server(**fields),
-        num_groups=int(trace.meta["num_groups"]),
-        bytes_per_expert=int(trace.meta["bytes_per_expert"]),
         cost=CostModel(interference=0.05),
     )
     dispatch = config.eplb.dispatch_algorithm

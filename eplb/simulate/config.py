@@ -32,10 +32,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eplb.config import EplbConfig
 from eplb.policy.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, CostModel
+
+if TYPE_CHECKING:
+    from eplb.traces import Trace
 
 ENGINE_SWAPS = ("eplb", "sglang", "vllm")
 """SimulationConfig.engine_swap choices: eplb's own swap, SGLang's synchronous one, vLLM's asynchronous one."""
@@ -90,6 +93,17 @@ class SimulationConfig:
             raise ValueError(f"--bytes-per-expert must be >= 0, got {self.bytes_per_expert}")
         if self.num_groups < 1:
             raise ValueError(f"--num-groups must be >= 1, got {self.num_groups}")
+
+    @classmethod
+    def for_trace(cls, trace: Trace, *, eplb: EplbConfig, **fields: Any) -> SimulationConfig:
+        """A replay of ``trace`` with its model's facts from its meta (``num_groups``,
+        ``bytes_per_expert``; 1 group and DeepSeek-V3's bytes where it has none); ``fields`` set
+        the other offline settings or override those two."""
+        facts: dict[str, Any] = {
+            "num_groups": int(trace.meta.get("num_groups", 1)),
+            "bytes_per_expert": int(trace.meta.get("bytes_per_expert", DEEPSEEK_V3_BYTES_PER_EXPERT)),
+        }
+        return cls(eplb=eplb, **{**facts, **fields})
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the flags as given (``eplb``), the offline fields, and the schedule the flags

@@ -279,14 +279,11 @@ def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) 
     server = EplbConfig.from_namespace(argparse.Namespace(**values))
     if server.eplb_record_prefill_only and not trace.is_prefill_F.any():
         raise ValueError("--eplb-record-prefill-only: the trace has no prefill steps")
-    bytes_per_expert = args.bytes_per_expert
-    if bytes_per_expert is None:
-        bytes_per_expert = int(trace.meta.get("bytes_per_expert", DEEPSEEK_V3_BYTES_PER_EXPERT))
-    num_groups = args.num_groups if args.num_groups is not None else int(trace.meta.get("num_groups", 1))
-    return SimulationConfig(
+    given = {"bytes_per_expert": args.bytes_per_expert, "num_groups": args.num_groups}
+    return SimulationConfig.for_trace(
+        trace,
         eplb=server,
-        bytes_per_expert=bytes_per_expert,
-        num_groups=num_groups,
+        **{name: value for name, value in given.items() if value is not None},
         seed=args.seed,
         cost=cost_model(args),
         solver_options=parse_solver_options(args.solver_option),

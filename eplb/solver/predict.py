@@ -8,6 +8,8 @@ one starts (measured in docs/benchmarks.md: fitting the past harder does not hel
 - ``sum``: the window's total (what DeepSeek's EPLB plans on);
 - ``recent``: the total of the last ``recent_fraction`` of the window;
 - ``decay``: a weighted total whose pass weights halve every ``decay_half_life`` passes;
+- ``track``: the decayed total with a half-life the window's own backtest picks, from the
+  passes after the newest domain shift in the window (eplb.solver.forecast);
 - ``robust``: the decayed total as the point forecast and as one scenario (weight 1/2), plus one
   scenario per sub-window: the forecast times the sub-window's relative deviation from the
   window's mean shape (weight 1/(2K) each), so that the solver maximises the expected
@@ -20,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from eplb.solver.forecast import track
 from eplb.solver.types import SolveOptions
 
 
@@ -54,10 +57,19 @@ def pass_weights(num_passes: int, options: SolveOptions, method: str) -> np.ndar
 def predict(load_WLE: np.ndarray, options: SolveOptions, method: str) -> Prediction:
     """Forecast the next window's load from a checked window ``load_WLE`` float64 [W, L, E].
 
-    ``method`` is a concrete predictor (sum | decay | recent | robust); the other settings come
-    from ``options``.
+    ``method`` is a concrete predictor (sum | decay | recent | robust | track); the other settings
+    come from ``options``.
     """
     W = load_WLE.shape[0]
+    if method == "track":
+        point_LE = track(
+            load_WLE,
+            half_lives=options.track_half_lives,
+            shift_threshold=options.track_shift,
+            horizon=options.pricing.horizon_passes or W,
+            fallback_half_life=options.decay_half_life,
+        )
+        return Prediction(point_LE, point_LE[None], np.ones(1))
     point_LE = np.tensordot(pass_weights(W, options, method), load_WLE, axes=1)
     if method != "robust" or W < 2 or options.num_scenarios < 2:
         return Prediction(point_LE, point_LE[None], np.ones(1))

@@ -20,7 +20,7 @@ from eplb.policy.decision import Pricing
 from eplb.policy.dispatch import dispatch_mode
 from eplb.policy.registry import check_policy_name, get_policy
 
-PREDICTIONS = ("auto", "sum", "decay", "recent", "robust")
+PREDICTIONS = ("auto", "sum", "decay", "recent", "robust", "track")
 FAILURE_DOMAINS = ("none", "gpu", "node")
 
 
@@ -67,17 +67,27 @@ class SolveOptions:
     algorithm: str = "auto"
     """A registered policy (eplb.policy.policy_names(): auto | deepseek | deepseek_hierarchical | scipy)."""
     prediction: str = "auto"
-    """How a window [W, L, E] becomes the load to plan for: auto | sum | decay | recent | robust.
-    auto, for scipy: robust on windows of at least ``robust_from_passes`` passes, decay on shorter
-    ones (the benchmark's best for each), decay whenever a move budget is set (continuous plans:
-    robust costs four times the search for no measured gain); for the DeepSeek algorithms: sum,
-    as SGLang runs them."""
+    """How a window [W, L, E] becomes the load to plan for: auto | sum | decay | recent | robust |
+    track (eplb.solver.predict; track: eplb.solver.forecast). auto, for scipy: robust on windows of
+    at least ``robust_from_passes`` passes, decay on shorter ones (the benchmark's best for each),
+    decay whenever a move budget is set (continuous plans: robust costs four times the search for
+    no measured gain, and track, opt-in, was not better in every mode: docs/benchmarks.md
+    "Forecast"); for the DeepSeek algorithms: sum, as SGLang runs them."""
     robust_from_passes: int = 500
     """auto prediction: the window length (passes) from which scipy plans robustly."""
     decay_half_life: float = 8.0
-    """decay/robust: half-life of a pass's weight, in recorded passes (recent passes weigh more)."""
+    """decay/robust: half-life of a pass's weight, in recorded passes (recent passes weigh more); track: the
+    half-life on windows too short to backtest."""
     recent_fraction: float = 0.25
     """recent: plan on the sum of this last fraction of the window."""
+    track_half_lives: tuple[float, ...] = (2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0)
+    """track: the half-lives (passes) the window's own backtest chooses from (eplb.solver.forecast);
+    one value: ``decay`` with it (and the reset, if ``track_shift`` is set)."""
+    track_shift: float | None = None
+    """track: reset the forecast to the passes after the newest domain shift in the window, a jump
+    of the experts' shares by more than this total variation beyond sampling noise (mean over
+    layers; 0.05 finds the variants' shifts, docs/benchmarks.md "Forecast"); None (default): no
+    reset, which continuous plans measured at least as well (bench_forecast)."""
     num_scenarios: int = 4
     """robust: sub-windows of the window used as scenarios of the next window's load shape."""
     dispatch: str = "dynamic"
@@ -145,10 +155,12 @@ class SolveOptions:
     """Degraded plans: where an expert whose every replica was on a lost rank is reloaded from
     (peer | host | checkpoint), as ``Plan.reload`` reports its bytes."""
     failure_domain: str = "none"
-    """Opt-in failure-aware placement (eplb.solver.search.spread): ``gpu`` or ``node`` puts the
-    replicas of each replicated expert, hottest first, in different GPUs or nodes where a swap with
-    a similar load allows, so losing one rank or node leaves a replica of as much load as possible;
-    its cost in forecast balancedness is in ``Plan.stats`` (``spread_cost``). Not with a move budget."""
+    """Opt-in failure-aware placement (eplb.solver.search.spread): ``gpu`` or ``node`` gives the
+    hottest experts with one replica a second one, taken from experts whose replicas can spare it
+    (no replica may then carry more than a GPU's mean load), puts each expert's replicas in
+    different GPUs or nodes and splits the experts left with one replica evenly over them, so
+    losing one rank or node reloads as few experts as the slots allow; its cost in forecast
+    balancedness is in ``Plan.stats`` (``spread_cost``). Not with a move budget."""
     seed: int = 0
     """Seed for randomised steps. Every algorithm here is deterministic today, so the same input
     gives the same plan whatever the seed; the field keeps callers stable if one is added."""
@@ -161,6 +173,17 @@ class SolveOptions:
             raise ValueError(f"decay_half_life must be > 0 passes, got {self.decay_half_life}")
         if not 0 < self.recent_fraction <= 1:
             raise ValueError(f"recent_fraction must lie in (0, 1], got {self.recent_fraction}")
+        half_lives = tuple(self.track_half_lives)
+        if not half_lives or not all(
+            isinstance(h, (int, float)) and not isinstance(h, bool) and 0 < h < float("inf")
+            for h in half_lives
+        ):
+            raise ValueError(
+                f"track_half_lives must be finite half-lives > 0 passes, got {self.track_half_lives}"
+            )
+        object.__setattr__(self, "track_half_lives", tuple(float(h) for h in half_lives))
+        if self.track_shift is not None and not 0 < self.track_shift <= 1:
+            raise ValueError(f"track_shift must be None or lie in (0, 1], got {self.track_shift}")
         if self.robust_from_passes < 1:
             raise ValueError(f"robust_from_passes must be >= 1, got {self.robust_from_passes}")
         if self.num_scenarios < 1:
@@ -269,7 +292,10 @@ class Plan:
     scipy: fresh_swaps, milp_improved_layers / milp_solves / milp_seconds, fresh_layers (layers
     where the fresh plan won); searched: budget_swaps, budget_replica_changes, budget_rounds.
     Degraded: lost_ranks, reload_experts, reloads, survivor_copies, kept_slots, rebalanced.
-    failure_domain: spread_swaps, spread_cost, lost_load_before / lost_load_after."""
+    failure_domain: spread_covered (replicas moved to experts that had one), spread_swaps,
+    spread_changed_slots (against the policy's plan), spread_fresh_layers, spread_cost,
+    lost_load_before / lost_load_after, lost_experts_before / lost_experts_after (the most
+    (layer, expert) pairs one domain's loss leaves with no replica)."""
     degraded: DegradedPlacement | None = None
     """With ``alive_ranks``: the plan in the engine's slot numbering (dead slots -1); ``placement``
     is then its survivors' part (G' live GPUs)."""
