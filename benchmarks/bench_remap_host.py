@@ -17,10 +17,10 @@ machine do not count; the minimum over ``--rounds`` rounds of ``--calls`` calls.
   documented recorder path, as the difference to plain prepared remaps measured in the same run
   (``--passes`` rounds of one pass per path in a shuffled order; the median over rounds of each
   path minus the baseline of its round):
-  ``rec.prepare()``; the public function with ``**rec.layer_kwargs(layer)`` (README, manager docs,
-  eplb.moe's model), with the two tensors named, with every keyword named as eplb.moe.layer calls
-  it, without a recorder, and with two argument sets taking turns on each layer (SGLang's adapter
-  with padding); ``begin_pass``/``end_pass`` alone; and, for scale, each call form into a function
+  ``rec.prepare()`` (the recording path: README, manager docs, eplb.moe's model); the public
+  function given the recorder's rows as a ``**`` dict per layer (the removed ``layer_kwargs``),
+  with the two tensors named, with every keyword named, without a recorder, and with two argument
+  sets taking turns on each layer (SGLang's adapter with padding); ``begin_pass``/``end_pass`` alone; and, for scale, each call form into a function
   that does nothing (what Python's argument passing costs: ``**`` unpacks a dict per call). On CPU
   every remap ends in the no-op launcher behind the direct path; on CUDA in the real kernel;
 - on CUDA also the real calls: the public function, the launcher alone, the launcher through
@@ -193,6 +193,10 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
     backend = "triton"
     plain = [prepare_remap(tables, layer, backend=backend) for layer in range(layers)]
     recorded = rec.prepare(tables, backend=backend)
+    # The recorder's rows as keywords of the public function, built once (what layer_kwargs gave).
+    kwargs: list[dict[str, Any]] = [
+        {"counts_P": row, "record": rec.record_flag_1} for row in rec.pass_counts_LCP.unbind(0)
+    ]
     turn = [0]
 
     def prepared_plain() -> None:
@@ -212,7 +216,7 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
     def public_layer_kwargs() -> None:
         rec.begin_pass(has_prefill=True, num_tokens=T)
         for layer in range(layers):
-            kw: dict[str, Any] = rec.layer_kwargs(layer)
+            kw: dict[str, Any] = kwargs[layer]
             remap.remap_and_record(ids, tables, layer, out_TK=out, backend=backend, **kw)
         rec.end_pass()
 
@@ -220,16 +224,16 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
         rec.begin_pass(has_prefill=True, num_tokens=T)
         flag = rec.record_flag_1
         for layer in range(layers):
-            counts = rec.layer_kwargs(layer)["counts_P"]
+            counts = kwargs[layer]["counts_P"]
             remap.remap_and_record(
                 ids, tables, layer, out_TK=out, backend=backend, counts_P=counts, record=flag
             )
         rec.end_pass()
 
-    def public_moe() -> None:  # eplb.moe.layer's call: every keyword named (and here out_TK)
+    def public_moe() -> None:  # every keyword named (and here out_TK)
         rec.begin_pass(has_prefill=True, num_tokens=T)
         for layer in range(layers):
-            kw = rec.layer_kwargs(layer)
+            kw = kwargs[layer]
             remap.remap_and_record(
                 ids,
                 tables,
@@ -248,7 +252,7 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
         turn[0] ^= 1
         rec.begin_pass(has_prefill=True, num_tokens=T)
         for layer in range(layers):
-            kw: dict[str, Any] = rec.layer_kwargs(layer) if turn[0] else {}
+            kw: dict[str, Any] = kwargs[layer] if turn[0] else {}
             remap.remap_and_record(ids, turns_tables, layer, out_TK=out, backend=backend, **kw)
         rec.end_pass()
 
@@ -264,26 +268,26 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
 
     def unpacking_only() -> None:
         for layer in range(layers):
-            kw: dict[str, Any] = rec.layer_kwargs(layer)
+            kw: dict[str, Any] = kwargs[layer]
             _empty_remap(ids, tables, layer, out_TK=out, backend=backend, **kw)
 
     def named_only() -> None:
         flag = rec.record_flag_1
         for layer in range(layers):
-            counts = rec.layer_kwargs(layer)["counts_P"]
+            counts = kwargs[layer]["counts_P"]
             _empty_remap(ids, tables, layer, out_TK=out, backend=backend, counts_P=counts, record=flag)
 
     return {
         BASELINE: prepared_plain,
         "prepared, recorder (rec.prepare)": prepared_recorder,
         "public, plain": public_plain,
-        "public, recorder (**rec.layer_kwargs)": public_layer_kwargs,
+        "public, recorder rows (**kwargs)": public_layer_kwargs,
         "public, recorder (counts_P=, record=)": public_named,
-        "public, recorder (eplb.moe's keywords)": public_moe,
+        "public, recorder rows (every keyword named)": public_moe,
         "public, two argument sets taking turns": public_turns,
         "begin_pass + end_pass alone": passes_only,
         "empty callee, remaps[layer](ids, out)": prepared_call_only,
-        "empty callee, **rec.layer_kwargs": unpacking_only,
+        "empty callee, **kwargs": unpacking_only,
         "empty callee, counts_P=, record=": named_only,
     }
 

@@ -14,7 +14,7 @@ import torch
 from eplb.config import EplbConfig
 from eplb.placement.model import Placement
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
-from eplb.remap.api import DispatchTables, remap_and_record
+from eplb.remap.api import DispatchTables
 from eplb.traces import load_trace
 
 L, E, G = 2, 6, 2
@@ -30,9 +30,10 @@ def _setup(mode: str = "stat", window: int = 3, prefill_only: bool = False, **kw
 
 def _pass(rec, tables, ids_by_layer, *, prefill: bool = True) -> bool:
     T = int(ids_by_layer[0].shape[0])
+    remaps = rec.prepare(tables, backend="torch")
     rec.begin_pass(has_prefill=prefill, num_tokens=T)
     for layer, ids in enumerate(ids_by_layer):
-        remap_and_record(ids, tables, layer, backend="torch", **rec.layer_kwargs(layer))
+        remaps[layer](ids)
         rec.record_topk(layer, ids)
     return rec.end_pass()
 
@@ -219,21 +220,19 @@ def test_config_and_protocol_errors() -> None:
         rec.dump("x.bin", fmt="pickle")
 
 
-def test_prepared_layers_record_what_layer_kwargs_record() -> None:
-    pl, tables, by_kwargs = _setup(window=4)
-    by_prepared = ExpertDistributionRecorder(RecorderConfig(window=4), pl)
-    remaps = by_prepared.prepare(tables, backend="torch")
-    assert len(remaps) == L and by_kwargs.layer_kwargs(1) is by_kwargs.layer_kwargs(1)  # built once
-    for rec in (by_kwargs, by_prepared):
-        rec.start()
-    for s in range(5):
-        passes = _ids(60 + s)
-        _pass(by_kwargs, tables, passes)
-        by_prepared.begin_pass(has_prefill=True, num_tokens=5)
-        for layer, ids in enumerate(passes):
+def test_calls_prepared_once_record_every_later_pass() -> None:
+    """As a captured graph replays them: one preparation, then passes recorded by the flag alone."""
+    _, tables, rec = _setup(window=4)
+    remaps = rec.prepare(tables, backend="torch")
+    assert len(remaps) == L
+    rec.start()
+    passes = [_ids(60 + s) for s in range(5)]
+    for ids_by_layer in passes:
+        rec.begin_pass(has_prefill=True, num_tokens=5)
+        for layer, ids in enumerate(ids_by_layer):
             remaps[layer](ids)
-        by_prepared.end_pass()
-    assert np.array_equal(by_prepared.window_logical_counts(), by_kwargs.window_logical_counts())
+        rec.end_pass()
+    assert np.array_equal(rec.window_logical_counts(), np.stack([_counts(p) for p in passes[1:]]))
 
 
 def test_a_known_batch_kind_needs_no_collective(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -243,13 +242,14 @@ def test_a_known_batch_kind_needs_no_collective(monkeypatch: pytest.MonkeyPatch)
         raise AssertionError("end_pass ran the prefill agreement although the engine gave it")
 
     _, tables, rec = _setup(window=4, prefill_only=True)
+    remaps = rec.prepare(tables, backend="torch")
     rec.start()
     monkeypatch.setattr(recorder_module, "any_rank", no_collective)
     # Another rank's prefill counts the pass here too (a zero row: this rank decoded).
     for local, anywhere in ((True, True), (False, True), (False, False), (True, True)):
         rec.begin_pass(has_prefill=local, num_tokens=5, any_rank_prefill=anywhere)
         for layer, ids in enumerate(_ids(70)):
-            remap_and_record(ids, tables, layer, backend="torch", **rec.layer_kwargs(layer))
+            remaps[layer](ids)
         assert rec.end_pass() is anywhere
     assert rec.num_counted_passes == 3
     window = rec.window_logical_counts()

@@ -221,8 +221,8 @@ def test_a_bad_argument_after_cached_calls_raises_what_a_first_call_raises(chang
 
 
 def test_cached_calls_of_every_documented_form_skip_the_full_checks(monkeypatch: pytest.MonkeyPatch) -> None:
-    """After its first two calls a layer's call runs its kept preparation: no full check, for
-    ``**rec.layer_kwargs``, named keywords and eplb.moe's call alike, with the brute force's counts."""
+    """After its first two calls a layer's call runs its kept preparation: no full check, for a
+    ``**`` dict and named keywords alike (here into a recorder's rows), with the brute force's counts."""
     from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 
     checks = [0]
@@ -239,10 +239,12 @@ def test_cached_calls_of_every_documented_form_skip_the_full_checks(monkeypatch:
     rec.start()
     ids = random_ids(rng, 9, 3, 10, "nasty")
     out = torch.empty_like(ids)
+    kwargs: list[dict[str, Any]] = [
+        {"counts_P": row, "record": rec.record_flag_1} for row in rec.pass_counts_LCP.unbind(0)
+    ]
 
     def by_kwargs(layer: int) -> torch.Tensor:
-        kw: dict[str, Any] = rec.layer_kwargs(layer)
-        return remap_and_record(ids, tables, layer, backend="torch", **kw)
+        return remap_and_record(ids, tables, layer, backend="torch", **kwargs[layer])
 
     forms: list[Callable[[int], torch.Tensor]] = [
         by_kwargs,
@@ -250,7 +252,7 @@ def test_cached_calls_of_every_documented_form_skip_the_full_checks(monkeypatch:
             ids,
             tables,
             layer,
-            counts_P=rec.layer_kwargs(layer)["counts_P"],
+            counts_P=kwargs[layer]["counts_P"],
             record=rec.record_flag_1,
             out_TK=out,
             backend="torch",

@@ -6,7 +6,7 @@ R max replicas.
 The engine calls, on every rank and for every forward pass::
 
     manager.on_forward_pass_begin(is_prefill=..., num_tokens=T)   # sets the recorder's device flag
-    model(...)   # each MoE layer: remap_and_record(..., **manager.recorder.layer_kwargs(layer))
+    model(...)   # each MoE layer: remaps[layer](ids), remaps = manager.recorder.prepare(tables)
     manager.on_forward_pass_end()
 
 All ranks run the same control logic on agreed inputs, so they take the same steps on the same

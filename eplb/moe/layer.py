@@ -3,8 +3,8 @@
 Shape legend: T tokens (on this rank), K top-k, H hidden size, I intermediate size, E logical
 experts, P physical slots, G GPUs (ranks), S slots per GPU (P / G, this rank's), M rows received.
 
-Forward: router ids (int32 [T, K]) -> eplb.remap.api.remap_and_record (logical -> physical, counts
-recorded on the device) -> exchange (all-to-all to the ranks owning the slots) -> expert FFN over
+Forward: router ids (int32 [T, K]) -> remap (logical -> physical, counts recorded on the device:
+the recorder's prepared call for this layer, eplb.recorder, or eplb.remap.api.remap_and_record) -> exchange (all-to-all to the ranks owning the slots) -> expert FFN over
 all local slots as one grouped GEMM (eplb.moe.experts) -> exchange back -> combine with the top-k
 weights. The slot buffers and dispatch tables are written in place by a hot-swap, so a captured
 CUDA graph keeps working after a swap.
@@ -19,6 +19,7 @@ import torch
 from eplb.moe.exchange import ExactExchange, PaddedExchange
 from eplb.moe.experts import expert_ffn, grouped_mm_works
 from eplb.remap.api import remap_and_record
+from eplb.remap.prepared import PreparedRemap
 from eplb.remap.tables import DispatchTables
 
 Exchange = ExactExchange | PaddedExchange
@@ -81,20 +82,31 @@ class ExpertParallelMoE:
         logical_counts_E: torch.Tensor | None = None,
         num_valid_tokens: torch.Tensor | None = None,
         record: torch.Tensor | None = None,
+        remap: PreparedRemap | None = None,
     ) -> torch.Tensor:
         """[T, H] routed-expert output. Ids of -1, out of range, or in rows at/after
-        ``num_valid_tokens`` (int32 [1] on the device) contribute nothing and are not counted."""
-        phys_TK = remap_and_record(
-            topk_ids_TK,
-            self.tables,
-            self.layer,
-            mode=self.mode,
-            counts_P=counts_P,
-            logical_counts_E=logical_counts_E,
-            num_valid_tokens=num_valid_tokens,
-            record=record,
-            backend=self.remap_backend,
-        )
+        ``num_valid_tokens`` (int32 [1] on the device) contribute nothing and are not counted.
+
+        ``remap``: a call prepared for this layer's tables, mode and ``num_valid_tokens`` (a
+        recorder's, ``ExpertDistributionRecorder.prepare``), used instead of the public function
+        and ``counts_P`` / ``logical_counts_E`` / ``record``."""
+        if remap is not None:
+            assert remap.tables is self.tables and remap.layer == self.layer, (
+                "remap prepared for another layer"
+            )
+            phys_TK = remap(topk_ids_TK)
+        else:
+            phys_TK = remap_and_record(
+                topk_ids_TK,
+                self.tables,
+                self.layer,
+                mode=self.mode,
+                counts_P=counts_P,
+                logical_counts_E=logical_counts_E,
+                num_valid_tokens=num_valid_tokens,
+                record=record,
+                backend=self.remap_backend,
+            )
         valid_TK = (topk_ids_TK >= 0) & (topk_ids_TK < self.num_logical)
         if num_valid_tokens is not None:
             rows = torch.arange(topk_ids_TK.shape[0], device=topk_ids_TK.device).unsqueeze(1)

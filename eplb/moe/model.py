@@ -23,6 +23,7 @@ from eplb.moe.exchange import ExactExchange, PaddedExchange
 from eplb.moe.layer import ExpertParallelMoE
 from eplb.placement.model import Placement
 from eplb.recorder.recorder import ExpertDistributionRecorder
+from eplb.remap.prepared import PreparedRemap
 from eplb.remap.tables import DispatchTables
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -152,6 +153,10 @@ class MoEModel:
             for layer in range(cfg.num_layers)
         ]
         self.recorder: ExpertDistributionRecorder | None = None
+        """Records every layer when set: each layer runs the recorder's prepared call
+        (``ExpertDistributionRecorder.prepare``, rebuilt when the recorder, the tables or
+        ``num_valid_tokens`` change)."""
+        self._prepared: tuple[tuple[object, ...], list[PreparedRemap]] | None = None
 
     def forward(
         self,
@@ -159,13 +164,31 @@ class MoEModel:
         router_bias_LE: torch.Tensor | None = None,
         num_valid_tokens: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        remaps = self._remaps(num_valid_tokens)
         for layer, moe in enumerate(self.layers):
             h = rms_norm(x_TH)
             bias = None if router_bias_LE is None else router_bias_LE[layer]
             ids, weights = route(h, self.router_LEH[layer], self.cfg.top_k, bias)
-            record = {} if self.recorder is None else self.recorder.layer_kwargs(layer)
-            x_TH = x_TH + moe(h, ids, weights, num_valid_tokens=num_valid_tokens, **record)
+            remap = None if remaps is None else remaps[layer]
+            x_TH = x_TH + moe(h, ids, weights, num_valid_tokens=num_valid_tokens, remap=remap)
         return x_TH
+
+    def _remaps(self, num_valid_tokens: torch.Tensor | None) -> list[PreparedRemap] | None:
+        """The recorder's prepared call per layer (None without a recorder), kept while the
+        recorder, the layers' tables and ``num_valid_tokens`` are the same objects."""
+        if self.recorder is None:
+            return None
+        tables = self.layers[0].tables
+        assert all(moe.tables is tables for moe in self.layers), "every layer serves one set of tables"
+        key = (self.recorder, tables, num_valid_tokens)
+        kept = self._prepared
+        if kept is None or any(a is not b for a, b in zip(kept[0], key, strict=True)):
+            first = self.layers[0]
+            remaps = self.recorder.prepare(
+                tables, mode=first.mode, backend=first.remap_backend, num_valid_tokens=num_valid_tokens
+            )
+            self._prepared = kept = (key, remaps)
+        return kept[1]
 
     __call__ = forward
 

@@ -79,20 +79,19 @@ class ExpertDistributionRecorder:
         remaps = rec.prepare(tables, mode="static")               # once: one prepared call per layer
         rec.begin_pass(has_prefill=..., num_tokens=T)            # sets the device record flag
         for layer in layers:                                      # inside the (captured) forward
-            phys = remaps[layer](ids, out)                        # or remap_and_record(..., **rec.layer_kwargs(layer))
+            phys = remaps[layer](ids, out)                        # remap + record in one launch
             rec.record_topk(layer, ids)                           # per_token mode only
         counted = rec.end_pass()                                  # commits the pass, advances the step
 
-    ``prepare`` and ``layer_kwargs`` hand the kernel a fixed int32 [C, P] block of count rows of
+    ``prepare`` hands each layer's kernel a fixed int32 [C, P] block of count rows of
     ``pass_counts_LCP`` (C = :data:`CUDA_COUNT_ROWS` on CUDA, 1 elsewhere; eplb.remap.api) and the
-    int32 ``record_flag_1``; both keep their address for the recorder's life, so a
-    captured CUDA graph records or not by the flag alone. Both are built once (views, dicts,
-    checked arguments), so a pass costs the kernel launches plus two device ops at its end
-    (the window push and the reset of the pass counts) and the flag's fill when it changes.
-    Per layer the two cost the same once the public function keeps the layer's preparation (from
-    its second call: eplb.remap.api); what the ``layer_kwargs`` path pays above ``prepare`` is
-    Python's keyword passing, mostly the ``**`` unpacking of a dict on every call
-    (docs/benchmarks.md, "Recorder host cost per documented path"). After a hot-swap call
+    int32 ``record_flag_1``; both keep their address for the recorder's life, so a captured CUDA
+    graph records or not by the flag alone. The prepared calls are built once (checked
+    arguments), so a pass costs the kernel launches plus two device ops at its end (the window
+    push and the reset of the pass counts) and the flag's fill when it changes. It is the one
+    recording path: passing the recorder's rows to the public ``remap_and_record`` as keywords
+    cost 2-4x more host time per pass (Python's keyword passing; docs/benchmarks.md, "Recorder
+    host cost per documented path"), so that path was removed. After a hot-swap call
     :meth:`set_placement` before the next pass: every stored pass remembers which placement was
     live, and its slot counts become expert counts through that placement's map.
 
@@ -134,7 +133,6 @@ class ExpertDistributionRecorder:
         self.record_flag_1 = torch.zeros(1, dtype=torch.int32, device=self.device)
         """int32 [1]: 1 while this pass is recorded (the kernel's ``record`` flag)."""
         self._rows_LCP = list(self.pass_counts_LCP.unbind(0))  # the per-layer [C, P] views, made once
-        self._kwargs = [{"counts_P": row, "record": self.record_flag_1} for row in self._rows_LCP]
         self._flag_value = 0
         self.any_rank_prefill: bool | None = None
         self._placement = placement
@@ -256,14 +254,6 @@ class ExpertDistributionRecorder:
         if flag != self._flag_value:
             self.record_flag_1.fill_(flag)
             self._flag_value = flag
-
-    def layer_kwargs(self, layer: int) -> dict[str, torch.Tensor]:
-        """Keyword arguments for eplb.remap.api.remap_and_record that record into this pass.
-
-        The same dict of the same tensors on every call (built once; do not modify it), so the
-        public function keeps the layer's checked call from its second pass on.
-        """
-        return self._kwargs[layer]
 
     def prepare(
         self,

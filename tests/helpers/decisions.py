@@ -28,7 +28,6 @@ from eplb.manager.manager import EplbManager
 from eplb.moe.model import MoEModel, MoEModelConfig
 from eplb.moe.spawn import RankContext
 from eplb.placement.model import Placement
-from eplb.remap import remap_and_record
 from eplb.simulate import RunSpec, SimulationConfig, simulate
 from eplb.solver.planner import SolverPlanner
 from eplb.traces import Trace
@@ -231,16 +230,10 @@ def why(planned: bool, reason: str) -> str:
 def feed(manager: EplbManager, model: MoEModel, counts_LE: np.ndarray, mode: str) -> None:
     """Route one pass of this rank's logical counts through the recorder (one id per token choice)."""
     experts = np.arange(counts_LE.shape[1], dtype=np.int32)
+    remaps = manager.recorder.prepare(model.tables, mode=mode, backend="torch")
     for layer, counts_E in enumerate(counts_LE):
         ids_T1 = np.ascontiguousarray(np.repeat(experts, counts_E)[:, None])
-        remap_and_record(
-            torch.from_numpy(ids_T1),
-            model.tables,
-            layer,
-            mode=mode,
-            backend="torch",
-            **manager.recorder.layer_kwargs(layer),
-        )
+        remaps[layer](torch.from_numpy(ids_T1))
 
 
 def manager_run(

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from eplb.placement.model import Placement
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
-from eplb.remap.api import DispatchTables, remap_and_record
+from eplb.remap.api import DispatchTables
 
 L, E, K, G = 2, 6, 2, 2
 # (has_prefill, tokens) per rank, per pass. Pass 1: rank 0 idle while rank 1 has prefill.
@@ -59,6 +59,7 @@ def _scenario(rank: int, out: Path) -> None:
     per_pass = ExpertDistributionRecorder(RecorderConfig(mode="per_pass", window=3, prefill_only=True), pl)
     for rec in (stat, per_pass):
         rec.start()
+    prepared = [rec.prepare(tables, backend="torch") for rec in (stat, per_pass)]
     counted = []
     for p, plan in enumerate(SCHEDULE):
         has_prefill, tokens = plan[rank]
@@ -66,8 +67,8 @@ def _scenario(rank: int, out: Path) -> None:
         for rec in (stat, per_pass):
             rec.begin_pass(has_prefill=has_prefill, num_tokens=tokens)
         for layer in range(L):
-            for rec in (stat, per_pass):
-                remap_and_record(ids, tables, layer, backend="torch", **rec.layer_kwargs(layer))
+            for remaps in prepared:
+                remaps[layer](ids)
         counted.append([stat.end_pass(), per_pass.end_pass()])
     stat.dump(out / "stat.safetensors")
     stat.dump(out / "stat.pt", fmt="sglang")
