@@ -147,8 +147,8 @@ SGLANG_PATH = ("sglang-eplb", "sglang-eplb rows", "sglang-eplb rows nvalid")
 """eplb's SGLang adapter (eplb.integrations.sglang_remap.eplb_map_and_record_fused) on SGLang's
 ``load_buffer``: a [P] buffer of the caller's own (the single-row form, what the adapter ran before
 count rows), a row of a recorder-like buffer [L, P] given count rows (what SGLang's gatherer gets),
-and the same with a device ``num_token_non_padded`` (the adapter then launches twice: it counts the
-valid rows, then maps every row, as SGLang does). ``sglang fold``: one fold of the count rows of
+and the same with a device ``num_token_non_padded`` (one launch that counts the valid rows and maps
+every row, as SGLang does: ``map_padded_rows``; before 2026-12-02 the adapter launched twice). ``sglang fold``: one fold of the count rows of
 ``--graph-calls`` layers into the buffer, once per pass where SGLang reads it."""
 
 

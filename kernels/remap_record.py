@@ -88,6 +88,7 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
     LOGICAL_HIST: tl.constexpr,
     HIST_MASK: tl.constexpr,
     HAS_NVALID: tl.constexpr,
+    MAP_PADDED: tl.constexpr,
     HAS_RECORD: tl.constexpr,
     GATHER_MAP: tl.constexpr,
     SMEM: tl.constexpr,
@@ -134,18 +135,20 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
         offs = blk * BLOCK + tl.arange(0, BLOCK)
         in_bounds = offs < numel
         ids = tl.load(ids_ptr + offs, mask=in_bounds, other=-1)
-        valid = (ids >= 0) & (ids < num_logical) & (offs < limit)
-        safe = tl.where(valid, ids, 0)
+        in_range = (ids >= 0) & (ids < num_logical)
+        valid = in_range & (offs < limit)  # counted
+        mapped = in_range if MAP_PADDED else valid  # SGLang's contract: padded rows mapped, not counted
+        safe = tl.where(mapped, ids, 0)
         if MODE == 0:
             if GATHER_MAP:
                 phys = tl.gather(slot_of_expert, safe, 0)
             else:
-                phys = tl.load(static_ptr + table_base + safe, mask=valid, other=0)
+                phys = tl.load(static_ptr + table_base + safe, mask=mapped, other=0)
         elif MODE == 3:
             h = _mix32(offs.to(tl.uint32) ^ salt)
             phys = (h % num_physical.to(tl.uint32)).to(tl.int32)
         else:
-            cnt = tl.load(logcnt_ptr + table_base + safe, mask=valid, other=1)
+            cnt = tl.load(logcnt_ptr + table_base + safe, mask=mapped, other=1)
             if MODE == 1:
                 h = _mix32(offs.to(tl.uint32) ^ salt)
                 replica = (h % cnt.to(tl.uint32)).to(tl.int32)
@@ -157,11 +160,11 @@ def _remap_record_kernel(  # type: ignore[no-untyped-def]
                 replica = tl.zeros([BLOCK], dtype=tl.int32)
                 row_base = (table_base + safe) * R
                 for r in range(R - 1):
-                    use = valid & (r < cnt - 1)
+                    use = mapped & (r < cnt - 1)
                     cw = tl.load(cumw_ptr + row_base + r, mask=use, other=2.0)
                     replica += (cw <= u).to(tl.int32)
-            phys = tl.load(log2phy_ptr + (table_base + safe) * R + replica, mask=valid, other=0)
-        tl.store(out_ptr + offs, tl.where(valid, phys, ids), mask=in_bounds)
+            phys = tl.load(log2phy_ptr + (table_base + safe) * R + replica, mask=mapped, other=0)
+        tl.store(out_ptr + offs, tl.where(mapped, phys, ids), mask=in_bounds)
         if do_count:
             counted = valid & (phys >= 0) & (phys < num_physical)
             if SMEM:
@@ -320,10 +323,12 @@ def constexpr_args(
     gather_map: bool = False,
     shared: bool = False,
     count_rows: int = 1,
+    map_padded: bool = False,
 ) -> tuple[int | bool | str, ...]:
     """The kernel's compile-time arguments, in order (K .. COUNT_ROWS).
 
     ``flags``: whether slot counts, logical counts, ``num_valid_tokens`` and ``record`` are given.
+    ``map_padded``: rows at or past ``num_valid_tokens`` are mapped too (RemapCall.map_padded_rows).
     ``shared``: count in shared-memory bins where they fit (the caller knows the kernel compiles to PTX).
     ``count_rows``: rows of the slot counts (RemapCall.count_rows).
     """
@@ -345,6 +350,7 @@ def constexpr_args(
         not smem and (count_logical or (count_phys and mode == "static")),
         HIST_MASK,
         has_nvalid,
+        map_padded and has_nvalid,
         has_record,
         gather_map and mode == "static" and HAS_GATHER,
         smem,
@@ -423,7 +429,15 @@ def kernel_args(
         call.record is not None,
     )
     return runtime, constexpr_args(
-        K, tables, call.mode, block, flags, gather_map, shared and SHARED_BINS, call.count_rows()
+        K,
+        tables,
+        call.mode,
+        block,
+        flags,
+        gather_map,
+        shared and SHARED_BINS,
+        call.count_rows(),
+        call.map_padded_rows,
     )
 
 

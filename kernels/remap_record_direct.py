@@ -136,6 +136,7 @@ class RemapDirectLauncher:
             (p_ids & 15, p_out & 15, p_counts & 15, p_logical & 15, p_nvalid & 15, p_record & 15),
             facts.key,
             rows,
+            call.map_padded_rows,
         )
         entry = cache.get(key)
         if entry is None:
@@ -195,6 +196,7 @@ def launch_key(
     pointer_mods: tuple[int, int, int, int, int, int],
     tables_key: tuple[int, ...],
     count_rows: int,
+    map_padded: bool,
 ) -> Hashable:
     """The key of one specialisation (module docstring): one definition for both launch paths."""
     return (
@@ -208,6 +210,7 @@ def launch_key(
         *pointer_mods,
         tables_key,
         count_rows,
+        map_padded,
     )
 
 
@@ -227,6 +230,7 @@ class PreparedDirect:
         "_fixed",
         "_launcher",
         "_layer_args",
+        "_map_padded",
         "_mode",
         "_shapes",
     )
@@ -243,6 +247,7 @@ class PreparedDirect:
         self._fixed = tuple(0 if t is None else t.data_ptr() for t in optional)
         self._mode = call.mode
         self._count_rows = call.count_rows()
+        self._map_padded = call.map_padded_rows
         self._layer_args = (call.layer, facts.salts[call.mode == "weighted"][call.layer])
 
     def launch(self, ids_TK: torch.Tensor, out_TK: torch.Tensor) -> bool:
@@ -270,6 +275,7 @@ class PreparedDirect:
             (p_ids & 15, p_out & 15, p_counts & 15, p_logical & 15, p_nvalid & 15, p_record & 15),
             self._facts.key,
             self._count_rows,
+            self._map_padded,
         )
         entry = cache.get(key)
         if entry is None:

@@ -19,7 +19,7 @@ from eplb.remap.tables import DispatchTables
 from tests.helpers.remap_reference import LOCAL_MODES, brute_remap, random_ids, random_tables, run_remap
 
 
-def _run(ids, tables, layer, mode, nvalid, record, backend="torch"):
+def _run(ids, tables, layer, mode, nvalid, record, backend="torch", map_padded=False):
     E, P = tables.num_logical, tables.num_physical
     bufs = {
         "counts": torch.full((P,), 5, dtype=torch.int32),
@@ -27,7 +27,7 @@ def _run(ids, tables, layer, mode, nvalid, record, backend="torch"):
         "nvalid": None if nvalid is None else torch.tensor([nvalid], dtype=torch.int32),
         "record": None if record is None else torch.tensor([record], dtype=torch.int32),
     }
-    out = run_remap(ids, tables, layer, mode, backend=backend, **bufs)
+    out = run_remap(ids, tables, layer, mode, backend=backend, map_padded=map_padded, **bufs)
     return out, bufs["counts"] - 5, bufs["logical"] - 7
 
 
@@ -45,12 +45,46 @@ def test_torch_backend_equals_brute_force(mode: str, seed: int) -> None:
         ("nasty", 13, 5, 13, 0),
     ]:
         ids = random_ids(rng, T, K, E, style)
-        out, counts, logical = _run(ids, tables, 1, mode, nvalid, record)
-        want = brute_remap(ids.tolist(), tables, 1, mode, nvalid, record != 0)
-        assert out.dtype == torch.int32
-        assert out.tolist() == want.out_TK
-        assert counts.tolist() == want.counts_P
-        assert logical.tolist() == want.logical_E
+        for map_padded in (False, True):
+            out, counts, logical = _run(ids, tables, 1, mode, nvalid, record, map_padded=map_padded)
+            want = brute_remap(ids.tolist(), tables, 1, mode, nvalid, record != 0, map_padded)
+            assert out.dtype == torch.int32
+            assert out.tolist() == want.out_TK
+            assert counts.tolist() == want.counts_P
+            assert logical.tolist() == want.logical_E
+
+
+def test_padded_rows_mapped_on_request_equal_the_unpadded_map_and_are_not_counted() -> None:
+    """SGLang's contract: with ``map_padded_rows`` every row maps as with no padding at all, and
+    only the rows below ``num_valid_tokens`` count (a plain torch reference, not the brute force)."""
+    rng = np.random.default_rng(11)
+    _, tables = random_tables(rng, 9, 12, 3, rank=1)
+    ids = random_ids(rng, 23, 4, 9, "nasty")
+    unpadded = remap_and_record(ids, tables, 0, backend="torch")
+    counts = torch.zeros(12, dtype=torch.int32)
+    out = remap_and_record(
+        ids,
+        tables,
+        0,
+        counts_P=counts,
+        num_valid_tokens=torch.tensor([7], dtype=torch.int32),
+        backend="torch",
+        map_padded_rows=True,
+    )
+    assert torch.equal(out, unpadded)
+    head = unpadded[:7].reshape(-1).to(torch.int64)
+    want = torch.bincount(head[(ids[:7].reshape(-1) >= 0) & (ids[:7].reshape(-1) < 9)], minlength=12)
+    assert counts.tolist() == want.tolist()
+
+
+def test_map_padded_rows_is_a_bool_and_not_for_lp() -> None:
+    rng = np.random.default_rng(12)
+    _, tables = random_tables(rng, 6, 8, 2, rank=0)
+    ids = random_ids(rng, 4, 2, 6, "uniform")
+    with pytest.raises(TypeError, match="map_padded_rows must be a bool"):
+        remap_and_record(ids, tables, 0, backend="torch", map_padded_rows=1)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="not supported in lp mode"):
+        remap_and_record(ids, tables, 0, mode="lp", backend="torch", map_padded_rows=True)
 
 
 def test_static_mode_uses_the_rank_dispatch_map() -> None:

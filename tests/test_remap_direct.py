@@ -101,7 +101,18 @@ class _Harness:
 
 
 def _call(
-    ids, tables, layer, mode, counts, logical, nvalid, record, *, jit: bool, harness: _Harness | None = None
+    ids,
+    tables,
+    layer,
+    mode,
+    counts,
+    logical,
+    nvalid,
+    record,
+    *,
+    jit: bool,
+    harness: _Harness | None = None,
+    map_padded: bool = False,
 ) -> torch.Tensor:
     out = torch.full_like(ids, -7)
     bufs = {"counts": counts, "logical": logical, "nvalid": nvalid, "record": record}
@@ -109,7 +120,7 @@ def _call(
         harness.register(ids, out, *bufs.values())
     # An explicit config always launches through kernel[grid]; without one, the public function.
     config = kernel.default_config(ids.numel(), ids.device) if jit else None
-    return run_remap(ids, tables, layer, mode, out=out, config=config, **bufs)
+    return run_remap(ids, tables, layer, mode, out=out, config=config, map_padded=map_padded, **bufs)
 
 
 def _random_case(rng: np.random.Generator, tables_pool: list[DispatchTables]) -> dict[str, Any]:
@@ -136,6 +147,7 @@ def _random_case(rng: np.random.Generator, tables_pool: list[DispatchTables]) ->
         "record": torch.tensor([int(rng.choice([0, 1, 5]))], dtype=torch.int32)
         if rng.random() < 0.5
         else None,
+        "map_padded": bool(rng.random() < 0.5),
     }
 
 
@@ -164,7 +176,7 @@ def test_direct_launches_equal_the_jit_path(monkeypatch: pytest.MonkeyPatch) -> 
             for buf in bufs[:2]:
                 if buf is not None:
                     buf.zero_()
-            out = _call(*args, *bufs, jit=jit, harness=harness)
+            out = _call(*args, *bufs, jit=jit, harness=harness, map_padded=case["map_padded"])
             results.append((out, *(None if b is None else b.clone() for b in bufs[:2])))
         for got in results[:2]:
             for a, b in zip(got, results[2], strict=True):
@@ -181,13 +193,32 @@ def test_key_changes_exactly_with_the_specialisation(monkeypatch: pytest.MonkeyP
     _, other_shape = random_tables(rng, 13, 18, 1, rank=0)
     out_buf = torch.empty(160400, dtype=torch.int32)
 
-    def key(T=64, K=8, tables=tables, layer=0, mode="static", counts=True, shift=0, ids_shift=0, rows=0):
+    def key(
+        T=64,
+        K=8,
+        tables=tables,
+        layer=0,
+        mode="static",
+        counts=True,
+        shift=0,
+        ids_shift=0,
+        rows=0,
+        map_padded=False,
+    ):
         ids = torch.zeros(T * K + 8, dtype=torch.int32)[ids_shift : ids_shift + T * K].view(T, K)
         out = out_buf[shift : shift + T * K].view(T, K)
         shape = (rows, tables.num_physical) if rows else (tables.num_physical,)
         c = torch.zeros(shape, dtype=torch.int32) if counts else None
         launched, k = harness.direct.launch(
-            RemapCall(topk_ids_TK=ids, tables=tables, layer=layer, mode=mode, out_TK=out, counts_P=c)
+            RemapCall(
+                topk_ids_TK=ids,
+                tables=tables,
+                layer=layer,
+                mode=mode,
+                out_TK=out,
+                counts_P=c,
+                map_padded_rows=map_padded,
+            )
         )
         assert not launched  # nothing kept here: every call misses
         return k
@@ -203,6 +234,7 @@ def test_key_changes_exactly_with_the_specialisation(monkeypatch: pytest.MonkeyP
         key(K=4, T=128),  # K is a constexpr
         key(mode="weighted"),
         key(counts=False),
+        key(map_padded=True),  # padded rows mapped: a constexpr
         key(tables=other_shape),
         key(shift=1),  # out 4 bytes off 16-byte alignment
         key(ids_shift=2),
@@ -279,12 +311,14 @@ def test_compiled_direct_launches_equal_the_jit_path(mode: str) -> None:
         ids = random_ids(rng, T + 1, K, 256, "nasty").cuda()[shift : shift + T]
         nvalid = torch.tensor([T - 1], dtype=torch.int32, device="cuda")
         counts = counts_LP[1] if shift else counts_LP[0].contiguous()
-        outs = []
-        for jit in (False, False, True):
-            counts.zero_()
-            outs.append((_call(ids, tables, 1, mode, counts, None, nvalid, None, jit=jit), counts.clone()))
-        for got in outs[:2]:
-            assert torch.equal(got[0], outs[2][0]) and torch.equal(got[1], outs[2][1])
+        for map_padded in (True, False):  # the second one's call stays for the checks below
+            outs = []
+            for jit in (False, False, True):
+                counts.zero_()
+                out = _call(ids, tables, 1, mode, counts, None, nvalid, None, jit=jit, map_padded=map_padded)
+                outs.append((out, counts.clone()))
+            for got in outs[:2]:
+                assert torch.equal(got[0], outs[2][0]) and torch.equal(got[1], outs[2][1])
         call = RemapCall(
             topk_ids_TK=ids,
             tables=tables,

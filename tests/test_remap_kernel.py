@@ -26,7 +26,17 @@ kernel = pytest.importorskip("eplb.kernels.remap_record")
 
 
 def _both(
-    ids, tables, layer, mode, *, nvalid=None, record=None, count_phys=True, count_logical=True, config=None
+    ids,
+    tables,
+    layer,
+    mode,
+    *,
+    nvalid=None,
+    record=None,
+    count_phys=True,
+    count_logical=True,
+    config=None,
+    map_padded=False,
 ):
     """(out, counts, logical) from the torch backend and from the kernel, on identical inputs."""
     device, P, E = ids.device, tables.num_physical, tables.num_logical
@@ -39,7 +49,9 @@ def _both(
             "record": None if record is None else torch.tensor([record], dtype=torch.int32, device=device),
         }
         kernel_config = config if backend == "triton" else None
-        out = run_remap(ids, tables, layer, mode, backend=backend, config=kernel_config, **bufs)
+        out = run_remap(
+            ids, tables, layer, mode, backend=backend, config=kernel_config, map_padded=map_padded, **bufs
+        )
         results.append((out, bufs["counts"], bufs["logical"]))
     return results
 
@@ -70,6 +82,7 @@ def _cases(draw):
         "record": draw(st.sampled_from([None, 0, 1, 7])),
         "count_phys": draw(st.booleans()),
         "count_logical": draw(st.booleans()),
+        "map_padded": draw(st.booleans()),
     }
 
 
@@ -91,6 +104,7 @@ def test_kernel_equals_torch_reference(case: dict) -> None:
             record=case["record"],
             count_phys=case["count_phys"],
             count_logical=case["count_logical"],
+            map_padded=case["map_padded"],
         )
     )
 
@@ -175,7 +189,8 @@ def test_compiled_kernel_equals_reference_on_gpu(mode: str) -> None:
     _, tables = random_tables(rng, 256, 288, 8, rank=5, device="cuda")
     for T in (1, 64, 4097, 65536):
         ids = random_ids(rng, T, 8, 256, "nasty").cuda()
-        _assert_same(_both(ids, tables, 1, mode, nvalid=T - 1, record=1))
+        for map_padded in (False, True):
+            _assert_same(_both(ids, tables, 1, mode, nvalid=T // 2, record=1, map_padded=map_padded))
 
 
 @pytest.mark.gpu

@@ -17,9 +17,9 @@ changes the placement, which it does through ``ExpertLocationMetadata.update`` (
 fresh cache for new maps).
 
 SGLang maps every row, padded ones included, and stops only the counting at
-``num_token_non_padded``, whereas eplb's kernel passes rows at or past ``num_valid_tokens``
-through unmapped. To return exactly SGLang's ids, a call with padding launches the kernel twice:
-once counting the valid rows, once (without counts) mapping all of them.
+``num_token_non_padded``; eplb's kernel passes rows at or past ``num_valid_tokens`` through
+unmapped unless asked to map them (``map_padded_rows=True``), which a call with padding does: one
+launch returns exactly SGLang's ids.
 
 Count rows: SGLang's ``load_buffer`` is one row ``[P]`` of its recorder's per-pass buffer
 ``_SelectExpertsSinglePassGatherer._data`` int32 [L, P], so every program of the kernel would
@@ -227,10 +227,15 @@ def eplb_map_and_record_fused(
     backend = _BACKEND[0]
     valid = _valid(num_token_non_padded)
     counts = _counts_for(load_buffer)
-    out = remap_and_record(ids, tables, 0, counts_P=counts, num_valid_tokens=valid, backend=backend)
-    if num_token_non_padded is not None:
-        remap_and_record(ids, tables, 0, out_TK=out, backend=backend)
-    return out
+    return remap_and_record(
+        ids,
+        tables,
+        0,
+        counts_P=counts,
+        num_valid_tokens=valid,
+        backend=backend,
+        map_padded_rows=valid is not None,
+    )
 
 
 def _valid(num_token_non_padded: torch.Tensor | None) -> torch.Tensor | None:

@@ -128,6 +128,7 @@ def remap_and_record(
     out_TK: torch.Tensor | None = None,
     backend: str = "auto",
     lp: LpExchange | None = None,
+    map_padded_rows: bool = False,
 ) -> torch.Tensor:
     """Map router ids [T, K] int32 to physical slot ids [T, K] int32 and add the layer's counts.
 
@@ -135,7 +136,9 @@ def remap_and_record(
     [E] are added to in place (contiguous, on the ids' device). ``num_valid_tokens`` and ``record``
     are int32 tensors of one element on that device. ``out_TK`` (int32 [T, K], contiguous) receives
     the result when given: pass it to skip an allocation per call. ``lp``: the rank's counts exchange
-    in mode ``lp`` (None: the tables' own, over the default process group). See the module
+    in mode ``lp`` (None: the tables' own, over the default process group).
+    ``map_padded_rows``: rows at or past ``num_valid_tokens`` are mapped too, still not counted
+    (SGLang's fused kernel's contract; not in ``lp`` mode). See the module
     docstring for each mode, and for the per-object cache of the fixed arguments' checks.
     """
     try:
@@ -149,6 +152,7 @@ def remap_and_record(
         and kept.num_valid_tokens is num_valid_tokens
         and kept.logical_counts_E is logical_counts_E
         and kept.lp is lp
+        and kept.map_padded_rows is map_padded_rows
         and kept.mode == mode
         and kept.backend == backend
     ):
@@ -166,6 +170,7 @@ def remap_and_record(
         out_TK,
         backend,
         lp,
+        map_padded_rows,
     )
 
 
@@ -181,6 +186,7 @@ def _call_uncached(
     out_TK: torch.Tensor | None,
     backend: str,
     lp: LpExchange | None,
+    map_padded_rows: bool,
 ) -> torch.Tensor:
     """:func:`remap_and_record` where the layer's last entry does not match: an earlier entry's
     call, or every argument checked (prepared, and kept, on the second call with the same objects)."""
@@ -189,7 +195,9 @@ def _call_uncached(
     except (AttributeError, KeyError, TypeError):
         others = ()
     for kept in others:
-        if kept.takes(mode, counts_P, logical_counts_E, num_valid_tokens, record, backend, lp):
+        if kept.takes(
+            mode, counts_P, logical_counts_E, num_valid_tokens, record, backend, lp, map_padded_rows
+        ):
             return kept(topk_ids_TK, out_TK)
     key = (
         id(tables),
@@ -201,6 +209,7 @@ def _call_uncached(
         id(num_valid_tokens),
         id(record),
         id(lp),
+        map_padded_rows,
     )
     try:
         found, cacheable = _PREPARED.get(key), True
@@ -209,7 +218,15 @@ def _call_uncached(
     if found is not None and found.__class__ is not tuple:  # prepared (so checked) before
         return _keep(tables, layer, found)(topk_ids_TK, out_TK)
     device = check_remap_args(
-        topk_ids_TK, tables, layer, mode, counts_P, logical_counts_E, num_valid_tokens, record
+        topk_ids_TK,
+        tables,
+        layer,
+        mode,
+        counts_P,
+        logical_counts_E,
+        num_valid_tokens,
+        record,
+        map_padded_rows,
     )
     if cacheable:
         if len(_PREPARED) >= _PREPARED_MAX:
@@ -227,6 +244,7 @@ def _call_uncached(
                 record=record,
                 backend=backend,
                 lp=lp,
+                map_padded_rows=map_padded_rows,
             )
             return _keep(tables, layer, prepared)(topk_ids_TK, out_TK)
     if out_TK is None:
@@ -258,6 +276,7 @@ def _call_uncached(
             num_valid_tokens=num_valid_tokens,
             record=record,
             lp=exchange,
+            map_padded_rows=map_padded_rows,
         )
     )
     return out_TK

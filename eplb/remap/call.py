@@ -61,6 +61,9 @@ class RemapCall:
     """int32 [1] on the device: count only while nonzero; None: always count."""
     lp: LpExchange | None = None
     """``lp`` mode: the rank's counts exchange (eplb.remap.lp); None in every other mode."""
+    map_padded_rows: bool = False
+    """Map the rows at or past ``num_valid_tokens`` too (they are still not counted), as SGLang's
+    fused kernel does; False: they pass through unchanged. Not in ``lp`` mode."""
 
     def counts_row_P(self) -> torch.Tensor | None:
         """``counts_P``'s first count row (all of it when [P]): where a backend that does not
@@ -89,6 +92,7 @@ def check_remap_args(
     logical_counts_E: torch.Tensor | None,
     num_valid_tokens: torch.Tensor | None,
     record: torch.Tensor | None,
+    map_padded_rows: bool = False,
 ) -> torch.device:
     """Validate every argument of eplb.remap.api.remap_and_record; TypeError for dtypes, ValueError otherwise.
 
@@ -97,6 +101,10 @@ def check_remap_args(
     check_ids(topk_ids_TK)
     if mode not in MODES:
         raise ValueError(f"unknown dispatch mode {mode!r}; choose from {MODES}")
+    if map_padded_rows is not False and map_padded_rows is not True:
+        raise TypeError(f"map_padded_rows must be a bool, got {type(map_padded_rows).__name__}")
+    if map_padded_rows and mode == "lp":
+        raise ValueError("map_padded_rows is not supported in lp mode (its split counts the rows it maps)")
     if not 0 <= layer < tables.num_layers:
         raise ValueError(f"layer {layer} outside [0, {tables.num_layers})")
     device = topk_ids_TK.device

@@ -46,6 +46,7 @@ class PreparedRemap:
         "layer",
         "logical_counts_E",
         "lp",
+        "map_padded_rows",
         "mode",
         "num_valid_tokens",
         "record",
@@ -64,9 +65,12 @@ class PreparedRemap:
         record: torch.Tensor | None = None,
         backend: str = "auto",
         lp: LpExchange | None = None,
+        map_padded_rows: bool = False,
     ) -> None:
         probe = torch.empty((0, 1), dtype=_INT32, device=tables.device)
-        check_remap_args(probe, tables, layer, mode, counts_P, logical_counts_E, num_valid_tokens, record)
+        check_remap_args(
+            probe, tables, layer, mode, counts_P, logical_counts_E, num_valid_tokens, record, map_padded_rows
+        )
         exchange = None
         if mode == "lp":
             from eplb.remap.exchange import exchange_for
@@ -77,6 +81,7 @@ class PreparedRemap:
         # only to compare a later call's arguments by identity (eplb.remap.api's per-layer cache).
         self.counts_P, self.logical_counts_E = counts_P, logical_counts_E
         self.num_valid_tokens, self.record, self.lp = num_valid_tokens, record, lp
+        self.map_padded_rows = map_padded_rows
         self._device = tables.device
         self._fn = get_backend(backend, self._device, mode)
         # The call's fixed fields; the ids and the output fill in per call.
@@ -91,6 +96,7 @@ class PreparedRemap:
             num_valid_tokens=num_valid_tokens,
             record=record,
             lp=exchange,
+            map_padded_rows=map_padded_rows,
         )
         self._direct: Any = None
         name = "triton" if backend == "auto" and self._fn.__name__ == "remap_record_triton" else backend
@@ -107,6 +113,7 @@ class PreparedRemap:
         record: torch.Tensor | None,
         backend: str,
         lp: LpExchange | None,
+        map_padded_rows: bool = False,
     ) -> bool:
         """Whether a public call with these fixed arguments is this one (the same objects, mode and
         backend), so that it may skip their checks (eplb.remap.api inlines this on its fast path)."""
@@ -116,6 +123,7 @@ class PreparedRemap:
             and self.num_valid_tokens is num_valid_tokens
             and self.logical_counts_E is logical_counts_E
             and self.lp is lp
+            and self.map_padded_rows is map_padded_rows
             and self.mode == mode
             and self.backend == backend
         )
@@ -148,6 +156,7 @@ class PreparedRemap:
                 num_valid_tokens=t.num_valid_tokens,
                 record=t.record,
                 lp=t.lp,
+                map_padded_rows=t.map_padded_rows,
             )
         )
         return out_TK

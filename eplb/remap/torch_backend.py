@@ -74,19 +74,24 @@ def remap_record_torch(call: RemapCall) -> None:
             below = (cum <= u[..., None]) & (r < (cnt - 1)[..., None])
             replica = below.sum(dim=-1)
         phys = tables.log2phy_LER[layer].to(torch.int64)[safe, replica]
-    call.out_TK.copy_(torch.where(valid, phys, ids).to(torch.int32))
+    mapped = (ids >= 0) & (ids < tables.num_logical) if call.map_padded_rows else valid
+    call.out_TK.copy_(torch.where(mapped, phys, ids).to(torch.int32))
     count_elements(call, valid & (phys >= 0) & (phys < P), phys, safe)
 
 
 def valid_elements(call: RemapCall) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int64 [T, K] ids, rows, valid mask and ids with invalid ones set to 0 (see eplb.remap.api)."""
+    """int64 [T, K] ids, rows, valid (counted) mask, and ids with those not looked up set to 0 (the
+    invalid ones; with ``map_padded_rows`` the padded rows' in-range ids are looked up too)."""
     T, K = call.topk_ids_TK.shape
     ids = call.topk_ids_TK.to(torch.int64)
     row_TK = torch.arange(T, dtype=torch.int64, device=ids.device)[:, None].expand(T, K)
     valid = (ids >= 0) & (ids < call.tables.num_logical)
+    in_range = valid
     if call.num_valid_tokens is not None:
-        valid &= row_TK < call.num_valid_tokens.to(torch.int64).reshape(())
-    return ids, row_TK, valid, torch.where(valid, ids, torch.zeros_like(ids))
+        valid = valid & (row_TK < call.num_valid_tokens.to(torch.int64).reshape(()))
+    # With map_padded_rows the padded rows are mapped too (not counted): look them up as well.
+    looked_up = in_range if call.map_padded_rows else valid
+    return ids, row_TK, valid, torch.where(looked_up, ids, torch.zeros_like(ids))
 
 
 def count_elements(call: RemapCall, counted: torch.Tensor, phys: torch.Tensor, safe: torch.Tensor) -> None:

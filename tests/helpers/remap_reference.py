@@ -42,6 +42,7 @@ def brute_remap(
     mode: str,
     num_valid_tokens: int | None,
     record: bool,
+    map_padded: bool = False,
 ) -> BruteResult:
     E, P = tables.num_logical, tables.num_physical
     static = tables.static_LE[layer].tolist()
@@ -60,8 +61,9 @@ def brute_remap(
     for row, ids in enumerate(ids_TK):
         out_row = []
         for k, x in enumerate(ids):
-            valid = 0 <= x < E and (num_valid_tokens is None or row < num_valid_tokens)
-            if not valid:
+            in_range = 0 <= x < E
+            valid = in_range and (num_valid_tokens is None or row < num_valid_tokens)
+            if not (in_range if map_padded else valid):
                 out_row.append(x)
                 continue
             h = mix32_int((row * K + k) ^ salt)
@@ -80,7 +82,7 @@ def brute_remap(
                     rep = sum(1 for r in range(cnt - 1) if cum[x][r] <= u)
                 p = log2phy[x][rep]
             out_row.append(p)
-            if record:
+            if record and valid:
                 counts[p] += 1
                 logical[x] += 1
         out.append(out_row)
@@ -138,6 +140,7 @@ def run_remap(
     out: torch.Tensor | None = None,
     backend: str = "triton",
     config: LaunchConfig | None = None,
+    map_padded: bool = False,
 ) -> torch.Tensor:
     """The output ids of one remap: through ``remap_and_record(backend=...)``, or, given a launch
     ``config``, through the Triton launcher alone (always ``kernel[grid]``; ``backend`` unused)."""
@@ -153,6 +156,7 @@ def run_remap(
             record=record,
             out_TK=out,
             backend=backend,
+            map_padded_rows=map_padded,
         )
     from eplb.kernels.remap_record import remap_record_triton
 
@@ -166,6 +170,7 @@ def run_remap(
         logical_counts_E=logical,
         num_valid_tokens=nvalid,
         record=record,
+        map_padded_rows=map_padded,
     )
     remap_record_triton(call, config=config)
     return call.out_TK
