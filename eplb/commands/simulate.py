@@ -25,6 +25,7 @@ from eplb.commands.common import (
     require_extra,
     write_json,
 )
+from eplb.config import DISPATCH_ALGORITHMS
 
 if TYPE_CHECKING:
     from eplb.placement.model import Placement
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(DEFAULT_ALGORITHMS),
         metavar="ALGO[:DISPATCH]",
         help="runs to compare: none | deepseek | deepseek_hierarchical | scipy | auto, each optionally "
-        f"with :static | :dynamic | :weighted | :fake (default: {' '.join(DEFAULT_ALGORITHMS)})",
+        f"with :{' | :'.join(DISPATCH_ALGORITHMS)} (default: {' '.join(DEFAULT_ALGORITHMS)})",
     )
     add_input_arguments(parser)
     add_topology_arguments(parser)
