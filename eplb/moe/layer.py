@@ -4,9 +4,9 @@ Shape legend: T tokens (on this rank), K top-k, H hidden size, I intermediate si
 experts, P physical slots, G GPUs (ranks), S slots per GPU (P / G, this rank's), M rows received.
 
 Forward: router ids (int32 [T, K]) -> remap (logical -> physical, counts recorded on the device:
-the recorder's prepared call for this layer, eplb.recorder, or eplb.remap.api.remap_and_record) -> exchange (all-to-all to the ranks owning the slots) -> expert FFN over
-all local slots as one grouped GEMM (eplb.moe.experts) -> exchange back -> combine with the top-k
-weights. The slot buffers and dispatch tables are written in place by a hot-swap, so a captured
+the recorder's prepared call for this layer, eplb.recorder, or eplb.remap.api.remap_and_record)
+-> exchange (all-to-all to the ranks owning the slots) -> expert FFN over all local slots as one
+grouped GEMM (eplb.moe.experts) -> exchange back -> combine with the top-k weights. The slot buffers and dispatch tables are written in place by a hot-swap, so a captured
 CUDA graph keeps working after a swap.
 """
 
