@@ -20,7 +20,9 @@ machine do not count; the minimum over ``--rounds`` rounds of ``--calls`` calls.
   ``rec.prepare()`` (the recording path: README, manager docs, eplb.moe's model); the public
   function given the recorder's rows as a ``**`` dict per layer (the removed ``layer_kwargs``),
   with the two tensors named, with every keyword named, without a recorder, and with two argument
-  sets taking turns on each layer (SGLang's adapter with padding); ``begin_pass``/``end_pass`` alone; and, for scale, each call form into a function
+  sets taking turns on each layer (SGLang's adapter with padding); ``begin_pass``/``end_pass``
+  alone; the recorder and ``begin_pass``/``end_pass`` with the end of pass in two torch ops (the stat window's sum and fill, as before the one-launch push of
+  eplb.kernels.window_push; on CPU both use torch); and, for scale, each call form into a function
   that does nothing (what Python's argument passing costs: ``**`` unpacks a dict per call). On CPU
   every remap ends in the no-op launcher behind the direct path; on CUDA in the real kernel;
 - on CUDA also the real calls: the public function, the launcher alone, the launcher through
@@ -190,9 +192,15 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
     out = torch.empty_like(ids)
     rec = ExpertDistributionRecorder(RecorderConfig(mode="stat", window=100), placement, device=device)
     rec.start()
+    # The same recorder ending each pass with two torch ops (a sum and a fill), as before the
+    # one-launch push (eplb.kernels.window_push); on CPU both recorders use torch.
+    rec_torch = ExpertDistributionRecorder(RecorderConfig(mode="stat", window=100), placement, device=device)
+    rec_torch._stat.push_kernel = None  # type: ignore[union-attr]  # mode "stat" has a window
+    rec_torch.start()
     backend = "triton"
     plain = [prepare_remap(tables, layer, backend=backend) for layer in range(layers)]
     recorded = rec.prepare(tables, backend=backend)
+    recorded_torch = rec_torch.prepare(tables, backend=backend)
     # The recorder's rows as keywords of the public function, built once (what layer_kwargs gave).
     kwargs: list[dict[str, Any]] = [
         {"counts_P": row, "record": rec.record_flag_1} for row in rec.pass_counts_LCP.unbind(0)
@@ -208,6 +216,12 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
         for remap_layer in recorded:
             remap_layer(ids, out)
         rec.end_pass()
+
+    def prepared_recorder_torch() -> None:
+        rec_torch.begin_pass(has_prefill=True, num_tokens=T)
+        for remap_layer in recorded_torch:
+            remap_layer(ids, out)
+        rec_torch.end_pass()
 
     def public_plain() -> None:
         for layer in range(layers):
@@ -260,6 +274,10 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
         rec.begin_pass(has_prefill=True, num_tokens=T)
         rec.end_pass()
 
+    def passes_only_torch() -> None:
+        rec_torch.begin_pass(has_prefill=True, num_tokens=T)
+        rec_torch.end_pass()
+
     empties = [_EmptyPrepared() for _ in range(layers)]
 
     def prepared_call_only() -> None:
@@ -280,12 +298,14 @@ def recorder_rows(T: int, layers: int, device: torch.device) -> dict[str, Callab
     return {
         BASELINE: prepared_plain,
         "prepared, recorder (rec.prepare)": prepared_recorder,
+        "prepared, recorder, end of pass in torch ops": prepared_recorder_torch,
         "public, plain": public_plain,
         "public, recorder rows (**kwargs)": public_layer_kwargs,
         "public, recorder (counts_P=, record=)": public_named,
         "public, recorder rows (every keyword named)": public_moe,
         "public, two argument sets taking turns": public_turns,
         "begin_pass + end_pass alone": passes_only,
+        "begin_pass + end_pass alone, torch ops": passes_only_torch,
         "empty callee, remaps[layer](ids, out)": prepared_call_only,
         "empty callee, **kwargs": unpacking_only,
         "empty callee, counts_P=, record=": named_only,

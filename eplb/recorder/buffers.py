@@ -12,9 +12,24 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from eplb.kernels.window_push import WindowPush
+
+
+def _fused_push(device: torch.device) -> type[WindowPush] | None:
+    """eplb.kernels.window_push's launcher on CUDA where Triton imports; None elsewhere (torch ops)."""
+    if device.type != "cuda":
+        return None
+    try:
+        from eplb.kernels.window_push import WindowPush
+    except ImportError:
+        return None
+    return WindowPush
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,9 @@ class StatWindow:
     def __init__(self, window: int, num_layers: int, num_physical: int, device: torch.device) -> None:
         self.counts_WLP = torch.zeros((window, num_layers, num_physical), dtype=torch.int32, device=device)
         self._rows = list(self.counts_WLP.unbind(0))  # views made once: a push is one device op
+        self.push_kernel = _fused_push(self.counts_WLP.device)
+        """The one-launch push (CUDA), or None: a torch sum and fill."""
+        self._push: WindowPush | None = None  # made for the first count rows pushed
         self.info: list[PassInfo | None] = [None] * window
         self.next_row = 0
         self.filled = 0
@@ -45,9 +63,21 @@ class StatWindow:
     def window(self) -> int:
         return int(self.counts_WLP.shape[0])
 
-    def push(self, pass_counts_LCP: torch.Tensor, info: PassInfo) -> None:
-        """Sum one pass's count rows [L, C, P] into the next row (one device op; no host sync)."""
-        torch.sum(pass_counts_LCP, dim=1, dtype=torch.int32, out=self._rows[self.next_row])
+    def push(self, pass_counts_LCP: torch.Tensor, info: PassInfo, *, zero: bool = False) -> None:
+        """Sum one pass's count rows [L, C, P] into the next row, then zero them if ``zero`` (no host sync).
+
+        On CUDA one launch does both (eplb.kernels.window_push: the recorder pays one launch per
+        pass, not two torch ops); elsewhere a torch sum and fill.
+        """
+        if self.push_kernel is not None:
+            push = self._push
+            if push is None or push.rows_LCP is not pass_counts_LCP:
+                push = self._push = self.push_kernel(pass_counts_LCP, self.counts_WLP)
+            push(self.next_row, zero=zero)
+        else:
+            torch.sum(pass_counts_LCP, dim=1, dtype=torch.int32, out=self._rows[self.next_row])
+            if zero:
+                pass_counts_LCP.zero_()
         self.info[self.next_row] = info
         self.next_row = (self.next_row + 1) % self.window
         self.filled = min(self.filled + 1, self.window)

@@ -297,17 +297,19 @@ class ExpertDistributionRecorder:
         if self.config.prefill_only:
             known = self.any_rank_prefill
             counted = any_rank(self._local_prefill, self.flag_group, self.device) if known is None else known
+        reset = self._local_flag  # this pass's kernels counted into the rows: zero them for the next
         if counted:
             info = PassInfo(self._num_counted, self._map_version, self._local_prefill, self._num_tokens)
             self._num_counted += 1
             if self._recording:
                 if self._stat is not None:
-                    self._stat.push(self.pass_counts_LCP, info)
+                    self._stat.push(self.pass_counts_LCP, info, zero=reset)  # one launch on CUDA
+                    reset = False
                 if self._per_pass is not None:
                     self._per_pass.push(self.pass_counts_LCP, info)
         if self._tokens is not None:
             self._tokens.commit(self._num_counted - 1, keep=counted and self._local_flag)
-        if self._local_flag:
+        if reset:
             self.pass_counts_LCP.zero_()
         return counted
 
