@@ -206,6 +206,156 @@ def _lp_quota_kernel(  # type: ignore[no-untyped-def]
         tl.atomic_add(counts_ptr + slot_XG, got_XG, mask=ok, sem="relaxed")
 
 
+@triton.jit(
+    do_not_specialize=[
+        "num_logical", "num_physical", "num_gpus", "slots_per_gpu", "num_columns", "column_stride",
+        "rank", "layer",
+    ]
+)  # fmt: skip
+def _lp_quota_compact_kernel(  # type: ignore[no-untyped-def]
+    static_ptr,
+    index_ptr,
+    expert_ptr,
+    slot_ptr,
+    slotd_ptr,
+    colors_ptr,
+    color_ptr,
+    gathered_ptr,
+    start_ptr,
+    loads_ptr,
+    counts_ptr,
+    record_ptr,
+    num_logical,
+    num_physical,
+    num_gpus,
+    slots_per_gpu,
+    num_columns,
+    column_stride,
+    rank,
+    layer,
+    X: tl.constexpr,
+    EBINS: tl.constexpr,
+    GBINS: tl.constexpr,
+    NBINS: tl.constexpr,
+    F: tl.constexpr,
+    PASSES: tl.constexpr,
+    COUNT_PHYS: tl.constexpr,
+    HAS_RECORD: tl.constexpr,
+):
+    # One program per layer. The even split in row form ([NBINS, G], as _lp_quota_kernel), then
+    # the re-fill rounds in compact form: a re-filling expert is one column x of an [F, NBINS]
+    # tile (its F GPUs, ascending), every thread owns whole columns (NBINS = 32 x warps at
+    # least), so a water-fill is pairwise over F inside the thread, with no sort and no
+    # reduction across threads; the GPU loads live in a scratch row (``loads_ptr``, G int32):
+    # a round loads its experts' levels from it and stores back their GPUs' new loads, the
+    # colour's experts share no GPU, so one barrier per round orders it.
+    e_ = tl.arange(0, EBINS)
+    g_ = tl.arange(0, GBINS)
+    n_ = tl.arange(0, NBINS)
+    in_e = e_ < num_logical
+    in_g = g_ < num_gpus
+    counts_E = tl.sum(
+        tl.load(
+            gathered_ptr + g_[:, None] * num_logical + e_[None, :],
+            mask=in_g[:, None] & in_e[None, :],
+            other=0,
+        ),
+        axis=0,
+    )
+    row_E = layer * num_logical + e_
+    single_E = in_e & (tl.load(index_ptr + row_E, mask=in_e, other=0) < 0)
+    gpu_E = tl.load(static_ptr + row_E, mask=in_e, other=0) // slots_per_gpu
+    on_gpu_EG = single_E[:, None] & (gpu_E[:, None] == g_[None, :])
+    loads_G = tl.sum(tl.where(on_gpu_EG, counts_E[:, None], 0), axis=0)
+    expert_X = tl.load(expert_ptr + layer * X + n_, mask=n_ < X, other=-1)
+    has_X = expert_X >= 0
+    safe_X = tl.where(has_X, expert_X, 0)
+    tile_GX = tl.load(
+        gathered_ptr + g_[:, None] * num_logical + safe_X[None, :],
+        mask=in_g[:, None] & has_X[None, :],
+        other=0,
+    )
+    amount_X = tl.sum(tile_GX, axis=0)
+    slot_XG = tl.load(
+        slot_ptr + (layer * X + n_[:, None]) * num_gpus + g_[None, :],
+        mask=has_X[:, None] & in_g[None, :],
+        other=-1,
+    )
+    held_XG = slot_XG >= 0
+    width_X = tl.maximum(tl.sum(held_XG.to(tl.int32), axis=1), 1)
+    even_X = amount_X // width_X
+    rest_X = amount_X - even_X * width_X
+    nth_XG = tl.cumsum(held_XG.to(tl.int32), axis=1) - 1
+    quota_XG = tl.where(held_XG, even_X[:, None] + (nth_XG < rest_X[:, None]), 0)
+    loads_G += tl.sum(quota_XG, axis=0)
+    tl.store(loads_ptr + g_, loads_G, mask=in_g)
+    # The compact tile: column x holds expert x's first F GPUs (slot_LXD is by ascending GPU,
+    # the rule's column order); only coloured experts (on at most F GPUs) take part.
+    # ``column_stride`` is a runtime 1: it hides the columns' contiguity from Triton's
+    # coalescing, which would otherwise lay the tile out along F and convert it in every round.
+    f_ = tl.arange(0, F)
+    color_N = tl.load(color_ptr + layer * X + n_, mask=n_ < X, other=-1)
+    slot_FN = tl.load(
+        slotd_ptr + (layer * X + n_[None, :]) * num_columns + f_[:, None] * column_stride,
+        mask=(color_N >= 0)[None, :] & (f_[:, None] < num_columns),
+        other=-1,
+    )
+    valid_FN = slot_FN >= 0
+    gpu_FN = tl.where(valid_FN, slot_FN // slots_per_gpu, 0)
+    amount_N = tl.where(color_N >= 0, amount_X, 0)
+    width_N = tl.maximum(tl.sum(valid_FN.to(tl.int32), axis=0), 1)
+    even_N = amount_N // width_N
+    q_FN = tl.where(valid_FN, even_N[None, :] + (f_[:, None] < (amount_N - even_N * width_N)[None, :]), 0)
+    num_colors = tl.load(colors_ptr + layer)
+    tl.debug_barrier()  # the loads stored above are read below
+    for _ in tl.static_range(PASSES):
+        for c in range(num_colors):
+            act_FN = valid_FN & (color_N == c)[None, :]
+            lev_FN = tl.load(loads_ptr + gpu_FN, mask=act_FN, other=0) - q_FN
+            # Water-fill (eplb.remap.lp_rule): with I_j the active columns at or below column
+            # j's level, column j is under water when c + sum_I level >= |I| level_j, and the
+            # level reached is floor((c + sum_I level) / |I|) at the largest such I (the sorted
+            # form's last feasible prefix: its candidate is the smallest), one division per
+            # expert and no sort. |I| and the sum grow together, so both maxima pick that I.
+            inc_FFN = act_FN[None, :, :] & (lev_FN[None, :, :] <= lev_FN[:, None, :])
+            k_FN = tl.sum(inc_FFN.to(tl.int32), axis=1)
+            s_FN = tl.sum(tl.where(inc_FFN, lev_FN[None, :, :], 0), axis=1)
+            wet_FN = act_FN & (amount_N[None, :] + s_FN >= k_FN * lev_FN)
+            k_N = tl.max(tl.where(wet_FN, k_FN, 0), axis=0)
+            s_N = tl.max(tl.where(wet_FN, s_FN, 0), axis=0)
+            level_N = (amount_N + s_N) // tl.maximum(k_N, 1)
+            new_FN = tl.where(act_FN, tl.maximum(level_N[None, :] - lev_FN, 0), 0)
+            left_N = amount_N - tl.sum(new_FN, axis=0)
+            eligible_FN = act_FN & (lev_FN <= level_N[None, :])
+            first_FN = tl.cumsum(eligible_FN.to(tl.int32), axis=0) <= left_N[None, :]
+            new_FN += (eligible_FN & first_FN).to(tl.int32)
+            q_FN = tl.where(act_FN, new_FN, q_FN)
+            tl.store(loads_ptr + gpu_FN, lev_FN + new_FN, mask=act_FN)
+            tl.debug_barrier()  # this colour's loads before the next colour reads them
+    # Back to row form through the starts scratch: the coloured experts' quotas by GPU.
+    tl.store(start_ptr + n_[None, :] * GBINS + gpu_FN, q_FN, mask=valid_FN)
+    tl.debug_barrier()
+    coloured_X = color_N >= 0
+    refilled_XG = tl.load(
+        start_ptr + n_[:, None] * GBINS + g_[None, :], mask=held_XG & coloured_X[:, None], other=0
+    )
+    quota_XG = tl.where(coloured_X[:, None], refilled_XG, quota_XG)
+    starts_XG = tl.cumsum(quota_XG, axis=1) - quota_XG
+    tl.debug_barrier()  # every thread has read the quotas before the starts overwrite them
+    tl.store(start_ptr + n_[:, None] * GBINS + g_[None, :], tl.where(in_g[None, :], starts_XG, 2147483647))
+    if COUNT_PHYS:
+        # This rank's positions [offset, offset + mine) against each replica's quota range.
+        offset_X = tl.sum(tl.where(g_[:, None] < rank, tile_GX, 0), axis=0)
+        mine_X = tl.sum(tl.where(g_[:, None] == rank, tile_GX, 0), axis=0)
+        lo = tl.maximum(starts_XG, offset_X[:, None])
+        hi = tl.minimum(starts_XG + quota_XG, (offset_X + mine_X)[:, None])
+        got_XG = tl.maximum(hi - lo, 0)
+        ok = held_XG & (got_XG > 0) & (slot_XG < num_physical)
+        if HAS_RECORD:
+            ok = ok & (tl.load(record_ptr + 0 * slot_XG) != 0)  # the flag, broadcast to the tile
+        tl.atomic_add(counts_ptr + slot_XG, got_XG, mask=ok, sem="relaxed")
+
+
 @triton.jit(do_not_specialize=["numel", "num_tokens", "num_logical", "num_gpus", "rank", "layer", "chunk"])
 def _lp_map_kernel(  # type: ignore[no-untyped-def]
     ids_ptr,
