@@ -9,12 +9,11 @@ placement of ``bench_remap``. For every T, router-like ids [T, 8] (eplb's rank 3
 ranks' counts fixed, exchanged by a device copy, so no network is in these figures):
 
 1. correctness: on every layer, the Triton kernels' ids and slot counts equal the torch
-   reference's, with each quota form (``layers_mismatched`` must read 0);
+   reference's (``layers_mismatched`` must read 0);
 2. one CUDA graph of L = 58 calls, call i on layer i, replayed ``--reps`` times: median µs per
    call, for the copy of the same bytes, static remap+record (one count row and 16), the exchange
-   alone, and ``lp`` with each ``--passes`` (re-fill passes, eplb.remap.lp_rule.LP_PASSES), each
-   ``--quota-forms`` (the quota kernel's compact or row form) and its warps (``--compact-warps``,
-   ``--quota-warps``: of the quota kernel's one program);
+   alone, and ``lp`` with each ``--passes`` (re-fill passes, eplb.remap.lp_rule.LP_PASSES) and
+   each ``--quota-warps`` (warps of the quota kernel's one program);
 3. eagerly, one call between events (host launch cost included), static and ``lp`` at the
    defaults.
 
@@ -79,23 +78,13 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
         )  # fmt: skip
 
     row: dict[str, Any] = {"T": T}
-    form = launch.QUOTA_FORM
-    try:
-        for launch.QUOTA_FORM in args.quota_forms:
-            mismatched = 0
-            for layer in range(L):
-                got = [
-                    (torch.empty_like(ids), torch.zeros(P, dtype=torch.int32, device=device))
-                    for _ in range(2)
-                ]
-                for (o, c), backend in zip(got, ("torch", "triton"), strict=True):
-                    call(layer, "lp", c, backend, o)
-                mismatched += int(
-                    not (torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1]))
-                )
-            row[f"layers_mismatched form={launch.QUOTA_FORM}"] = mismatched
-    finally:
-        launch.QUOTA_FORM = form
+    mismatched = 0
+    for layer in range(L):
+        got = [(torch.empty_like(ids), torch.zeros(P, dtype=torch.int32, device=device)) for _ in range(2)]
+        for (o, c), backend in zip(got, ("torch", "triton"), strict=True):
+            call(layer, "lp", c, backend, o)
+        mismatched += int(not (torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])))
+    row["layers_mismatched"] = mismatched
     counts = torch.zeros(P, dtype=torch.int32, device=device)
     rows = torch.zeros((16, P), dtype=torch.int32, device=device)
     copy_out = torch.empty_like(ids)
@@ -103,18 +92,16 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
     row["static"] = graph_us(lambda i: call(i, "static", counts), L, args.reps)
     row["static rows"] = graph_us(lambda i: call(i, "static", rows), L, args.reps)
     row["exchange"] = graph_us(lambda i: lp.exchange(), L, args.reps)
-    saved = launch.LP_PASSES, launch.QUOTA_FORM, launch.QUOTA.num_warps, launch.QUOTA_COMPACT.num_warps
+    saved = launch.LP_PASSES, launch.QUOTA.num_warps
     try:
         for passes in args.passes:
-            for form in args.quota_forms:
-                for warps in args.quota_warps if form == "rows" else args.compact_warps:
-                    launch.LP_PASSES, launch.QUOTA_FORM = passes, form
-                    (launch.QUOTA if form == "rows" else launch.QUOTA_COMPACT).num_warps = warps
-                    row[f"lp passes={passes} form={form} quota_warps={warps}"] = graph_us(
-                        lambda i: call(i, "lp", counts), L, args.reps
-                    )
+            for warps in args.quota_warps:
+                launch.LP_PASSES, launch.QUOTA.num_warps = passes, warps
+                row[f"lp passes={passes} quota_warps={warps}"] = graph_us(
+                    lambda i: call(i, "lp", counts), L, args.reps
+                )
     finally:
-        launch.LP_PASSES, launch.QUOTA_FORM, launch.QUOTA.num_warps, launch.QUOTA_COMPACT.num_warps = saved
+        launch.LP_PASSES, launch.QUOTA.num_warps = saved
     for mode in ("static", "lp"):
 
         def eager(mode: str = mode) -> None:
@@ -129,11 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 4096, 16384, 65536])
     ap.add_argument("--passes", type=int, nargs="+", default=[2, 4])
-    ap.add_argument("--quota-warps", type=int, nargs="+", default=[8], help="warps of the rows form")
-    ap.add_argument("--quota-forms", nargs="+", default=["compact", "rows"], choices=["compact", "rows"])
-    ap.add_argument(
-        "--compact-warps", type=int, nargs="+", default=[1, 2, 4], help="warps of the compact form"
-    )
+    ap.add_argument("--quota-warps", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

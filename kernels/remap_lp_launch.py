@@ -25,13 +25,12 @@ from eplb.kernels.remap_lp import (
     SUB,
     _lp_count_kernel,
     _lp_map_kernel,
-    _lp_quota_compact_kernel,
     _lp_quota_kernel,
 )
 from eplb.kernels.remap_record import HIST_MASK, MAX_NUMEL, _num_bins, num_compute_units
 from eplb.remap.call import RemapCall
 from eplb.remap.exchange import LpExchange
-from eplb.remap.lp_rule import LP_PASSES, fill_columns
+from eplb.remap.lp_rule import LP_PASSES
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -83,57 +82,24 @@ def remap_record_lp_triton(call: RemapCall) -> None:
         ),
     )
     lp.exchange()
-    if QUOTA_FORM == "compact":
-        assert tables.lp_slot_LXD is not None
-        D = tables.lp_slot_LXD.shape[2]
-        QUOTA_COMPACT.launch(
-            1,
-            (
-                tables.static_LE,
-                tables.lp_index_LE,
-                tables.lp_expert_LX,
-                tables.lp_slot_LXG,
-                tables.lp_slot_LXD,
-                tables.lp_colors_L,
-                tables.lp_color_LX,
-                lp.gathered_GE,
-                starts_XG,
-                _loads(lp, gbins),
-                counts,
-                record,
-            ),
-            (E, P, G, tables.slots_per_gpu, D, 1, tables.rank, call.layer),
-            # X, EBINS, GBINS, NBINS, F, PASSES, COUNT_PHYS, HAS_RECORD
-            (
-                X,
-                ebins,
-                gbins,
-                max(nbins, 32 * QUOTA_COMPACT.num_warps),
-                triton.next_power_of_2(fill_columns(D)),
-                LP_PASSES,
-                call.counts_P is not None,
-                has_record,
-            ),
-        )
-    else:
-        QUOTA.launch(
-            1,
-            (
-                tables.static_LE,
-                tables.lp_index_LE,
-                tables.lp_expert_LX,
-                tables.lp_slot_LXG,
-                tables.lp_colors_L,
-                tables.lp_color_LX,
-                lp.gathered_GE,
-                starts_XG,
-                counts,
-                record,
-            ),
-            (E, P, G, tables.slots_per_gpu, tables.rank, call.layer),
-            # X, EBINS, GBINS, NBINS, PASSES, COUNT_PHYS, HAS_RECORD
-            (X, ebins, gbins, nbins, LP_PASSES, call.counts_P is not None, has_record),
-        )
+    QUOTA.launch(
+        1,
+        (
+            tables.static_LE,
+            tables.lp_index_LE,
+            tables.lp_expert_LX,
+            tables.lp_slot_LXG,
+            tables.lp_colors_L,
+            tables.lp_color_LX,
+            lp.gathered_GE,
+            starts_XG,
+            counts,
+            record,
+        ),
+        (E, P, G, tables.slots_per_gpu, tables.rank, call.layer),
+        # X, EBINS, GBINS, NBINS, PASSES, COUNT_PHYS, HAS_RECORD
+        (X, ebins, gbins, nbins, LP_PASSES, call.counts_P is not None, has_record),
+    )
     MAP.launch(
         programs,
         (
@@ -208,8 +174,6 @@ class _Launcher:
 COUNT = _Launcher(_lp_count_kernel)
 QUOTA = _Launcher(_lp_quota_kernel, num_warps=8)
 """One program; 8 warps measured faster than 2 and 4 (docs/benchmarks.md, "lp on 58 solved layers")."""
-QUOTA_COMPACT = _Launcher(_lp_quota_compact_kernel, num_warps=1)
-QUOTA_FORM = "compact"
 MAP = _Launcher(_lp_map_kernel)
 
 
@@ -224,25 +188,13 @@ def _direct(lp: LpExchange, nbins: int) -> torch.Tensor:
 
 
 def _scratch(lp: LpExchange, ebins: int, nbins: int, gbins: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernels' scratch (per-program histograms [C, E] and quota starts [X, G]), made once.
-
-    The starts have room for the quota kernel's rows (at least 32 per warp, up to 16 warps).
-    """
+    """The kernels' scratch (per-program histograms [C, E] and quota starts [X, G]), made once."""
     hist = lp.scratch.get("hist_CE")
     if hist is None:
         device = lp.local_E.device
         hist = lp.scratch["hist_CE"] = torch.zeros((MAX_PROGRAMS, ebins), dtype=torch.int32, device=device)
-        rows = max(nbins, 32 * 16)
-        lp.scratch["starts_XG"] = torch.zeros((rows, gbins), dtype=torch.int32, device=device)
+        lp.scratch["starts_XG"] = torch.zeros((nbins, gbins), dtype=torch.int32, device=device)
     return hist, lp.scratch["starts_XG"]
-
-
-def _loads(lp: LpExchange, gbins: int) -> torch.Tensor:
-    """The compact quota kernel's GPU loads (int32 [G]), made once."""
-    loads = lp.scratch.get("loads_G")
-    if loads is None:
-        loads = lp.scratch["loads_G"] = torch.zeros(gbins, dtype=torch.int32, device=lp.local_E.device)
-    return loads
 
 
 __all__ = ["COUNT", "MAP", "QUOTA", "lp_launch_shape", "remap_record_lp_triton"]
