@@ -88,7 +88,7 @@ def test_the_cuda_window_equals_the_torch_window_pass_for_pass() -> None:
         cpu, cuda = recs["cpu"], recs["cuda"]
         _, want = cpu.window_passes()
         _, got = cuda.window_passes()
-        np.testing.assert_array_equal(got.cpu().numpy(), want.cpu().numpy())
+        np.testing.assert_array_equal(got, want)
         assert int(cuda.pass_counts_LCP.abs().sum()) == 0
 
 
