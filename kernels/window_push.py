@@ -44,9 +44,13 @@ def _window_push_kernel(  # type: ignore[no-untyped-def]  # Triton types kernel 
     acc = tl.zeros([BLOCK], dtype=tl.int32)
     for c in tl.static_range(C):
         acc += tl.load(src + c * num_physical, mask=mask, other=0)
-        if ZERO:
-            tl.store(src + c * num_physical, tl.zeros([BLOCK], dtype=tl.int32), mask=mask)
     tl.store(out_ptr + offs, acc, mask=mask)
+    if ZERO:
+        # Every load of the program before any zero: the compiler may give a zero store to another
+        # thread than the load of the same entry (seen on the H200 as lost counts without it).
+        tl.debug_barrier()
+        for c in tl.static_range(C):
+            tl.store(src + c * num_physical, tl.zeros([BLOCK], dtype=tl.int32), mask=mask)
 
 
 _CACHE = DirectLaunchCache(direct_launch_supported(_window_push_kernel))
