@@ -49,6 +49,8 @@ def test_from_phy2log_matches_reference(case: tuple[np.ndarray, int, int]) -> No
             assert (pl.log2phy_LER[layer, expert, cnt:] == -1).all()
     for arr in (pl.phy2log_LP, pl.log2phy_LER, pl.logcnt_LE):
         assert arr.dtype == np.int32
+    # from_phy2log checks phy2log and the geometry only (the rest is derived): every invariant holds.
+    assert pl.validate() is pl
 
 
 @given(placements())
