@@ -49,18 +49,20 @@ def request_bytes() -> Iterator[int]:
     return itertools.chain(b"GET /metrics HTTP/1.1\r\nHost: x\r\nX-Slow: ", itertools.repeat(ord("a")))
 
 
-def closed_by_server(sock: socket.socket) -> tuple[bool, bytes]:
-    """Whether the server ended the connection (without blocking), and what it sent before."""
+def closed_by_server(sock: socket.socket) -> tuple[bool, bytes, bool]:
+    """Whether the server ended the connection (without blocking), what it sent before, and
+    whether it ended in a reset: a 503 at accept closes without reading the request, so the
+    kernel may answer the bytes already sent with a reset that discards the 503 before it is read."""
     received = b""
     while select.select([sock], [], [], 0)[0]:
         try:
             chunk = sock.recv(65536)
         except OSError:
-            return True, received
+            return True, received, True
         if not chunk:
-            return True, received
+            return True, received, False
         received += chunk
-    return False, received
+    return False, received, False
 
 
 def trickle_until_closed(sock: socket.socket, every_s: float, give_up_s: float) -> float:
@@ -79,7 +81,7 @@ class Trickler(threading.Thread):
     """A client that holds a connection by trickling a request head, and reconnects when closed.
 
     Records how long each connection lasted that the server closed without answering (the deadline);
-    connections answered 503 at once (no slot free) are counted apart.
+    connections answered 503 at once (no slot free), or reset before any answer, are counted apart.
     """
 
     def __init__(self, port: int, every_s: float, stop: threading.Event) -> None:
@@ -93,9 +95,10 @@ class Trickler(threading.Thread):
             with socket.create_connection(("127.0.0.1", self.port), timeout=CLIENT_TIMEOUT_S) as sock:
                 opened = time.monotonic()
                 for byte in request_bytes():
-                    closed, received = closed_by_server(sock)
+                    closed, received, reset = closed_by_server(sock)
                     if closed:
-                        if received.startswith(b"HTTP/1.1 503"):
+                        if received.startswith(b"HTTP/1.1 503") or (reset and not received):
+                            # Refused at accept (the deadline closes in order, after reading every byte).
                             self.refused += 1
                         else:
                             assert not received, received
