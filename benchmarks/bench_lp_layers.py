@@ -12,8 +12,9 @@ ranks' counts fixed, exchanged by a device copy, so no network is in these figur
    reference's (``layers_mismatched`` must read 0);
 2. one CUDA graph of L = 58 calls, call i on layer i, replayed ``--reps`` times: median µs per
    call, for the copy of the same bytes, static remap+record (one count row and 16), the exchange
-   alone, and ``lp`` with each ``--passes`` (re-fill passes, eplb.remap.lp_rule.LP_PASSES) and
-   each ``--quota-warps`` (warps of the quota kernel's one program);
+   alone, and ``lp`` with each ``--passes`` (re-fill passes, eplb.remap.lp_rule.LP_PASSES), each
+   ``--quota-warps`` (warps of the quota kernel's one program) and each ``--lp-programs``
+   (programs of the count and the map kernel, eplb.kernels.remap_lp_launch.LP_PROGRAMS);
 3. eagerly, one call between events (host launch cost included), static and ``lp`` at the
    defaults.
 
@@ -92,16 +93,19 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
     row["static"] = graph_us(lambda i: call(i, "static", counts), L, args.reps)
     row["static rows"] = graph_us(lambda i: call(i, "static", rows), L, args.reps)
     row["exchange"] = graph_us(lambda i: lp.exchange(), L, args.reps)
-    saved = launch.LP_PASSES, launch.QUOTA.num_warps
+    saved = launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS
     try:
-        for passes in args.passes:
-            for warps in args.quota_warps:
-                launch.LP_PASSES, launch.QUOTA.num_warps = passes, warps
-                row[f"lp passes={passes} quota_warps={warps}"] = graph_us(
-                    lambda i: call(i, "lp", counts), L, args.reps
-                )
+        for programs in args.lp_programs:
+            launch.LP_PROGRAMS = programs
+            suffix = "" if programs == saved[2] else f" programs={programs}"
+            for passes in args.passes:
+                for warps in args.quota_warps:
+                    launch.LP_PASSES, launch.QUOTA.num_warps = passes, warps
+                    row[f"lp passes={passes} quota_warps={warps}{suffix}"] = graph_us(
+                        lambda i: call(i, "lp", counts), L, args.reps
+                    )
     finally:
-        launch.LP_PASSES, launch.QUOTA.num_warps = saved
+        launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS = saved
     for mode in ("static", "lp"):
 
         def eager(mode: str = mode) -> None:
@@ -117,6 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 4096, 16384, 65536])
     ap.add_argument("--passes", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--quota-warps", type=int, nargs="+", default=[4, 8, 16])
+    ap.add_argument(
+        "--lp-programs",
+        type=int,
+        nargs="+",
+        default=[32],
+        help="programs the lp count and map kernels aim at (eplb.kernels.remap_lp_launch.LP_PROGRAMS)",
+    )
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

@@ -6,19 +6,23 @@ GPU, X replicated experts (eplb.remap.lp_rule states the rule), C count rows (on
 Program ``c`` of the count and the map kernel owns one contiguous chunk of the flat ``[T, K]`` ids,
 the same in both, so "earlier programs" means "earlier ids":
 
-1. ``_lp_count_kernel``: each program histograms its valid ids over the E experts, keeps that
-   row (int32 [C, E] scratch) and adds it to the rank's ``local_E`` (zeroed just before). While
-   recording it also adds the histogram to the logical counts and, for experts with one replica,
-   through the static map to the slot counts (their slot is known without the exchange).
+1. ``_lp_count_kernel``: each program histograms its valid ids over the E experts (in
+   shared-memory bins where the kernel compiles to PTX, eplb.kernels.shared_bins), keeps that row
+   (int32 [C, E] scratch) and adds it to the rank's ``local_E`` (zero on entry: the quota kernel
+   of the call before zeroed it). While recording it also adds the histogram to the logical
+   counts and, for experts with one replica, through the static map to the slot counts (their
+   slot is known without the exchange).
 2. The exchange all-gathers ``local_E`` into int32 [G, E] (eplb.remap.lp.LpExchange).
 3. ``_lp_quota_kernel``, one program: the per-replica quotas from the gathered counts (even
    split, then re-fill passes colour by colour, eplb.remap.lp_rule), in row form: every replicated
    expert is a row of an [X, G] tile and water-fills along the GPU axis (sorted levels and prefix
    sums), the rows of one colour at once (they share no GPU). It writes the quotas' running starts
    (int32 [X, G] scratch) and, when recording, the rank's per-replica token counts to the slot
-   counts, so no per-id histogram is needed.
+   counts, so no per-id histogram is needed. It also scans the count rows over the programs
+   (each program's earlier programs' tokens of every replicated expert, int32 [C, X] scratch) and
+   zeroes ``local_E``, which the exchange has read.
 4. ``_lp_map_kernel``: one replica through the static map; a replicated expert by its global
-   position (earlier ranks' tokens of it, earlier programs' from the count rows, then the order
+   position (earlier ranks' tokens of it, earlier programs' from the scan, then the order
    within the chunk). A program's tokens of an expert hold consecutive positions, almost always
    inside one replica's quota, so it maps them through a table of its own; an expert whose range
    straddles a quota boundary takes a running count and a binary search over the starts.
@@ -32,6 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from eplb.kernels import shared_bins
 from eplb.kernels.remap_record import _histogram
 
 SUB = 128
@@ -68,6 +73,8 @@ def _lp_count_kernel(  # type: ignore[no-untyped-def]  # Triton types kernel arg
     HAS_NVALID: tl.constexpr,
     HAS_RECORD: tl.constexpr,
     HIST_MASK: tl.constexpr,
+    SMEM: tl.constexpr,
+    SMEM_DECL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     limit = numel
@@ -75,13 +82,25 @@ def _lp_count_kernel(  # type: ignore[no-untyped-def]  # Triton types kernel arg
         limit = tl.minimum(tl.maximum(tl.load(nvalid_ptr), 0), num_tokens) * K
     start = pid * chunk
     stop = tl.minimum(start + chunk, numel)
+    bins = tl.arange(0, EBINS)
+    if SMEM:
+        # Shared-memory bins (eplb.kernels.shared_bins): one increment per id where
+        # tl.histogram's lowering costs 50-100 instructions per id at 256 bins.
+        shared_bins.declare(SMEM_DECL)
+        shared_bins.zero(bins)
+        tl.debug_barrier()
     acc = tl.zeros([EBINS], dtype=tl.int32)
     for step in range(0, chunk, BLOCK):
         offs = start + step + tl.arange(0, BLOCK)
         ids = tl.load(ids_ptr + offs, mask=offs < stop, other=-1)
         valid = (ids >= 0) & (ids < num_logical) & (offs < limit) & (offs < stop)
-        acc += _histogram(tl.where(valid, ids, 0), valid, EBINS, HIST_MASK)
-    bins = tl.arange(0, EBINS)
+        if SMEM:
+            shared_bins.increment(tl.where(valid, ids, 0), valid)
+        else:
+            acc += _histogram(tl.where(valid, ids, 0), valid, EBINS, HIST_MASK)
+    if SMEM:
+        tl.debug_barrier()  # every warp's increments land before any warp reads the bins
+        acc = shared_bins.read(bins)
     in_e = bins < num_logical
     tl.store(hist_ptr + pid * EBINS + bins, acc)
     nonzero = in_e & (acc > 0)
@@ -100,7 +119,17 @@ def _lp_count_kernel(  # type: ignore[no-untyped-def]  # Triton types kernel arg
             tl.atomic_add(counts_ptr + slot, acc, mask=ok, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["num_logical", "num_physical", "num_gpus", "slots_per_gpu", "rank", "layer"])
+@triton.jit(
+    do_not_specialize=[
+        "num_logical",
+        "num_physical",
+        "num_gpus",
+        "slots_per_gpu",
+        "rank",
+        "layer",
+        "programs",
+    ]
+)
 def _lp_quota_kernel(  # type: ignore[no-untyped-def]
     static_ptr,
     index_ptr,
@@ -109,6 +138,9 @@ def _lp_quota_kernel(  # type: ignore[no-untyped-def]
     colors_ptr,
     color_ptr,
     gathered_ptr,
+    local_ptr,
+    hist_ptr,
+    before_ptr,
     start_ptr,
     counts_ptr,
     record_ptr,
@@ -118,10 +150,12 @@ def _lp_quota_kernel(  # type: ignore[no-untyped-def]
     slots_per_gpu,
     rank,
     layer,
+    programs,
     X: tl.constexpr,
     EBINS: tl.constexpr,
     GBINS: tl.constexpr,
     NBINS: tl.constexpr,
+    CBINS: tl.constexpr,
     PASSES: tl.constexpr,
     COUNT_PHYS: tl.constexpr,
     HAS_RECORD: tl.constexpr,
@@ -131,8 +165,25 @@ def _lp_quota_kernel(  # type: ignore[no-untyped-def]
     e_ = tl.arange(0, EBINS)
     g_ = tl.arange(0, GBINS)
     n_ = tl.arange(0, NBINS)
+    c_ = tl.arange(0, CBINS)
     in_e = e_ < num_logical
     in_g = g_ < num_gpus
+    # The count kernel's programs' tokens of each replicated expert before each program (a scan
+    # over programs, done once here instead of a [C, X] sum in every program of the map kernel).
+    expert_X = tl.load(expert_ptr + layer * X + n_, mask=n_ < X, other=-1)
+    has_X = expert_X >= 0
+    safe_X = tl.where(has_X, expert_X, 0)
+    in_c = c_ < programs
+    rows_CX = tl.load(
+        hist_ptr + c_[:, None] * EBINS + safe_X[None, :], mask=in_c[:, None] & has_X[None, :], other=0
+    )
+    tl.store(
+        before_ptr + c_[:, None] * NBINS + n_[None, :],
+        tl.cumsum(rows_CX, axis=0) - rows_CX,
+        mask=in_c[:, None],
+    )
+    # The exchange has read this rank's counts: zero them for the next call's count kernel.
+    tl.store(local_ptr + e_, tl.zeros([EBINS], dtype=tl.int32), mask=in_e)
     counts_E = tl.sum(
         tl.load(
             gathered_ptr + g_[:, None] * num_logical + e_[None, :],
@@ -146,9 +197,6 @@ def _lp_quota_kernel(  # type: ignore[no-untyped-def]
     gpu_E = tl.load(static_ptr + row_E, mask=in_e, other=0) // slots_per_gpu
     on_gpu_EG = single_E[:, None] & (gpu_E[:, None] == g_[None, :])
     loads_G = tl.sum(tl.where(on_gpu_EG, counts_E[:, None], 0), axis=0)
-    expert_X = tl.load(expert_ptr + layer * X + n_, mask=n_ < X, other=-1)
-    has_X = expert_X >= 0
-    safe_X = tl.where(has_X, expert_X, 0)
     tile_GX = tl.load(
         gathered_ptr + g_[:, None] * num_logical + safe_X[None, :],
         mask=in_g[:, None] & has_X[None, :],
@@ -216,6 +264,7 @@ def _lp_map_kernel(  # type: ignore[no-untyped-def]
     slot_ptr,
     gathered_ptr,
     hist_ptr,
+    before_ptr,
     start_ptr,
     direct_ptr,
     nvalid_ptr,
@@ -233,8 +282,8 @@ def _lp_map_kernel(  # type: ignore[no-untyped-def]
     GBINS: tl.constexpr,
     LOG2_GBINS: tl.constexpr,
     NBINS: tl.constexpr,
-    CBINS: tl.constexpr,
     HAS_NVALID: tl.constexpr,
+    GATHER_MAP: tl.constexpr,
 ):
     # A program's tokens of a replicated expert hold consecutive global positions [p0, p1]. Almost
     # always one replica's quota holds them all (a rank holds about 1/G of an expert's positions,
@@ -244,7 +293,12 @@ def _lp_map_kernel(  # type: ignore[no-untyped-def]
     pid = tl.program_id(0)
     g_ = tl.arange(0, GBINS)
     n_ = tl.arange(0, NBINS)
-    c_ = tl.arange(0, CBINS)
+    if GATHER_MAP:
+        # The layer's rows, loaded first so their latency hides behind the prologue.
+        e_ = tl.arange(0, EBINS)
+        in_e = e_ < num_logical
+        index_E = tl.load(index_ptr + layer * num_logical + e_, mask=in_e, other=-1)
+        static_E = tl.load(static_ptr + layer * num_logical + e_, mask=in_e, other=0)
     expert_X = tl.load(expert_ptr + layer * X + n_, mask=n_ < X, other=-1)
     has_X = expert_X >= 0
     safe_X = tl.where(has_X, expert_X, 0)
@@ -256,14 +310,7 @@ def _lp_map_kernel(  # type: ignore[no-untyped-def]
         ),
         axis=0,
     )
-    before_X = tl.sum(
-        tl.load(
-            hist_ptr + c_[:, None] * EBINS + safe_X[None, :],
-            mask=(c_[:, None] < pid) & has_X[None, :],
-            other=0,
-        ),
-        axis=0,
-    )
+    before_X = tl.load(before_ptr + pid * NBINS + n_)
     here_X = tl.load(hist_ptr + pid * EBINS + safe_X, mask=has_X, other=0)
     first_X = offset_X + before_X
     starts_XG = tl.load(start_ptr + n_[:, None] * GBINS + g_[None, :])
@@ -275,7 +322,12 @@ def _lp_map_kernel(  # type: ignore[no-untyped-def]
     split_X = used_X & (entry0_X != entry1_X)
     direct_X = tl.load(slot_ptr + (layer * X + n_) * num_gpus + tl.maximum(entry0_X, 0), mask=one_X, other=-1)
     row_ptr = direct_ptr + pid * (2 * NBINS)
-    tl.store(row_ptr + n_, direct_X)
+    if GATHER_MAP:
+        # This program's whole map in registers (-1: a split expert, mapped below): an id looks
+        # its replica up with tl.gather, no dependent global load per id.
+        map_E = tl.where(index_E >= 0, tl.gather(direct_X, tl.maximum(index_E, 0), 0), static_E)
+    else:
+        tl.store(row_ptr + n_, direct_X)
     tl.store(row_ptr + NBINS + tl.cumsum(split_X.to(tl.int32), axis=0) - 1, n_, mask=split_X)
     num_split = tl.sum(split_X.to(tl.int32), axis=0)
     tl.debug_barrier()  # the table this program stored is read back below
@@ -289,13 +341,17 @@ def _lp_map_kernel(  # type: ignore[no-untyped-def]
         in_chunk = offs < stop
         ids = tl.load(ids_ptr + offs, mask=in_chunk, other=-1)
         valid = (ids >= 0) & (ids < num_logical) & (offs < limit) & in_chunk
-        row = layer * num_logical + tl.where(valid, ids, 0)
-        n = tl.load(index_ptr + row, mask=valid, other=-1)
-        replicated = valid & (n >= 0)
-        direct = tl.load(row_ptr + n, mask=replicated, other=-1)
-        single = tl.load(static_ptr + row, mask=valid & ~replicated, other=0)
-        phys = tl.where(replicated, direct, single)
-        keep = in_chunk & ~(replicated & (direct < 0))  # a split expert's ids are mapped below
+        if GATHER_MAP:
+            phys = tl.gather(map_E, tl.where(valid, ids, 0), 0)
+            keep = in_chunk & ~(valid & (phys < 0))  # a split expert's ids are mapped below
+        else:
+            row = layer * num_logical + tl.where(valid, ids, 0)
+            n = tl.load(index_ptr + row, mask=valid, other=-1)
+            replicated = valid & (n >= 0)
+            direct = tl.load(row_ptr + n, mask=replicated, other=-1)
+            single = tl.load(static_ptr + row, mask=valid & ~replicated, other=0)
+            phys = tl.where(replicated, direct, single)
+            keep = in_chunk & ~(replicated & (direct < 0))  # a split expert's ids are mapped below
         tl.store(out_ptr + offs, tl.where(valid, phys, ids), mask=keep)
     for j in range(num_split):
         x = tl.load(row_ptr + NBINS + j)

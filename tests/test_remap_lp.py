@@ -131,9 +131,25 @@ def test_torch_reference_equals_the_brute_force_on_every_rank(seed: int) -> None
 
 @on_kernel_device
 @pytest.mark.parametrize(
-    ("seed", "style"), [(0, "nasty"), (1, "skewed"), (2, "nasty"), (3, "one_expert"), (4, "skewed")]
+    ("seed", "style", "gather_map"),
+    [
+        (0, "nasty", True),
+        (1, "skewed", True),
+        (2, "nasty", True),
+        (3, "one_expert", True),
+        (4, "skewed", True),
+        (4, "nasty", False),
+    ],
 )
-def test_kernels_equal_the_torch_reference(seed: int, style: str) -> None:
+def test_kernels_equal_the_torch_reference(
+    seed: int, style: str, gather_map: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Both forms of the map kernel: the program's map in registers (tl.gather) and loaded per id."""
+    import eplb.kernels.remap_lp_launch as launch
+
+    if gather_map and not launch.HAS_GATHER:
+        pytest.skip("this Triton has no tl.gather")
+    monkeypatch.setattr(launch, "GATHER_MAP", gather_map)
     rng = np.random.default_rng(200 + seed)
     E, P, G = CASES[seed]
     pl = _placement(rng, E, P, G)
@@ -194,6 +210,46 @@ def test_an_expert_wider_than_the_fill_width_keeps_the_even_split() -> None:
         assert torch.equal(o1, o2) and torch.equal(c1, c2) and torch.equal(l1, l2)
 
 
+@on_kernel_device
+def test_one_exchange_serves_call_after_call_and_survives_a_failed_gather() -> None:
+    """The rank's counts are zero between calls (the kernels count into them and the quota kernel
+    zeroes them), whichever backend ran last and when a gather raised."""
+    rng = np.random.default_rng(11)
+    E, P, G, rank = 30, 40, 8, 5
+    pl = _placement(rng, E, P, G)
+    tables = DispatchTables.from_placement(pl, rank, DEVICE)
+    others = [rng.integers(0, 60, size=E).astype(np.int32) for _ in range(G)]
+    fail = [False]
+
+    def gather(local_E: torch.Tensor, out_GE: torch.Tensor) -> None:
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("the collective failed")
+        for g in range(G):
+            out_GE[g].copy_(local_E if g == rank else torch.from_numpy(others[g]).to(out_GE.device))
+
+    lp = LpExchange(tables, gather=gather)
+    for step, backend in enumerate(
+        ["triton", "triton", "torch", "triton", "fail", "triton", "torch", "triton"]
+    ):
+        ids = random_ids(rng, int(rng.integers(1, 200)), 8, E, "skewed" if step % 2 else "nasty").to(DEVICE)
+        layer = step % 2
+        if backend == "fail":
+            fail[0] = True
+            with pytest.raises(RuntimeError, match="collective failed"):
+                remap_and_record(ids, tables, layer, mode="lp", backend="triton", lp=lp)
+        else:
+            counts = torch.zeros(P, dtype=torch.int32, device=DEVICE)
+            got = remap_and_record(ids, tables, layer, mode="lp", counts_P=counts, backend=backend, lp=lp)
+            fresh = LpExchange(tables, gather=gather)
+            want_counts = torch.zeros(P, dtype=torch.int32, device=DEVICE)
+            want = remap_and_record(
+                ids, tables, layer, mode="lp", counts_P=want_counts, backend="torch", lp=fresh
+            )
+            assert torch.equal(got, want) and torch.equal(counts, want_counts), (step, backend)
+        assert int(lp.local_E.abs().sum()) == 0, (step, backend)
+
+
 def test_ties_are_broken_the_same_way_on_every_run() -> None:
     rng = np.random.default_rng(7)
     pl = _placement(rng, 12, 20, 4)
@@ -221,7 +277,7 @@ def test_lp_needs_a_group_or_a_gather_beyond_one_rank() -> None:
 
 @pytest.mark.gpu
 def test_lp_replays_in_a_cuda_graph_with_new_ids() -> None:
-    """The memset, both kernels and the exchange (here a device copy) capture; a replay follows the ids."""
+    """The three kernels and the exchange (here a device copy) capture; a replay follows the ids."""
     rng = np.random.default_rng(9)
     pl = _placement(rng, 64, 80, 8)
     tables = DispatchTables.from_placement(pl, 2, "cuda")

@@ -37,7 +37,8 @@ class LpExchange:
         E, G, device = tables.num_logical, tables.num_gpus, tables.device
         self.tables = tables
         self.local_E = torch.zeros(E, dtype=torch.int32, device=device)
-        """int32 [E]: this rank's valid tokens per expert in the current call."""
+        """int32 [E]: this rank's valid tokens per expert in the current call; zero between calls
+        (the Triton count kernel adds into it, and the quota kernel zeroes it after the exchange)."""
         self.gathered_GE = torch.zeros((G, E), dtype=torch.int32, device=device)
         """int32 [G, E]: every rank's ``local_E``, by rank."""
         self.scratch: dict[str, torch.Tensor] = {}

@@ -93,7 +93,10 @@ def remap_record_lp_torch(call: RemapCall) -> None:
     local_E = torch.zeros(E, dtype=torch.int64, device=device)
     local_E.scatter_add_(0, safe.reshape(-1), valid.reshape(-1).to(torch.int64))
     lp.local_E.copy_(local_E)
-    lp.exchange()
+    try:
+        lp.exchange()
+    finally:
+        lp.local_E.zero_()  # zero between calls, as the Triton kernels keep it
     gathered_GE = lp.gathered_GE.to(torch.int64)
     quota_XD = lp_quotas_torch(gathered_GE.sum(dim=0), tables, layer)
     X = quota_XD.shape[0]
