@@ -79,13 +79,27 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
         )  # fmt: skip
 
     row: dict[str, Any] = {"T": T}
-    mismatched = 0
-    for layer in range(L):
-        got = [(torch.empty_like(ids), torch.zeros(P, dtype=torch.int32, device=device)) for _ in range(2)]
-        for (o, c), backend in zip(got, ("torch", "triton"), strict=True):
-            call(layer, "lp", c, backend, o)
-        mismatched += int(not (torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])))
-    row["layers_mismatched"] = mismatched
+    saved_form = launch.QUOTA_GPU_FORM
+    if args.quota_forms is None:
+        args.quota_forms = ["gpu" if saved_form else "row"]
+    try:
+        for form in args.quota_forms:
+            launch.QUOTA_GPU_FORM = form == "gpu"
+            mismatched = 0
+            for layer in range(L):
+                got = [
+                    (torch.empty_like(ids), torch.zeros(P, dtype=torch.int32, device=device))
+                    for _ in range(2)
+                ]
+                for (o, c), backend in zip(got, ("torch", "triton"), strict=True):
+                    call(layer, "lp", c, backend, o)
+                same = torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+                mismatched += int(not same)
+            row["layers_mismatched" + ("" if form == args.quota_forms[0] else f" quota_form={form}")] = (
+                mismatched
+            )
+    finally:
+        launch.QUOTA_GPU_FORM = saved_form
     counts = torch.zeros(P, dtype=torch.int32, device=device)
     rows = torch.zeros((16, P), dtype=torch.int32, device=device)
     copy_out = torch.empty_like(ids)
@@ -93,19 +107,22 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
     row["static"] = graph_us(lambda i: call(i, "static", counts), L, args.reps)
     row["static rows"] = graph_us(lambda i: call(i, "static", rows), L, args.reps)
     row["exchange"] = graph_us(lambda i: lp.exchange(), L, args.reps)
-    saved = launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS
+    saved = launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS, launch.QUOTA_GPU_FORM
     try:
-        for programs in args.lp_programs:
-            launch.LP_PROGRAMS = programs
-            suffix = "" if programs == saved[2] else f" programs={programs}"
-            for passes in args.passes:
-                for warps in args.quota_warps:
-                    launch.LP_PASSES, launch.QUOTA.num_warps = passes, warps
-                    row[f"lp passes={passes} quota_warps={warps}{suffix}"] = graph_us(
-                        lambda i: call(i, "lp", counts), L, args.reps
-                    )
+        for form in args.quota_forms:
+            launch.QUOTA_GPU_FORM = form == "gpu"
+            for programs in args.lp_programs:
+                launch.LP_PROGRAMS = programs
+                suffix = "" if programs == saved[2] else f" programs={programs}"
+                suffix += "" if saved[3] == launch.QUOTA_GPU_FORM else f" quota_form={form}"
+                for passes in args.passes:
+                    for warps in args.quota_warps:
+                        launch.LP_PASSES, launch.QUOTA.num_warps = passes, warps
+                        row[f"lp passes={passes} quota_warps={warps}{suffix}"] = graph_us(
+                            lambda i: call(i, "lp", counts), L, args.reps
+                        )
     finally:
-        launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS = saved
+        launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS, launch.QUOTA_GPU_FORM = saved
     for mode in ("static", "lp"):
 
         def eager(mode: str = mode) -> None:
@@ -127,6 +144,14 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[32],
         help="programs the lp count and map kernels aim at (eplb.kernels.remap_lp_launch.LP_PROGRAMS)",
+    )
+    ap.add_argument(
+        "--quota-forms",
+        choices=["row", "gpu"],
+        nargs="+",
+        default=None,
+        help="forms of the quota kernel's re-fills (eplb.kernels.remap_lp_launch.QUOTA_GPU_FORM; "
+        "default: the launcher's)",
     )
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
