@@ -16,7 +16,12 @@ ranks' counts fixed, exchanged by a device copy, so no network is in these figur
    ``--quota-warps`` (warps of the quota kernel's one program) and each ``--lp-programs``
    (programs of the count and the map kernel, eplb.kernels.remap_lp_launch.LP_PROGRAMS);
 3. eagerly, one call between events (host launch cost included), static and ``lp`` at the
-   defaults.
+   defaults;
+4. with ``--parts``, ``lp``'s parts in the same graph of 58 calls, the other launches (and the
+   exchange) left out: the count kernel alone, the map kernel alone, both, the quota kernel
+   alone at 0 and each ``--passes``, and everything but the quota kernel. The parts' outputs
+   are wrong by construction (a kernel reads what a skipped one would have written); only
+   their time is measured.
 
     python -m benchmarks.bench_lp_layers --json out.json          # on a CUDA machine
 """
@@ -62,6 +67,56 @@ def graph_us(fn: Callable[[int], object], layers: int, reps: int) -> float:
     return statistics.median(event_us(graph.replay) / layers for _ in range(reps))
 
 
+class _Skippable:
+    """A launcher of eplb.kernels.remap_lp_launch that launches only while ``on``."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner, self.on = inner, True
+
+    def launch(self, *args: Any, **kwargs: Any) -> None:
+        if self.on:
+            self.inner.launch(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)  # num_warps and the rest, as the launcher reads them
+
+
+PARTS = {
+    "count kernel alone": (True, False, False, False),
+    "map kernel alone": (False, False, False, True),
+    "count + map kernels": (True, False, False, True),
+    "all but the quota kernel": (True, True, False, True),
+}
+"""Part name: (count kernel, exchange, quota kernel, map kernel) launched."""
+
+
+def time_parts(
+    call: Callable[[int], None], lp: Any, layers: int, args: argparse.Namespace
+) -> dict[str, float]:
+    """µs per call of ``lp``'s parts (the benchmark's step 4), at the launcher's quota warps."""
+    import eplb.kernels.remap_lp_launch as launch
+
+    saved = launch.COUNT, launch.QUOTA, launch.MAP, launch.LP_PASSES, lp._gather
+    count, quota, mapping = (_Skippable(k) for k in saved[:3])
+    launch.COUNT, launch.QUOTA, launch.MAP = count, quota, mapping
+    out: dict[str, float] = {}
+    try:
+        variants = [(name, flags, saved[3]) for name, flags in PARTS.items()]
+        variants += [
+            (f"quota kernel alone passes={n}", (False, False, True, False), n) for n in [0, *args.passes]
+        ]
+        for name, (c, x, q, m), passes in variants:
+            count.on, quota.on, mapping.on = c, q, m
+            launch.LP_PASSES = passes
+            lp._gather = saved[4] if x else (lambda local_E, out_GE: None)
+            call(0)  # compile outside the capture
+            out[name] = graph_us(call, layers, args.reps)
+    finally:
+        launch.COUNT, launch.QUOTA, launch.MAP, launch.LP_PASSES, lp._gather = saved
+        lp.local_E.zero_()  # left counting by the parts without the quota kernel, which zeroes it
+    return out
+
+
 def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict[str, Any]:
     import eplb.kernels.remap_lp_launch as launch
 
@@ -79,27 +134,13 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
         )  # fmt: skip
 
     row: dict[str, Any] = {"T": T}
-    saved_form = launch.QUOTA_GPU_FORM
-    if args.quota_forms is None:
-        args.quota_forms = ["gpu" if saved_form else "row"]
-    try:
-        for form in args.quota_forms:
-            launch.QUOTA_GPU_FORM = form == "gpu"
-            mismatched = 0
-            for layer in range(L):
-                got = [
-                    (torch.empty_like(ids), torch.zeros(P, dtype=torch.int32, device=device))
-                    for _ in range(2)
-                ]
-                for (o, c), backend in zip(got, ("torch", "triton"), strict=True):
-                    call(layer, "lp", c, backend, o)
-                same = torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
-                mismatched += int(not same)
-            row["layers_mismatched" + ("" if form == args.quota_forms[0] else f" quota_form={form}")] = (
-                mismatched
-            )
-    finally:
-        launch.QUOTA_GPU_FORM = saved_form
+    mismatched = 0
+    for layer in range(L):
+        got = [(torch.empty_like(ids), torch.zeros(P, dtype=torch.int32, device=device)) for _ in range(2)]
+        for (o, c), backend in zip(got, ("torch", "triton"), strict=True):
+            call(layer, "lp", c, backend, o)
+        mismatched += int(not (torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])))
+    row["layers_mismatched"] = mismatched
     counts = torch.zeros(P, dtype=torch.int32, device=device)
     rows = torch.zeros((16, P), dtype=torch.int32, device=device)
     copy_out = torch.empty_like(ids)
@@ -107,22 +148,21 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
     row["static"] = graph_us(lambda i: call(i, "static", counts), L, args.reps)
     row["static rows"] = graph_us(lambda i: call(i, "static", rows), L, args.reps)
     row["exchange"] = graph_us(lambda i: lp.exchange(), L, args.reps)
-    saved = launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS, launch.QUOTA_GPU_FORM
+    saved = launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS
     try:
-        for form in args.quota_forms:
-            launch.QUOTA_GPU_FORM = form == "gpu"
-            for programs in args.lp_programs:
-                launch.LP_PROGRAMS = programs
-                suffix = "" if programs == saved[2] else f" programs={programs}"
-                suffix += "" if saved[3] == launch.QUOTA_GPU_FORM else f" quota_form={form}"
-                for passes in args.passes:
-                    for warps in args.quota_warps:
-                        launch.LP_PASSES, launch.QUOTA.num_warps = passes, warps
-                        row[f"lp passes={passes} quota_warps={warps}{suffix}"] = graph_us(
-                            lambda i: call(i, "lp", counts), L, args.reps
-                        )
+        for programs in args.lp_programs:
+            launch.LP_PROGRAMS = programs
+            suffix = "" if programs == saved[2] else f" programs={programs}"
+            for passes in args.passes:
+                for warps in args.quota_warps:
+                    launch.LP_PASSES, launch.QUOTA.num_warps = passes, warps
+                    row[f"lp passes={passes} quota_warps={warps}{suffix}"] = graph_us(
+                        lambda i: call(i, "lp", counts), L, args.reps
+                    )
     finally:
-        launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS, launch.QUOTA_GPU_FORM = saved
+        launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS = saved
+    if args.parts:
+        row.update(time_parts(lambda i: call(i, "lp", counts), lp, L, args))
     for mode in ("static", "lp"):
 
         def eager(mode: str = mode) -> None:
@@ -145,14 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         default=[32],
         help="programs the lp count and map kernels aim at (eplb.kernels.remap_lp_launch.LP_PROGRAMS)",
     )
-    ap.add_argument(
-        "--quota-forms",
-        choices=["row", "gpu"],
-        nargs="+",
-        default=None,
-        help="forms of the quota kernel's re-fills (eplb.kernels.remap_lp_launch.QUOTA_GPU_FORM; "
-        "default: the launcher's)",
-    )
+    ap.add_argument("--parts", action="store_true", help="also time lp's parts (the docstring's step 4)")
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(

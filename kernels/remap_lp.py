@@ -159,7 +159,6 @@ def _lp_quota_kernel(  # type: ignore[no-untyped-def]
     PASSES: tl.constexpr,
     COUNT_PHYS: tl.constexpr,
     HAS_RECORD: tl.constexpr,
-    GPU_FORM: tl.constexpr,
 ):
     # One program per layer: the re-fills are a chain of dependent rounds, so they run once, not
     # once per program of the map kernel.
@@ -215,63 +214,31 @@ def _lp_quota_kernel(  # type: ignore[no-untyped-def]
     nth_XG = tl.cumsum(held_XG.to(tl.int32), axis=1) - 1
     quota_XG = tl.where(held_XG, even_X[:, None] + (nth_XG < (amount_X - even_X * width_X)[:, None]), 0)
     loads_G += tl.sum(quota_XG, axis=0)
+    # Re-fill passes in row form: every replicated expert is a row of the [X, G] tile and
+    # water-fills along the GPU axis (its levels sorted, their prefix sums), so each reduction runs
+    # along one axis and no vector changes layout inside the chain; the rows of colour c are
+    # active in its round (they share no GPU). Measured faster than a compact [X, F] form.
     num_colors = tl.load(colors_ptr + layer)
     color_X = tl.load(color_ptr + layer * X + n_, mask=n_ < X, other=-1)
-    if GPU_FORM:
-        # Re-fill passes in GPU form: a colour's rows share no GPU, so in its round every GPU has
-        # at most one active row, and the round is a handful of vectors over the GPUs: each GPU's
-        # old quota and its row's amount (sums over the rows), then the water-filling in pairwise
-        # form over the GPUs of the same row ([G, G] masks, no sort and no scan), and the loads
-        # change GPU by GPU, no scatter.
-        for _ in tl.static_range(PASSES):
-            for c in range(num_colors):
-                active_XG = held_XG & (color_X == c)[:, None]
-                row_G = tl.max(tl.where(active_XG, n_[:, None], -1), axis=0)
-                amount_G = tl.sum(tl.where(active_XG, amount_X[:, None], 0), axis=0)
-                old_G = tl.sum(tl.where(active_XG, quota_XG, 0), axis=0)
-                owned_G = row_G >= 0
-                lev_G = loads_G - old_G
-                # same_JI: GPUs j and i hold the same active row.
-                same_JI = owned_G[:, None] & (row_G[:, None] == row_G[None, :])
-                below_JI = same_JI & (lev_G[None, :] <= lev_G[:, None])
-                n_G = tl.sum(below_JI.to(tl.int32), axis=1)
-                s_G = tl.sum(tl.where(below_JI, lev_G[None, :], 0), axis=1)
-                cand_G = (amount_G + s_G) // tl.maximum(n_G, 1)
-                feasible_G = owned_G & (cand_G >= lev_G)
-                level_G = tl.min(tl.where(same_JI & feasible_G[None, :], cand_G[None, :], 2147483647), axis=1)
-                fill_G = tl.where(owned_G, tl.maximum(level_G - lev_G, 0), 0)
-                rest_G = amount_G - tl.sum(tl.where(same_JI, fill_G[None, :], 0), axis=1)
-                eligible_G = owned_G & (lev_G <= level_G)
-                # The remainder, one token each to the row's first eligible GPUs by ascending id.
-                nth_G = tl.sum(
-                    (same_JI & eligible_G[None, :] & (g_[None, :] <= g_[:, None])).to(tl.int32), axis=1
-                )
-                new_G = fill_G + (eligible_G & (nth_G <= rest_G)).to(tl.int32)
-                quota_XG = tl.where(active_XG, new_G[None, :], quota_XG)
-                loads_G += tl.where(owned_G, new_G - old_G, 0)
-    else:
-        # Re-fill passes in row form: every replicated expert is a row of the [X, G] tile and
-        # water-fills along the GPU axis (its levels sorted, their prefix sums), so each
-        # reduction runs along one axis; the rows of colour c are active in its round.
-        k_G = g_ + 1
-        usable_XG = k_G[None, :] <= width_X[:, None]
-        for _ in tl.static_range(PASSES):
-            for c in range(num_colors):
-                active_X = color_X == c
-                lev_XG = tl.where(held_XG, loads_G[None, :] - quota_XG, 2147483647)
-                sorted_XG = tl.sort(lev_XG, dim=1)
-                prefix_XG = tl.cumsum(tl.where(usable_XG, sorted_XG, 0), axis=1)
-                cand_XG = (amount_X[:, None] + prefix_XG) // k_G[None, :]
-                feasible_XG = usable_XG & (cand_XG >= sorted_XG)
-                level_X = tl.min(tl.where(feasible_XG, cand_XG, 2147483647), axis=1)
-                new_XG = tl.where(held_XG, tl.maximum(level_X[:, None] - lev_XG, 0), 0)
-                rest_X = amount_X - tl.sum(new_XG, axis=1)
-                eligible_XG = held_XG & (lev_XG <= level_X[:, None])
-                first_XG = tl.cumsum(eligible_XG.to(tl.int32), axis=1) <= rest_X[:, None]
-                new_XG += (eligible_XG & first_XG).to(tl.int32)
-                new_XG = tl.where(active_X[:, None], new_XG, quota_XG)
-                loads_G += tl.sum(new_XG - quota_XG, axis=0)
-                quota_XG = new_XG
+    k_G = g_ + 1
+    usable_XG = k_G[None, :] <= width_X[:, None]
+    for _ in tl.static_range(PASSES):
+        for c in range(num_colors):
+            active_X = color_X == c
+            lev_XG = tl.where(held_XG, loads_G[None, :] - quota_XG, 2147483647)
+            sorted_XG = tl.sort(lev_XG, dim=1)
+            prefix_XG = tl.cumsum(tl.where(usable_XG, sorted_XG, 0), axis=1)
+            cand_XG = (amount_X[:, None] + prefix_XG) // k_G[None, :]
+            feasible_XG = usable_XG & (cand_XG >= sorted_XG)
+            level_X = tl.min(tl.where(feasible_XG, cand_XG, 2147483647), axis=1)
+            new_XG = tl.where(held_XG, tl.maximum(level_X[:, None] - lev_XG, 0), 0)
+            rest_X = amount_X - tl.sum(new_XG, axis=1)
+            eligible_XG = held_XG & (lev_XG <= level_X[:, None])
+            first_XG = tl.cumsum(eligible_XG.to(tl.int32), axis=1) <= rest_X[:, None]
+            new_XG += (eligible_XG & first_XG).to(tl.int32)
+            new_XG = tl.where(active_X[:, None], new_XG, quota_XG)
+            loads_G += tl.sum(new_XG - quota_XG, axis=0)
+            quota_XG = new_XG
     starts_XG = tl.cumsum(quota_XG, axis=1) - quota_XG
     tl.store(start_ptr + n_[:, None] * GBINS + g_[None, :], tl.where(in_g[None, :], starts_XG, 2147483647))
     if COUNT_PHYS:

@@ -39,10 +39,6 @@ SHARED_BINS = shared_bins.shared_bins_supported(_lp_count_kernel)
 GATHER_MAP = HAS_GATHER
 """Whether the map kernel keeps its program's map in registers (``tl.gather``, Triton >= 3.2)
 instead of two dependent global loads per id; the tests run both forms."""
-QUOTA_GPU_FORM = False
-"""Whether the quota kernel re-fills in GPU form (a colour's round as vectors over the GPUs,
-pairwise water-filling, no sort) instead of row form (sorted levels along each expert's row of an
-[X, G] tile); the tests run both forms."""
 
 
 def _pow2(n: int, floor: int = 16) -> int:
@@ -136,18 +132,8 @@ def remap_record_lp_triton(call: RemapCall) -> None:
             record,
         ),
         (E, P, G, tables.slots_per_gpu, tables.rank, call.layer, programs),
-        # X, EBINS, GBINS, NBINS, CBINS, PASSES, COUNT_PHYS, HAS_RECORD, GPU_FORM
-        (
-            X,
-            ebins,
-            gbins,
-            nbins,
-            _pow2(programs),
-            LP_PASSES,
-            call.counts_P is not None,
-            has_record,
-            QUOTA_GPU_FORM,
-        ),
+        # X, EBINS, GBINS, NBINS, CBINS, PASSES, COUNT_PHYS, HAS_RECORD
+        (X, ebins, gbins, nbins, _pow2(programs), LP_PASSES, call.counts_P is not None, has_record),
     )
     MAP.launch(
         programs,

@@ -131,28 +131,25 @@ def test_torch_reference_equals_the_brute_force_on_every_rank(seed: int) -> None
 
 @on_kernel_device
 @pytest.mark.parametrize(
-    ("seed", "style", "gather_map", "gpu_form"),
+    ("seed", "style", "gather_map"),
     [
-        (0, "nasty", True, True),
-        (1, "skewed", True, True),
-        (2, "nasty", True, False),
-        (2, "nasty", True, True),
-        (3, "one_expert", True, True),
-        (4, "skewed", True, False),
-        (4, "nasty", False, True),
+        (0, "nasty", True),
+        (1, "skewed", True),
+        (2, "nasty", True),
+        (3, "one_expert", True),
+        (4, "skewed", True),
+        (4, "nasty", False),
     ],
 )
 def test_kernels_equal_the_torch_reference(
-    seed: int, style: str, gather_map: bool, gpu_form: bool, monkeypatch: pytest.MonkeyPatch
+    seed: int, style: str, gather_map: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Both forms of the map kernel (the program's map in registers through tl.gather, and loaded
-    per id) and of the quota kernel's re-fills (GPU form and row form)."""
+    """Both forms of the map kernel: the program's map in registers (tl.gather) and loaded per id."""
     import eplb.kernels.remap_lp_launch as launch
 
     if gather_map and not launch.HAS_GATHER:
         pytest.skip("this Triton has no tl.gather")
     monkeypatch.setattr(launch, "GATHER_MAP", gather_map)
-    monkeypatch.setattr(launch, "QUOTA_GPU_FORM", gpu_form)
     rng = np.random.default_rng(200 + seed)
     E, P, G = CASES[seed]
     pl = _placement(rng, E, P, G)
