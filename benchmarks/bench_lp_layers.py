@@ -14,7 +14,8 @@ ranks' counts fixed, exchanged by a device copy, so no network is in these figur
    call, for the copy of the same bytes, static remap+record (one count row and 16), the exchange
    alone, and ``lp`` with each ``--passes`` (re-fill passes, eplb.remap.lp_rule.LP_PASSES), each
    ``--quota-warps`` (warps of the quota kernel's one program) and each ``--lp-programs``
-   (programs of the count and the map kernel, eplb.kernels.remap_lp_launch.LP_PROGRAMS);
+   (programs of the count and the map kernel, eplb.kernels.remap_lp_launch.LP_PROGRAMS) and
+   each ``--lp-max-chunk`` (ids per program at most, LP_MAX_CHUNK);
 3. eagerly, one call between events (host launch cost included), static and ``lp`` at the
    defaults;
 4. with ``--parts``, ``lp``'s parts in the same graph of 58 calls, the other launches (and the
@@ -133,14 +134,19 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
             out_TK=out_TK, counts_P=counts, num_valid_tokens=nvalid, record=record,
         )  # fmt: skip
 
-    row: dict[str, Any] = {"T": T}
-    mismatched = 0
-    for layer in range(L):
-        got = [(torch.empty_like(ids), torch.zeros(P, dtype=torch.int32, device=device)) for _ in range(2)]
-        for (o, c), backend in zip(got, ("torch", "triton"), strict=True):
-            call(layer, "lp", c, backend, o)
-        mismatched += int(not (torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])))
-    row["layers_mismatched"] = mismatched
+    def mismatched() -> int:
+        """Layers whose Triton ids or slot counts differ from the torch reference's."""
+        bad = 0
+        for layer in range(L):
+            got = [
+                (torch.empty_like(ids), torch.zeros(P, dtype=torch.int32, device=device)) for _ in range(2)
+            ]
+            for (o, c), backend in zip(got, ("torch", "triton"), strict=True):
+                call(layer, "lp", c, backend, o)
+            bad += int(not (torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])))
+        return bad
+
+    row: dict[str, Any] = {"T": T, "layers_mismatched": mismatched()}
     counts = torch.zeros(P, dtype=torch.int32, device=device)
     rows = torch.zeros((16, P), dtype=torch.int32, device=device)
     copy_out = torch.empty_like(ids)
@@ -148,21 +154,33 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
     row["static"] = graph_us(lambda i: call(i, "static", counts), L, args.reps)
     row["static rows"] = graph_us(lambda i: call(i, "static", rows), L, args.reps)
     row["exchange"] = graph_us(lambda i: lp.exchange(), L, args.reps)
-    saved = launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS
+    saved = launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS, launch.LP_MAX_CHUNK
     try:
         for programs in args.lp_programs:
-            launch.LP_PROGRAMS = programs
-            suffix = "" if programs == saved[2] else f" programs={programs}"
-            for passes in args.passes:
-                for warps in args.quota_warps:
-                    launch.LP_PASSES, launch.QUOTA.num_warps = passes, warps
-                    row[f"lp passes={passes} quota_warps={warps}{suffix}"] = graph_us(
-                        lambda i: call(i, "lp", counts), L, args.reps
-                    )
+            for max_chunk in args.lp_max_chunk or [saved[3]]:
+                launch.LP_PROGRAMS, launch.LP_MAX_CHUNK = programs, max_chunk
+                suffix = "" if programs == saved[2] else f" programs={programs}"
+                suffix += "" if max_chunk == saved[3] else f" max_chunk={max_chunk}"
+                if max_chunk != saved[3]:
+                    row[f"layers_mismatched{suffix}"] = mismatched()
+                for passes in args.passes:
+                    for warps in args.quota_warps:
+                        launch.LP_PASSES, launch.QUOTA.num_warps = passes, warps
+                        row[f"lp passes={passes} quota_warps={warps}{suffix}"] = graph_us(
+                            lambda i: call(i, "lp", counts), L, args.reps
+                        )
     finally:
-        launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS = saved
+        launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS, launch.LP_MAX_CHUNK = saved
     if args.parts:
-        row.update(time_parts(lambda i: call(i, "lp", counts), lp, L, args))
+        default_chunk = launch.LP_MAX_CHUNK
+        try:
+            for max_chunk in args.lp_max_chunk or [default_chunk]:
+                launch.LP_MAX_CHUNK = max_chunk
+                suffix = "" if max_chunk == default_chunk else f" max_chunk={max_chunk}"
+                parts = time_parts(lambda i: call(i, "lp", counts), lp, L, args)
+                row.update({name + suffix: us for name, us in parts.items()})
+        finally:
+            launch.LP_MAX_CHUNK = default_chunk
     for mode in ("static", "lp"):
 
         def eager(mode: str = mode) -> None:
@@ -184,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         nargs="+",
         default=[32],
         help="programs the lp count and map kernels aim at (eplb.kernels.remap_lp_launch.LP_PROGRAMS)",
+    )
+    ap.add_argument(
+        "--lp-max-chunk",
+        type=int,
+        nargs="+",
+        default=None,
+        help="ids per program at most (eplb.kernels.remap_lp_launch.LP_MAX_CHUNK; default: the launcher's)",
     )
     ap.add_argument("--parts", action="store_true", help="also time lp's parts (the docstring's step 4)")
     ap.add_argument("--reps", type=int, default=50)
