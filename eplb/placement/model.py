@@ -191,7 +191,7 @@ class Placement:
         cnt = _bincount_rows(p2l, E)
         R = max(P - E + 1, int(cnt.max(initial=1))) if max_replicas is None else max_replicas
         # Stable sort by expert keeps each expert's slots ascending; rank = position within the expert.
-        order_LP = np.argsort(p2l, axis=1, kind="stable").astype(INT32)
+        order_LP = expert_order_LP(p2l, E).astype(INT32)
         sorted_experts = np.take_along_axis(p2l, order_LP, axis=1)
         first_slot_LE = np.cumsum(cnt, axis=1) - cnt
         rank_LP = np.arange(P)[None, :] - np.take_along_axis(first_slot_LE, sorted_experts, axis=1)
@@ -320,6 +320,19 @@ class DevicePlacement:
     phy2log_LP: torch.Tensor
     log2phy_LER: torch.Tensor
     logcnt_LE: torch.Tensor
+
+
+def expert_order_LP(phy2log_LP: np.ndarray, num_logical: int) -> np.ndarray:
+    """int [L, P]: each row's slots ordered by the expert they hold, one expert's slots ascending
+    (a stable argsort by expert id).
+
+    Every stable sort by the same keys gives this one order, so ids below 2**16 are sorted as
+    uint16, which numpy sorts stably by radix: about 7x faster than on int32 or int64 at
+    DeepSeek-V3's shape, where a continuous solve builds several placements.
+    """
+    if num_logical <= 1 << 16:
+        phy2log_LP = phy2log_LP.astype(np.uint16)
+    return np.argsort(phy2log_LP, axis=1, kind="stable")
 
 
 def _bincount_rows(ids_LP: np.ndarray, num_bins: int) -> np.ndarray:

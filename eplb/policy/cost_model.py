@@ -186,11 +186,25 @@ class PassTimes:
 
     @classmethod
     def of(cls, load_WLE: np.ndarray, num_gpus: int, num_physical: int, cost: CostModel) -> PassTimes:
-        E = load_WLE.shape[2]
-        tokens_WL = load_WLE.sum(axis=-1) / num_gpus
+        # (loads are never negative: nonzero is loaded)
+        layer_load_WL, loaded_WL = load_WLE.sum(axis=-1), np.count_nonzero(load_WLE, axis=-1)
+        return cls.of_reductions(layer_load_WL, loaded_WL, load_WLE.shape[2], num_gpus, num_physical, cost)
+
+    @classmethod
+    def of_reductions(
+        cls,
+        layer_load_WL: np.ndarray,
+        loaded_WL: np.ndarray,
+        num_logical: int,
+        num_gpus: int,
+        num_physical: int,
+        cost: CostModel,
+    ) -> PassTimes:
+        """:meth:`of` from the window's per-pass layer loads and loaded expert counts [W, L], for a
+        caller that has them already (``solve`` shares one pass over the window between steps)."""
+        tokens_WL = layer_load_WL / num_gpus
         # Every loaded expert's replicas receive tokens; replicas spread over the GPUs.
-        # (loads are never negative: nonzero is loaded, and counting needs no boolean copy)
-        active_WL = np.count_nonzero(load_WLE, axis=-1) * (num_physical / E) / num_gpus
+        active_WL = loaded_WL * (num_physical / num_logical) / num_gpus
         return cls(tokens_WL, active_WL, cost)
 
     def token_seconds(self, balancedness: float) -> float:

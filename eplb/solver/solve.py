@@ -37,7 +37,7 @@ from eplb.solver.scoring.served import layer_scores, scored_balancedness, scored
 from eplb.solver.search.budget import budget_of, fit_layers
 from eplb.solver.search.split import lp_split
 from eplb.solver.search.spread import failure_aware_phy2log
-from eplb.solver.types import Plan, SolveOptions, Topology, as_load_array, check_shapes
+from eplb.solver.types import Plan, SolveOptions, Topology, check_shapes, load_window
 
 NOISE_HORIZON_FLOOR = 50
 """Passes below which the noise price stops growing (continuous mode's default interval)."""
@@ -68,7 +68,8 @@ def solve(
     """
     options = options or SolveOptions()
     start = time.perf_counter()
-    load_WLE = as_load_array(load)
+    window = load_window(load)
+    load_WLE = window.load_WLE
     W, L, E = load_WLE.shape
     G = topology.num_gpus
     check_shapes(L, E, topology, current)
@@ -99,8 +100,10 @@ def solve(
     horizon = pricing.horizon_passes or W
     stats: dict[str, float] = {"horizon_passes": float(horizon)}
     prediction = predict(load_WLE, options, method)
-    passes = PassScores(load_WLE, dispatch, G)
-    times = PassTimes.of(load_WLE, G, topology.num_physical, pricing.cost)
+    passes = PassScores(window, dispatch, G)
+    times = PassTimes.of_reductions(
+        window.layer_load_WL, window.loaded_WL, E, G, topology.num_physical, pricing.cost
+    )
     base = None if current is None else scored_placement(current, None, dispatch)
     base_LW = None if base is None else passes.layer_pass(base, np.arange(L), 0, W)
     shift_at = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -308,6 +309,12 @@ def as_load_array(load: Any) -> np.ndarray:
 
     Raises ValueError for a wrong shape, an empty axis, or NaN, infinite or negative loads.
     """
+    return load_window(load).load_WLE
+
+
+def load_window(load: Any) -> LoadWindow:
+    """:func:`as_load_array`'s checked window, with the integer counts it came from where they
+    give its reductions exactly (:class:`LoadWindow`)."""
     if hasattr(load, "detach"):  # torch tensor, without importing torch
         load = load.detach().cpu().numpy()
     arr = np.asarray(load)
@@ -333,12 +340,54 @@ def as_load_array(load: Any) -> np.ndarray:
     if high > _LARGEST_EXACT:
         # Plans depend on load ratios only; huge counts (up to float64's max) would overflow the
         # sums and the float32 the DeepSeek path uses, so they are scaled down first.
-        out = out * (_LARGEST_EXACT / float(high))
-    return out
+        return LoadWindow(out * (_LARGEST_EXACT / float(high)))
+    exact = np.issubdtype(arr.dtype, np.integer) and float(high) * arr.size <= _EXACT_SUM
+    return LoadWindow(out, arr if exact else None)
+
+
+@dataclass(frozen=True)
+class LoadWindow:
+    """A checked window and the reductions of it that several steps of one solve read (the
+    prediction, the pass scores, the pass-time model), each computed once: at DeepSeek-V3's shape
+    a window of 200 passes is 3 million values, and each pass over it costs milliseconds."""
+
+    load_WLE: np.ndarray
+    """float64 [W, L, E]: the checked load (:func:`as_load_array`)."""
+    counts_WLE: np.ndarray | None = None
+    """The integer [W, L, E] array ``load_WLE`` holds exactly, when no sum of it reaches 2**53
+    (None: none such). Its reductions are read from it: the same numbers (float64 sums of integers
+    below 2**53 are exact in any order, and integers convert to float32 with the one rounding the
+    float64 values get), from half the bytes or fewer."""
+
+    @cached_property
+    def layer_load_WL(self) -> np.ndarray:
+        """float64 [W, L]: each layer's load per pass."""
+        if self.counts_WLE is not None:
+            return self.counts_WLE.sum(axis=-1, dtype=np.int64).astype(np.float64)
+        return self.load_WLE.sum(axis=-1)
+
+    @cached_property
+    def total_W(self) -> np.ndarray:
+        """float64 [W]: each pass's load."""
+        if self.counts_WLE is not None:
+            return self.layer_load_WL.sum(axis=1)  # exact: from the exact layer sums
+        return self.load_WLE.sum(axis=(1, 2))
+
+    @cached_property
+    def loaded_WL(self) -> np.ndarray:
+        """int [W, L]: experts with load per pass and layer (loads are never negative)."""
+        return np.count_nonzero(self.load_WLE if self.counts_WLE is None else self.counts_WLE, axis=-1)
+
+    @cached_property
+    def load32_WLE(self) -> np.ndarray:
+        """float32 [W, L, E]: the load in float32."""
+        return (self.load_WLE if self.counts_WLE is None else self.counts_WLE).astype(np.float32)
 
 
 _LARGEST_EXACT = float(2**40)
 """Loads above this are scaled to it before planning (ratios kept, sums stay finite)."""
+_EXACT_SUM = float(2**53)
+"""Integers up to this are exact in float64, and so is every partial sum of loads below it."""
 
 
 def check_shapes(num_layers: int, num_logical: int, topology: Topology, current: Placement | None) -> None:

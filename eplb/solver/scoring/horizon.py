@@ -31,6 +31,7 @@ import numpy as np
 
 from eplb.solver.scoring.dispatch import Dispatch
 from eplb.solver.scoring.served import Scored
+from eplb.solver.types import LoadWindow
 
 DECLINE_POWER = 0.3
 """The shape of a fitted placement's decline with lag. Fitted on the first half of the horizon
@@ -48,11 +49,14 @@ MIN_CALIBRATION = 4
 class PassScores:
     """A window's passes, ready to score placements pass by pass as the server dispatches."""
 
-    def __init__(self, load_WLE: np.ndarray, dispatch: Dispatch, num_gpus: int) -> None:
+    def __init__(self, load: np.ndarray | LoadWindow, dispatch: Dispatch, num_gpus: int) -> None:
+        """``load``: the checked window, float64 [W, L, E], or a solve's :class:`LoadWindow` of it
+        (whose float32 copy and pass totals the solve's other steps share)."""
+        window = load if isinstance(load, LoadWindow) else LoadWindow(load)
         # float32 in the window's own layout: a transposed view is a strided matrix per layer that
         # the products read as they are (no copy), the same numbers as a contiguous [L, W, E].
-        self.load_WLE = load_WLE.astype(np.float32)
-        total_W = load_WLE.sum(axis=(1, 2))
+        self.load_WLE = window.load32_WLE
+        total_W = window.total_W
         self.weight_W = (
             total_W / total_W.sum() if total_W.sum() > 0 else np.full(total_W.size, 1 / total_W.size)
         )

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from eplb.placement.model import expert_order_LP
+
 
 def static_share_LP(
     phy2log_LP: np.ndarray,
@@ -64,7 +66,7 @@ def _static_share(
     if row_X.size == 0:
         return share_lP
     # Each pair's slots in ascending order (log2phy's order, which the maps follow).
-    order_lP = np.argsort(p2l_lP, axis=1, kind="stable")
+    order_lP = expert_order_LP(p2l_lP, E)
     first_lE = np.cumsum(cnt_lE, axis=1) - cnt_lE
     cnt_X = cnt_lE[row_X, expert_X]
     R = int(cnt_X.max())

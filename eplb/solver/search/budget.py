@@ -125,6 +125,7 @@ def budgeted_phy2log(
         weighted_LGE,
         plain_LGE if separate_plain else None,
         dispatch,
+        at_origin=start_LP is None,
     )
     L = current.num_layers
     active_L = (scenarios_ZLE.sum(axis=-1) > 0).all(axis=0) & (current.num_gpus > 1)

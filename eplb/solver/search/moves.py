@@ -19,6 +19,7 @@ loads as they are); the state after the move is exact, so the next proposals sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -50,6 +51,14 @@ class CopyPrices:
     @classmethod
     def of(cls, base_LGE: np.ndarray, holds_LGE: np.ndarray) -> CopyPrices:
         return cls(base_LGE, np.where(holds_LGE == 0, base_LGE, 0.0), np.where(holds_LGE == 1, base_LGE, 0.0))
+
+    @classmethod
+    def at_origin(cls, base_LGE: np.ndarray) -> CopyPrices:
+        """:meth:`of` for the holds of the placement the costs count from, where ``base_LGE`` is 0
+        wherever a replica is held: arriving costs the base itself and nothing refunds (the same
+        arrays without the two passes over [L, G, E], about 2 ms at DeepSeek-V3's shape; np.zeros
+        rather than zeros_like: its pages are only touched where a refund appears)."""
+        return cls(base_LGE, base_LGE.copy(), np.zeros(base_LGE.shape, dtype=base_LGE.dtype))
 
     def update(self, holds_LGE: np.ndarray, layer: int, gpus: list[int], experts: list[int]) -> None:
         for g, e in zip(gpus, experts, strict=True):
@@ -96,10 +105,14 @@ def make_move_state(
     weighted_LGE: np.ndarray,
     plain_LGE: np.ndarray | None,
     dispatch: Dispatch | None = None,
+    *,
+    at_origin: bool = False,
 ) -> MoveState:
     """The search state of placement ``phy2log_LP`` with arrival costs from the plan's start.
 
     ``dispatch``: how the server splits an expert's tokens (None: evenly over its replicas).
+    ``at_origin``: ``phy2log_LP`` is the placement the costs count from (the costs are 0 wherever
+    it holds a replica, as eplb.solver.search.copies.arrival_costs gives them).
     """
     G = num_gpus
     p2l = phy2log_LP.astype(np.int64)
@@ -112,7 +125,11 @@ def make_move_state(
     item_ZLP = norm_ZLE[:, layer, p2l] * dispatch.share_LP(p2l, cnt, G)
     gpu_ZLG = item_ZLP.reshape(-1, L, G, P // G).sum(axis=-1)
     holds = holds_per_gpu(p2l, G, cnt.shape[1])
-    plain = None if plain_LGE is None else CopyPrices.of(plain_LGE, holds)
+
+    def prices(base_LGE: np.ndarray) -> CopyPrices:
+        return CopyPrices.at_origin(base_LGE) if at_origin else CopyPrices.of(base_LGE, holds)
+
+    plain = None if plain_LGE is None else prices(plain_LGE)
     return MoveState(
         p2l,
         cnt,
@@ -120,7 +137,7 @@ def make_move_state(
         item_ZLP,
         gpu_ZLG,
         holds,
-        CopyPrices.of(weighted_LGE, holds),
+        prices(weighted_LGE),
         plain,
         G,
         dispatch,
@@ -158,6 +175,11 @@ def _inv_root32(u: np.ndarray) -> np.ndarray:
     for _ in range(5):
         np.sqrt(u, out=u)
     return np.reciprocal(u, out=u)
+
+
+def _soft_gain(U_Zlxy: np.ndarray, base_Zl: np.ndarray) -> np.ndarray:
+    """Soft balancedness gained per candidate, ``U ** (-1/32) - base``, in place in ``U``."""
+    return np.subtract(_inv_root32(U_Zlxy), base_Zl[..., None, None], out=U_Zlxy)
 
 
 def propose(
@@ -227,47 +249,49 @@ class _Context:
         weighted_lc: np.ndarray,
         plain_lc: np.ndarray,
         ok_lc: np.ndarray,
-        moves_lc: tuple[np.ndarray, np.ndarray, np.ndarray],
+        moves_of: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray, np.ndarray]],
         replica: bool,
     ) -> MoveProposal:
-        """Each layer's best candidate among those that fit; ``moves_lc``: slot a, slot b, expert."""
+        """Each layer's best candidate among those that fit; ``moves_of`` maps each layer's best
+        candidate index [l] to its slot a, slot b and expert (only the chosen candidates are
+        looked up: the per-candidate tables would cost more than the search around them)."""
         ok_lc &= weighted_lc <= self.left_w + _TOL
         if self.state.plain is not None:
             ok_lc &= plain_lc <= self.left_p + _TOL
         net_lc = np.where(ok_lc, gain_lc - self.copy_cost * weighted_lc, -np.inf)
         rows = self.rows
         best_l = net_lc.argmax(axis=1)
-        slot_a_lc, slot_b_lc, expert_lc = (np.broadcast_to(m, gain_lc.shape) for m in moves_lc)
+        slot_a_l, slot_b_l, expert_l = moves_of(best_l)
         return MoveProposal(
             net_l=net_lc[rows, best_l],
             gain_l=gain_lc[rows, best_l],
             weighted_l=weighted_lc[rows, best_l],
             plain_l=plain_lc[rows, best_l],
             replica_l=np.full(rows.size, replica),
-            slot_a_l=slot_a_lc[rows, best_l],
-            slot_b_l=slot_b_lc[rows, best_l],
-            expert_l=expert_lc[rows, best_l],
+            slot_a_l=slot_a_l,
+            slot_b_l=slot_b_l,
+            expert_l=expert_l,
         )
 
 
 def _copy_terms(
     prices: CopyPrices,
-    lay_l1: np.ndarray,
-    hot_l1: np.ndarray,
-    ea_lS: np.ndarray,
-    eb_lQ: np.ndarray,
-    gpu_lQ: np.ndarray,
     flat_lSQ: np.ndarray,
+    hot_b_lQ: np.ndarray,
+    partner_b_lQ: np.ndarray,
+    hot_a_lS: np.ndarray,
 ) -> np.ndarray:
     """float64 [l, S, Q]: copies a swap of hot slot s and partner q adds (negative: refunds).
 
-    ``flat_lSQ``: the flat [L, G, E] index of (layer, partner's GPU, hot slot's expert).
+    Flat [L, G, E] indices (a 1-D take is several times faster than indexing with three
+    broadcast arrays) of: ``flat_lSQ`` (layer, partner's GPU, hot slot's expert), ``hot_b_lQ``
+    (layer, hot GPU, partner slot's expert), ``partner_b_lQ`` (layer, partner's GPU, partner
+    slot's expert), ``hot_a_lS`` (layer, hot GPU, hot slot's expert).
     """
-    cost_lSQ = prices.arrive_LGE.reshape(-1).take(flat_lSQ)
-    cost_lSQ += (prices.arrive_LGE[lay_l1, hot_l1, eb_lQ] - prices.leave_LGE[lay_l1, gpu_lQ, eb_lQ])[
-        :, None, :
-    ]
-    cost_lSQ -= prices.leave_LGE[lay_l1, hot_l1, ea_lS][:, :, None]
+    arrive, leave = prices.arrive_LGE.reshape(-1), prices.leave_LGE.reshape(-1)
+    cost_lSQ = arrive.take(flat_lSQ)
+    cost_lSQ += (arrive.take(hot_b_lQ) - leave.take(partner_b_lQ))[:, None, :]
+    cost_lSQ -= leave.take(hot_a_lS)[:, :, None]
     return cost_lSQ
 
 
@@ -278,7 +302,7 @@ def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> MoveProposal:
     lay_l1, hot_l1 = ctx.layers[:, None], hot_l[:, None]
     hot_slots_lS = hot_l1 * S + np.arange(S)
     gpu_lQ = np.repeat(partners_lB, S, axis=1)
-    partner_lQ = gpu_lQ * S + np.tile(np.arange(S), partners_lB.shape[1])
+    partner_lQ = (partners_lB[:, :, None] * S + np.arange(S)).reshape(nl, -1)
     Q = partner_lQ.shape[1]
     a_ZlS = st.item_ZLP[:, lay_l1, hot_slots_lS]
     b_ZlQ = st.item_ZLP[:, lay_l1, partner_lQ]
@@ -292,29 +316,29 @@ def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> MoveProposal:
     U_new += _pow32(d_ZlSQ)
     U_new += rest_ZlQ[:, :, None, :]
     np.maximum(U_new, 1.0, out=U_new)  # loads in units of the mean: the sum of powers is >= 1
-    gain_lc = expectation(ctx.weights_Z, _inv_root32(U_new) - ctx.base_Zl[..., None, None]).reshape(nl, -1)
+    gain_lc = expectation(ctx.weights_Z, _soft_gain(U_new, ctx.base_Zl)).reshape(nl, -1)
 
     ea_lS = st.phy2log_LP[lay_l1, hot_slots_lS]
     eb_lQ = st.phy2log_LP[lay_l1, partner_lQ]
-    # One flat index into the [L, G, E] arrays for the [l, S, Q] lookups (a 1-D take is several
-    # times faster than indexing with three broadcast arrays).
+    # Flat indices into the [L, G, E] arrays (a 1-D take is several times faster than indexing
+    # with three broadcast arrays).
     E = st.holds_LGE.shape[2]
-    flat_lSQ = ((lay_l1 * st.num_gpus + gpu_lQ) * E)[:, None, :] + ea_lS[:, :, None]
-    weighted_lc = _copy_terms(st.weighted, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ, flat_lSQ).reshape(nl, -1)
-    plain_lc = (
-        weighted_lc
-        if st.plain is None
-        else _copy_terms(st.plain, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ, flat_lSQ).reshape(nl, -1)
-    )
+    hot_row_l1 = (lay_l1 * st.num_gpus + hot_l1) * E
+    partner_row_lQ = (lay_l1 * st.num_gpus + gpu_lQ) * E
+    flat_lSQ = partner_row_lQ[:, None, :] + ea_lS[:, :, None]
+    where = (flat_lSQ, hot_row_l1 + eb_lQ, partner_row_lQ + eb_lQ, hot_row_l1 + ea_lS)
+    weighted_lc = _copy_terms(st.weighted, *where).reshape(nl, -1)
+    plain_lc = weighted_lc if st.plain is None else _copy_terms(st.plain, *where).reshape(nl, -1)
     ok_lSQ = ea_lS[:, :, None] != eb_lQ[:, None, :]
     if st.dispatch.static:
-        ok_lSQ &= _keeps_static_shares(st, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ, flat_lSQ)
+        ok_lSQ &= _keeps_static_shares(st, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ, flat_lSQ, where[1])
     ok_lc = ok_lSQ.reshape(nl, -1)
-    slot_a_lc = np.repeat(hot_slots_lS, Q, axis=1)
-    slot_b_lc = np.tile(partner_lQ, (1, S))
-    return ctx.best(
-        gain_lc, weighted_lc, plain_lc, ok_lc, (slot_a_lc, slot_b_lc, np.zeros((nl, 1), np.int64)), False
-    )
+
+    def moves_of(best_l: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # candidate c = s * Q + q: hot slot s, partner slot q
+        return hot_slots_lS[rows, best_l // Q], partner_lQ[rows, best_l % Q], np.zeros(nl, np.int64)
+
+    return ctx.best(gain_lc, weighted_lc, plain_lc, ok_lc, moves_of, False)
 
 
 def _keeps_static_shares(
@@ -325,10 +349,11 @@ def _keeps_static_shares(
     eb_lQ: np.ndarray,
     gpu_lQ: np.ndarray,
     flat_lSQ: np.ndarray,
+    hot_b_lQ: np.ndarray,
 ) -> np.ndarray:
     """bool [l, S, Q]: static dispatch, swaps whose slots keep their shares, so the swap's gain is
     exact: a replicated expert moves only within its node, to a GPU without a replica of it.
-    ``flat_lSQ`` as for :func:`_copy_terms`.
+    ``flat_lSQ`` and ``hot_b_lQ`` as for :func:`_copy_terms`.
 
     Its node's ranks still reach it there; across nodes its share would follow the new node set
     (eplb.solver.scoring.static_share), which the proposal does not price. Single replicas move freely.
@@ -339,7 +364,7 @@ def _keeps_static_shares(
     multi_a_lS = st.cnt_LE[lay_l1, ea_lS] > 1
     multi_b_lQ = st.cnt_LE[lay_l1, eb_lQ] > 1
     a_at_partner_lSQ = st.holds_LGE.reshape(-1).take(flat_lSQ) > 0
-    b_at_hot_lQ = st.holds_LGE[lay_l1, hot_l1, eb_lQ] > 0
+    b_at_hot_lQ = st.holds_LGE.reshape(-1).take(hot_b_lQ) > 0
     # Whether each node holds the expert, for the searched layers only (rows of lay_l1).
     holds_lGE = st.holds_LGE[lay_l1[:, 0]]
     nl, E = holds_lGE.shape[0], holds_lGE.shape[2]
@@ -388,8 +413,12 @@ def _best_replica_change(ctx: _Context) -> MoveProposal:
     y_new_ZlJ = wy_ZlJ / np.maximum(cy_lJ - 1, 1)
     g_G = np.arange(G)
     lay_l11 = ctx.layers[:, None, None]
-    hx_leG = st.holds_LGE[lay_l11, g_G, ex_le[:, :, None]]
-    hy_lJG = st.holds_LGE[lay_l11, g_G, ey_lJ[:, :, None]]
+    # Flat [L, G, E] indices: a 1-D take is several times faster than three broadcast arrays.
+    E = st.holds_LGE.shape[2]
+    holds = st.holds_LGE.reshape(-1)
+    gpu_row_l1G = ((lay_l11 * G + g_G) * E)[:, 0]
+    hx_leG = holds.take(gpu_row_l1G[:, None, :] + ex_le[:, :, None])
+    hy_lJG = holds.take(gpu_row_l1G[:, None, :] + ey_lJ[:, :, None])
     # New GPU loads [Z, l, e, J, G]: every replica of x lighter, every replica of y heavier, and
     # the given slot now holding x's new share instead of y's.
     Z, J = wy_ZlJ.shape[0], slot_lJ.shape[1]
@@ -402,21 +431,25 @@ def _best_replica_change(ctx: _Context) -> MoveProposal:
         x_new_Zle[..., None, None] - y_new_ZlJ[:, :, None, :, None]
     )
     U_new = np.maximum(_pow32(new).sum(axis=-1), 1.0)
-    gain_lc = expectation(ctx.weights_Z, _inv_root32(U_new) - ctx.base_Zl[..., None, None]).reshape(nl, -1)
+    gain_lc = expectation(ctx.weights_Z, _soft_gain(U_new, ctx.base_Zl)).reshape(nl, -1)
+
+    giver_row_lJ = (lay_l1 * G + gj_lJ) * E
+    x_at_giver_leJ = giver_row_lJ[:, None, :] + ex_le[:, :, None]
+    y_at_giver_lJ = giver_row_lJ + ey_lJ
 
     def copies(prices: CopyPrices) -> np.ndarray:
-        arrive_leJ = prices.arrive_LGE[lay_l11, gj_lJ[:, None, :], ex_le[:, :, None]]
-        return (arrive_leJ - prices.leave_LGE[lay_l1, gj_lJ, ey_lJ][:, None, :]).reshape(nl, -1)
+        arrive_leJ = prices.arrive_LGE.reshape(-1).take(x_at_giver_leJ)
+        return (arrive_leJ - prices.leave_LGE.reshape(-1).take(y_at_giver_lJ)[:, None, :]).reshape(nl, -1)
 
     weighted_lc = copies(st.weighted)
     plain_lc = weighted_lc if st.plain is None else copies(st.plain)
     ok_lc = (valid_lJ[:, None, :] & (ex_le[:, :, None] != ey_lJ[:, None, :])).reshape(nl, -1)
-    moves_lc = (
-        np.zeros((nl, 1), np.int64),
-        np.tile(slot_lJ, (1, num_receivers)),
-        np.repeat(ex_le, J, axis=1),
-    )
-    return ctx.best(gain_lc, weighted_lc, plain_lc, ok_lc, moves_lc, True)
+
+    def moves_of(best_l: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # candidate c = e * J + j: receiver e, giver slot j
+        return np.zeros(nl, np.int64), slot_lJ[rows, best_l % J], ex_le[rows, best_l // J]
+
+    return ctx.best(gain_lc, weighted_lc, plain_lc, ok_lc, moves_of, True)
 
 
 def apply_swap(state: MoveState, layer: int, a: int, b: int) -> None:
