@@ -185,13 +185,7 @@ class PassTimes:
     cost: CostModel
 
     @classmethod
-    def of(cls, load_WLE: np.ndarray, num_gpus: int, num_physical: int, cost: CostModel) -> PassTimes:
-        # (loads are never negative: nonzero is loaded)
-        layer_load_WL, loaded_WL = load_WLE.sum(axis=-1), np.count_nonzero(load_WLE, axis=-1)
-        return cls.of_reductions(layer_load_WL, loaded_WL, load_WLE.shape[2], num_gpus, num_physical, cost)
-
-    @classmethod
-    def of_reductions(
+    def of(
         cls,
         layer_load_WL: np.ndarray,
         loaded_WL: np.ndarray,
@@ -200,8 +194,8 @@ class PassTimes:
         num_physical: int,
         cost: CostModel,
     ) -> PassTimes:
-        """:meth:`of` from the window's per-pass layer loads and loaded expert counts [W, L], for a
-        caller that has them already (``solve`` shares one pass over the window between steps)."""
+        """The model from a window's per-pass layer loads and loaded expert counts [W, L] (``solve``
+        reads both from its one pass over the window, eplb.solver.types.LoadWindow)."""
         tokens_WL = layer_load_WL / num_gpus
         # Every loaded expert's replicas receive tokens; replicas spread over the GPUs.
         active_WL = loaded_WL * (num_physical / num_logical) / num_gpus

@@ -101,9 +101,7 @@ def solve(
     stats: dict[str, float] = {"horizon_passes": float(horizon)}
     prediction = predict(load_WLE, options, method)
     passes = PassScores(window, dispatch, G)
-    times = PassTimes.of_reductions(
-        window.layer_load_WL, window.loaded_WL, E, G, topology.num_physical, pricing.cost
-    )
+    times = PassTimes.of(window.layer_load_WL, window.loaded_WL, E, G, topology.num_physical, pricing.cost)
     base = None if current is None else scored_placement(current, None, dispatch)
     base_LW = None if base is None else passes.layer_pass(base, np.arange(L), 0, W)
     shift_at = None
