@@ -94,8 +94,12 @@ class Trickler(threading.Thread):
         while not self.stop.is_set():
             with socket.create_connection(("127.0.0.1", self.port), timeout=CLIENT_TIMEOUT_S) as sock:
                 opened = time.monotonic()
+                # What the server sent over the whole connection: a 503 can arrive one check
+                # before the end of the stream that follows it.
+                received = b""
                 for byte in request_bytes():
-                    closed, received, reset = closed_by_server(sock)
+                    closed, chunk, reset = closed_by_server(sock)
+                    received += chunk
                     if closed:
                         if received.startswith(b"HTTP/1.1 503") or (reset and not received):
                             # Refused at accept (the deadline closes in order, after reading every byte).
