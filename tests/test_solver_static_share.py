@@ -99,7 +99,8 @@ def test_the_dispatch_is_one_mode_name() -> None:
 
 
 def test_the_search_state_keeps_exact_static_loads_through_swaps_and_replica_changes() -> None:
-    """After any sequence of moves the state's slot and GPU loads are the static shares' loads."""
+    """After any sequence of moves the state's slot and GPU loads are the static shares' loads, and
+    its replica counts per GPU and per node are those of its phy2log, counted again in numpy."""
     from eplb.solver.search import moves
 
     rng = np.random.default_rng(9)
@@ -124,6 +125,13 @@ def test_the_search_state_keeps_exact_static_loads_through_swaps_and_replica_cha
         want_LP = state.norm_ZLE[0][rows, state.phy2log_LP] * share_LP
         np.testing.assert_allclose(state.item_ZLP[0], want_LP, atol=1e-12)
         np.testing.assert_allclose(state.gpu_ZLG[0], want_LP.reshape(L, G, -1).sum(axis=-1), atol=1e-9)
+        holds_LGE = np.zeros((L, G, E), dtype=np.int64)
+        for lay in range(L):
+            for slot, expert in enumerate(state.phy2log_LP[lay]):
+                holds_LGE[lay, slot // (P // G), expert] += 1
+        np.testing.assert_array_equal(state.holds_LGE, holds_LGE)
+        assert state.node_has_LNE is not None
+        np.testing.assert_array_equal(state.node_has_LNE, holds_LGE.reshape(L, N, G // N, E).sum(axis=2) > 0)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

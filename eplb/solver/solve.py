@@ -140,7 +140,8 @@ def solve(
     stats["copy_price"] = float(options.copy_cost or 0.0)
     cuts = Cuts.of(W, shift_at, options.holdout_passes)
     stats["calibration_passes"] = 0.0 if cuts is None else float(cuts.stop - cuts.cut)
-    placement, weights_LER = _plan(policy, prediction, topology, current, options, stats)
+    current_share_LP = None if base is None else base.share_LP
+    placement, weights_LER = _plan(policy, prediction, topology, current, options, stats, current_share_LP)
     scored = scored_placement(placement, weights_LER, dispatch, base)
     forecast = scored_balancedness(prediction.point_LE, scored, G)
     stats["forecast_balancedness"] = forecast
@@ -154,7 +155,9 @@ def solve(
         # The older plan only calibrates: its MILP polish would change the scores by < 0.001.
         older_options = replace(options, milp_max_solves=0)
         older_prediction = predict(load_WLE[: cuts.cut], older_options, method)
-        older, older_weights = _plan(policy, older_prediction, topology, current, older_options, {})
+        older, older_weights = _plan(
+            policy, older_prediction, topology, current, older_options, {}, current_share_LP
+        )
         older_scored = scored_placement(older, older_weights, dispatch, base)
         calibrated = calibrate(passes, scored, older_scored, base, base_LW, cuts, pricing.current_age_passes)
         stats.update(calibrated.stats())
@@ -222,9 +225,13 @@ def _plan(
     current: Placement | None,
     options: SolveOptions,
     stats: dict[str, float],
+    current_share_LP: np.ndarray | None = None,
 ) -> tuple[Placement, np.ndarray | None]:
-    """The policy's placement for ``prediction``, cut to the move budget, and its dispatch weights."""
-    phy2log_LP = policy.place(PlacementRequest(prediction, topology, current, options, stats))
+    """The policy's placement for ``prediction``, cut to the move budget, and its dispatch weights.
+
+    ``current_share_LP``: ``current``'s slot shares under ``options.dispatch`` (weights aside)."""
+    request = PlacementRequest(prediction, topology, current, options, stats, current_share_LP)
+    phy2log_LP = policy.place(request)
     if current is not None and options.budgeted and not (policy.budget_aware and options.incremental):
         # Plans that did not search within the budget keep the whole layers that pay best per copy.
         dispatch = Dispatch(options.dispatch, topology.num_nodes)

@@ -60,7 +60,7 @@ class ScipyPolicy:
 
     def place(self, request: PlacementRequest) -> np.ndarray:
         r = request
-        return scipy_phy2log(r.prediction, r.topology, r.current, r.options, r.stats)
+        return scipy_phy2log(r.prediction, r.topology, r.current, r.options, r.stats, r.current_share_LP)
 
 
 SCIPY = ScipyPolicy()
@@ -72,14 +72,20 @@ def scipy_phy2log(
     current: Placement | None,
     options: SolveOptions,
     stats: dict[str, float],
+    current_share_LP: np.ndarray | None = None,
 ) -> np.ndarray:
-    """int64 [L, P]: the placement the scipy algorithm proposes; fills ``stats``."""
+    """int64 [L, P]: the placement the scipy algorithm proposes; fills ``stats``.
+
+    ``current_share_LP``: ``current``'s slot shares under ``options.dispatch``, if the caller has them.
+    """
     G, N = topology.num_gpus, topology.num_nodes
     dispatch = Dispatch(options.dispatch, N)
     scenarios_ZLE, weights_Z = prediction.scenarios_ZLE, prediction.scenario_weights_Z
     budget = budget_of(options)
     if current is not None and options.incremental and options.budgeted:
-        return budgeted_phy2log(scenarios_ZLE, weights_Z, current, budget, stats, dispatch)
+        return budgeted_phy2log(
+            scenarios_ZLE, weights_Z, current, budget, stats, dispatch, current_share_LP=current_share_LP
+        )
     fresh_LP = _fresh_phy2log(prediction, topology, options, dispatch, stats)
     if current is None:
         return fresh_LP
@@ -96,7 +102,9 @@ def scipy_phy2log(
         def copies_L(phy2log_LP: np.ndarray) -> np.ndarray:
             return arrivals_L(holds_per_gpu(phy2log_LP, G, current.num_logical), origin_LGE)
 
-        base_LP = budgeted_phy2log(scenarios_ZLE, weights_Z, current, budget, stats, dispatch)
+        base_LP = budgeted_phy2log(
+            scenarios_ZLE, weights_Z, current, budget, stats, dispatch, current_share_LP=current_share_LP
+        )
         base_copies_L = copies_L(base_LP)
         value_base_L = layer_scores(base_LP, scenarios_ZLE, weights_Z, G, dispatch) - price * base_copies_L
         # The same search from the current placement retargeted to the fresh plan's replica

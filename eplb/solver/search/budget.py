@@ -96,6 +96,8 @@ def budgeted_phy2log(
     stats: dict[str, float],
     dispatch: Dispatch | None = None,
     start_LP: np.ndarray | None = None,
+    *,
+    current_share_LP: np.ndarray | None = None,
 ) -> np.ndarray:
     """int64 [L, P]: ``current`` changed by the best-paying moves within ``budget``; fills ``stats``.
 
@@ -103,6 +105,8 @@ def budgeted_phy2log(
     eplb.solver.scoring.static_share, every move checked exactly); None: an even split over replicas.
     ``start_LP``: search from this placement instead (its copies from ``current`` priced like
     the search's own; only without a budget, which would not count them).
+    ``current_share_LP``: ``current``'s slot shares under ``dispatch`` (float64 [L, P]), where the
+    caller has them (a search from ``current`` starts from them; a warm start computes its own).
     """
     assert start_LP is None or not np.isfinite(budget.weighted), "a warm start needs no budget"
     if budget.weighted <= 0 or budget.plain <= 0:
@@ -126,6 +130,7 @@ def budgeted_phy2log(
         plain_LGE if separate_plain else None,
         dispatch,
         at_origin=start_LP is None,
+        share_LP=current_share_LP if start_LP is None else None,
     )
     L = current.num_layers
     active_L = (scenarios_ZLE.sum(axis=-1) > 0).all(axis=0) & (current.num_gpus > 1)

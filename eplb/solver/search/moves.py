@@ -82,7 +82,7 @@ class MoveState:
     gpu_ZLG: np.ndarray
     """float64 [Z, L, G]."""
     holds_LGE: np.ndarray
-    """int64 [L, G, E]: replicas of e on g."""
+    """int16 [L, G, E]: replicas of e on g."""
     weighted: CopyPrices
     """Copies with cross-node ones weighted."""
     plain: CopyPrices | None
@@ -91,6 +91,10 @@ class MoveState:
     dispatch: Dispatch = field(default_factory=lambda: Dispatch("dynamic"))
     """How the server splits an expert's tokens: static maps' shares (recomputed after each move
     of a replicated expert) or an even split."""
+    node_has_LNE: np.ndarray | None = None
+    """bool [L, N, E]: whether node n holds a replica of e; kept only under static dispatch,
+    where every swap proposal asks it (deriving it from ``holds_LGE`` each time
+    copied [l, G, E] per proposal: a sixth of the search)."""
 
     @property
     def slots_per_gpu(self) -> int:
@@ -107,12 +111,15 @@ def make_move_state(
     dispatch: Dispatch | None = None,
     *,
     at_origin: bool = False,
+    share_LP: np.ndarray | None = None,
 ) -> MoveState:
     """The search state of placement ``phy2log_LP`` with arrival costs from the plan's start.
 
     ``dispatch``: how the server splits an expert's tokens (None: evenly over its replicas).
     ``at_origin``: ``phy2log_LP`` is the placement the costs count from (the costs are 0 wherever
     it holds a replica, as eplb.solver.search.copies.arrival_costs gives them).
+    ``share_LP``: the slot shares of ``phy2log_LP`` under ``dispatch`` (float64 [L, P]), where the
+    caller has them (else computed here).
     """
     G = num_gpus
     p2l = phy2log_LP.astype(np.int64)
@@ -122,14 +129,22 @@ def make_move_state(
     L, P = p2l.shape
     layer = np.arange(L)[:, None]
     dispatch = dispatch or Dispatch("dynamic")
-    item_ZLP = norm_ZLE[:, layer, p2l] * dispatch.share_LP(p2l, cnt, G)
+    if share_LP is None:
+        share_LP = dispatch.share_LP(p2l, cnt, G)
+    assert share_LP.shape == p2l.shape, "one share per slot"
+    item_ZLP = norm_ZLE[:, layer, p2l] * share_LP
     gpu_ZLG = item_ZLP.reshape(-1, L, G, P // G).sum(axis=-1)
-    holds = holds_per_gpu(p2l, G, cnt.shape[1])
+    # int16: the proposals gather from it at random, and a quarter of int64's bytes stays in cache
+    # (a GPU holds at most P replicas of an expert).
+    assert np.iinfo(np.int16).max >= P, "replica counts per GPU fit int16"
+    holds = holds_per_gpu(p2l, G, cnt.shape[1]).astype(np.int16)
 
     def prices(base_LGE: np.ndarray) -> CopyPrices:
         return CopyPrices.at_origin(base_LGE) if at_origin else CopyPrices.of(base_LGE, holds)
 
     plain = None if plain_LGE is None else prices(plain_LGE)
+    N = dispatch.num_nodes
+    node_has = np.asarray(holds.reshape(L, N, G // N, -1).any(axis=2)) if dispatch.static else None
     return MoveState(
         p2l,
         cnt,
@@ -141,6 +156,7 @@ def make_move_state(
         plain,
         G,
         dispatch,
+        node_has,
     )
 
 
@@ -365,14 +381,12 @@ def _keeps_static_shares(
     multi_b_lQ = st.cnt_LE[lay_l1, eb_lQ] > 1
     a_at_partner_lSQ = st.holds_LGE.reshape(-1).take(flat_lSQ) > 0
     b_at_hot_lQ = st.holds_LGE.reshape(-1).take(hot_b_lQ) > 0
-    # Whether each node holds the expert, for the searched layers only (rows of lay_l1).
-    holds_lGE = st.holds_LGE[lay_l1[:, 0]]
-    nl, E = holds_lGE.shape[0], holds_lGE.shape[2]
-    node_has_lNE = holds_lGE.reshape(nl, N, gpn, E).any(axis=2)
-    row_l1 = np.arange(nl)[:, None]
-    node_flat_lSQ = ((row_l1 * N + gpu_lQ // gpn) * E)[:, None, :] + ea_lS[:, :, None]
-    a_to_new_node_lSQ = ~node_has_lNE.reshape(-1).take(node_flat_lSQ)
-    b_to_new_node_lQ = ~node_has_lNE[row_l1, hot_l1 // gpn, eb_lQ]
+    assert st.node_has_LNE is not None, "static dispatch keeps node_has_LNE"
+    E = st.holds_LGE.shape[2]
+    node_has = st.node_has_LNE.reshape(-1)
+    node_flat_lSQ = ((lay_l1 * N + gpu_lQ // gpn) * E)[:, None, :] + ea_lS[:, :, None]
+    a_to_new_node_lSQ = ~node_has.take(node_flat_lSQ)
+    b_to_new_node_lQ = ~node_has.take((lay_l1 * N + hot_l1 // gpn) * E + eb_lQ)
     a_ok = ~multi_a_lS[:, :, None] | (same_node_lQ[:, None, :] & ~a_at_partner_lSQ) | a_to_new_node_lSQ
     b_ok = ~multi_b_lQ | (same_node_lQ & ~b_at_hot_lQ) | b_to_new_node_lQ
     return np.asarray(a_ok & b_ok[:, None, :])
@@ -510,6 +524,14 @@ def _reshare(state: MoveState, layer: int, experts: tuple[int, int]) -> None:
 
 
 def _update_prices(state: MoveState, layer: int, gpus: list[int], experts: list[int]) -> None:
+    """After a move: the copy prices and node holdings of the (GPU, expert) pairs it touched."""
     state.weighted.update(state.holds_LGE, layer, gpus, experts)
     if state.plain is not None:
         state.plain.update(state.holds_LGE, layer, gpus, experts)
+    if state.node_has_LNE is not None:
+        gpn = state.num_gpus // state.node_has_LNE.shape[1]
+        for g, e in zip(gpus, experts, strict=True):
+            node = g // gpn
+            state.node_has_LNE[layer, node, e] = state.holds_LGE[
+                layer, node * gpn : (node + 1) * gpn, e
+            ].any()
