@@ -24,12 +24,14 @@ With ``--variant-layers N`` the variants keep their first N layers and the budge
 them (160 x N / L copies per rebalance), so that a sweep fits in minutes on a shared machine; the
 presets always run whole. Columns: prefill balancedness, bytes moved across GPUs per 1000 scored
 passes and their fraction of ``deepseek-1000``'s, mean |predicted - realized| balancedness of
-the applied plans, solve wall seconds per rebalance in the simulation. ``--timing`` adds the CPU
-time (one thread, ``time.thread_time``) of one budgeted continuous solve per forecast on
-deepseek-v3 windows at EP32 and EP64 (targets: 50 and 150 ms).
+the applied plans, solve wall seconds per rebalance in the simulation. Then (unless
+``--no-timing``; alone with ``--timing-only``) the CPU time (one thread, ``time.thread_time``) of
+one budgeted continuous solve per forecast on deepseek-v3 windows at EP32 and EP64 (targets: 50
+and 150 ms).
 
     python -m benchmarks.bench_forecast --json benchmarks/results/bench_forecast_cpu.json
     python -m benchmarks.bench_forecast --workloads churn --modes continuous-static --variant-layers 8 --no-timing
+    python -m benchmarks.bench_forecast --timing-only --timing-solves 20 --json /tmp/timing.json
 """
 
 from __future__ import annotations
@@ -325,9 +327,14 @@ def main() -> int:
     )
     parser.add_argument("--jobs", type=int, default=1, help="workloads simulated in parallel")
     parser.add_argument("--no-timing", action="store_true", help="skip the solve CPU timing")
+    parser.add_argument(
+        "--timing-only", action="store_true", help="only the solve CPU timing (no simulations, no table)"
+    )
     parser.add_argument("--timing-solves", type=int, default=12)
     parser.add_argument("--json", type=Path, default=Path("benchmarks/results/bench_forecast_cpu.json"))
     args = parser.parse_args()
+    if args.timing_only and args.no_timing:
+        parser.error("--timing-only and --no-timing exclude each other")
     layers = args.variant_layers or None
     out: dict[str, Any] = {
         "started": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -338,7 +345,9 @@ def main() -> int:
         "cases": [],
     }
     with threadpool_limits(limits=1, user_api="blas"):
-        if args.jobs > 1:
+        if args.timing_only:
+            pass
+        elif args.jobs > 1:
             with ProcessPoolExecutor(args.jobs) as pool:
                 futures = [
                     pool.submit(run_workload, w, args.modes, args.steps, args.seed, layers, args.lp_workloads)
@@ -355,9 +364,11 @@ def main() -> int:
             out["timing"] = solve_timing(
                 ["decay", "track", "robust"], 250 + args.timing_solves * 50, args.timing_solves
             )
-    out["table"] = table(out["cases"])
+    if not args.timing_only:
+        out["table"] = table(out["cases"])
     write_result(args.json, out)
-    print(out["table"])
+    if not args.timing_only:
+        print(out["table"])
     return 0
 
 
