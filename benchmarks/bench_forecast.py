@@ -58,7 +58,7 @@ from eplb.solver import Plan, SolveOptions, Topology, solve
 from eplb.solver.planner import SolverPlanner
 from eplb.solver.predict import predict
 from eplb.traces import Trace
-from eplb.workloads import PRESETS, WorkloadConfig, generate
+from eplb.workloads import PRESETS, Latent, WorkloadConfig, generate, latent
 
 DS = WorkloadConfig(preset="deepseek-v3")
 VARIANTS: dict[str, WorkloadConfig] = {
@@ -95,7 +95,7 @@ FORECASTS: dict[str, dict[str, Any]] = {
 }
 """Each forecast as ``--solver-option`` fields (docs/solver.md, Load prediction)."""
 MODES: dict[str, tuple[str, ...]] = {
-    "continuous-static": (*FORECASTS, "oracle"),
+    "continuous-static": (*FORECASTS, "latent", "oracle"),
     "continuous-lp": ("decay", "track"),
     "periodic-static": ("auto", "track"),
     "deepseek-1000": ("sum",),
@@ -133,6 +133,37 @@ class OraclePlanner(SolverPlanner):
         return solve(future_WLE, topology, current, replace(self.options, prediction="sum"))
 
 
+@dataclass(frozen=True, kw_only=True)
+class LatentPlanner(SolverPlanner):
+    """Plans on the generator's hidden popularity of the window's passes instead of their counts
+    (``eplb.workloads.latent``), weighted like the counts: what a forecast that knew the present
+    exactly would give, without seeing the future (the oracle) or guessing the next shift."""
+
+    hidden: Latent
+    num_layers: int
+    """Layers of the trace (the variants keep the first ones)."""
+
+    def __call__(
+        self, window_WLE: np.ndarray, current: Placement, history: LoadHistory | None = None
+    ) -> Plan:
+        assert history is not None, "the latent planner reads the trace's steps from the simulator's clock"
+        now = int(history.now)
+        steps_W = np.arange(now - window_WLE.shape[0], now)
+        # Each pass's expected counts: its popularity times its routed choices (the counts' total).
+        total_WL = window_WLE.sum(axis=-1, dtype=np.float64)
+        expected_WLE = self.hidden.shares(steps_W)[:, : self.num_layers] * total_WL[..., None]
+        topology = Topology(
+            num_gpus=current.num_gpus,
+            num_nodes=current.num_nodes,
+            num_physical=current.num_physical,
+            num_groups=self.num_groups,
+        )
+        # The present: a decay of one pass (the popularity moves at drift knots and shifts only).
+        return solve(
+            expected_WLE, topology, current, replace(self.options, prediction="decay", decay_half_life=1.0)
+        )
+
+
 def workload_trace(name: str, steps: int, seed: int, layers: int | None) -> Trace:
     """The workload's trace, cut to its first ``layers`` layers when given."""
     trace = generate(WORKLOADS[name].with_(num_steps=steps, seed=seed))
@@ -156,7 +187,7 @@ def run_one(trace: Trace, mode: str, forecast: str, budget: int) -> dict[str, An
         ep_dispatch_algorithm=dispatch,
         **TOPOLOGY,
     )
-    fields = {} if forecast in ("auto", "oracle") or algorithm != "scipy" else FORECASTS[forecast]
+    fields = {} if forecast in ("auto", "oracle", "latent") or algorithm != "scipy" else FORECASTS[forecast]
     config = SimulationConfig.for_trace(
         trace,
         eplb=flags,
@@ -165,7 +196,7 @@ def run_one(trace: Trace, mode: str, forecast: str, budget: int) -> dict[str, An
     )
     spec = RunSpec(algorithm, dispatch)
     planners = None
-    if forecast == "oracle":
+    if forecast in ("oracle", "latent"):
         options = SolveOptions.from_mapping(
             {},
             algorithm=algorithm,
@@ -173,11 +204,18 @@ def run_one(trace: Trace, mode: str, forecast: str, budget: int) -> dict[str, An
             bytes_per_expert=config.bytes_per_expert,
             max_moved_experts=budget,
         )
-        planners = {
-            spec.name: OraclePlanner(
+        if forecast == "oracle":
+            planner: SolverPlanner = OraclePlanner(
                 options=options, num_groups=config.num_groups, counts_FLE=trace.counts_FLE
             )
-        }
+        else:
+            planner = LatentPlanner(
+                options=options,
+                num_groups=config.num_groups,
+                hidden=latent(WorkloadConfig.of_trace(trace)),
+                num_layers=trace.num_layers,
+            )
+        planners = {spec.name: planner}
     started = time.perf_counter()
     summary = simulate(trace, [spec], config, planners=planners).summaries()[0]
     return {
@@ -195,9 +233,16 @@ def run_one(trace: Trace, mode: str, forecast: str, budget: int) -> dict[str, An
 
 
 def run_workload(
-    name: str, modes: Sequence[str], steps: int, seed: int, variant_layers: int | None, lp: Sequence[str]
+    name: str,
+    modes: Sequence[str],
+    steps: int,
+    seed: int,
+    variant_layers: int | None,
+    lp: Sequence[str],
+    forecasts: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Every mode and forecast on one workload's trace (``continuous-lp`` only if ``name`` is in ``lp``)."""
+    """Every mode and forecast on one workload's trace (``continuous-lp`` only if ``name`` is in
+    ``lp``; only the ``forecasts`` named, where given)."""
     layers = variant_layers if name in VARIANTS else None
     trace = workload_trace(name, steps, seed, layers)
     full_layers = PRESETS[WORKLOADS[name].preset].num_layers
@@ -207,6 +252,8 @@ def run_workload(
         if mode == "continuous-lp" and name not in lp:
             continue
         for forecast in MODES[mode]:
+            if forecasts is not None and forecast not in forecasts:
+                continue
             row = run_one(trace, mode, forecast, budget)
             rows.append(row)
             print(
@@ -317,6 +364,9 @@ def main() -> int:
         default=["deepseek-v3", "drifting", "churn", "shifts-250"],
         help="workloads that also run continuous-lp (lp's per-batch split is slow to simulate)",
     )
+    parser.add_argument(
+        "--forecasts", nargs="+", default=None, help="run only these forecasts of each mode (default: all)"
+    )
     parser.add_argument("--steps", type=int, default=4000)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
@@ -350,14 +400,25 @@ def main() -> int:
         elif args.jobs > 1:
             with ProcessPoolExecutor(args.jobs) as pool:
                 futures = [
-                    pool.submit(run_workload, w, args.modes, args.steps, args.seed, layers, args.lp_workloads)
+                    pool.submit(
+                        run_workload,
+                        w,
+                        args.modes,
+                        args.steps,
+                        args.seed,
+                        layers,
+                        args.lp_workloads,
+                        args.forecasts,
+                    )
                     for w in args.workloads
                 ]
                 out["cases"] = [f.result() for f in futures]
         else:
             for w in args.workloads:
                 out["cases"].append(
-                    run_workload(w, args.modes, args.steps, args.seed, layers, args.lp_workloads)
+                    run_workload(
+                        w, args.modes, args.steps, args.seed, layers, args.lp_workloads, args.forecasts
+                    )
                 )
                 write_result(args.json, out)  # after every workload: a run cut short keeps what it measured
         if not args.no_timing:

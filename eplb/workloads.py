@@ -163,6 +163,70 @@ class WorkloadConfig:
     def with_(self, **changes: object) -> WorkloadConfig:
         return replace(self, **changes)  # type: ignore[arg-type]
 
+    @classmethod
+    def of_trace(cls, trace: Trace) -> WorkloadConfig:
+        """The config a synthetic trace was generated from (its ``generator`` metadata)."""
+        fields = trace.meta.get("generator")
+        if not isinstance(fields, dict):
+            raise ValueError("the trace has no generator metadata (not made by eplb.workloads.generate)")
+        return cls().with_(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+@dataclass(frozen=True)
+class Latent:
+    """The generator's hidden state: the popularity each step's counts are drawn from.
+
+    No planner sees it; benchmarks plan on it to measure what a perfect forecast of the present
+    gives (``eplb.solver`` forecasts estimate it from noisy counts of past steps).
+    """
+
+    config: WorkloadConfig
+    static_LE: np.ndarray
+    """float64 [L, E]: the per-layer base and group log-popularity."""
+    domain_YLE: np.ndarray
+    """float64 [Y, L, E]: each domain's perturbation."""
+    domain_F: np.ndarray
+    """int [F]: the active domain of each step."""
+    drift_ALE: np.ndarray
+    """float64 [A, L, E]: the drift at each knot."""
+
+    def probabilities(self, knot: int, domain: int) -> np.ndarray:
+        """float64 [L, E]: the (capped) popularity of a drift knot under a domain."""
+        logits_LE = self.static_LE + self.drift_ALE[knot] + self.domain_YLE[domain]
+        return _capped_softmax(logits_LE, 1.0 / self.config.model.top_k)
+
+    def shares(self, steps: np.ndarray) -> np.ndarray:
+        """float64 [n, L, E]: the popularity each of ``steps`` drew its counts from."""
+        steps = np.asarray(steps, dtype=np.int64)
+        L, E = self.static_LE.shape
+        out = np.empty((steps.size, L, E))
+        knot_n = steps // self.config.drift_knot_steps
+        for key in sorted(set(zip(knot_n.tolist(), self.domain_F[steps].tolist(), strict=True))):
+            rows = (knot_n == key[0]) & (self.domain_F[steps] == key[1])
+            out[rows] = self.probabilities(*key)
+        return out
+
+
+def latent(config: WorkloadConfig | None = None) -> Latent:
+    """The hidden state :func:`generate` draws ``config``'s trace from (the same draws, so the
+    same seed gives the popularity behind the same counts)."""
+    cfg = config or WorkloadConfig()
+    return _draw_latent(cfg, np.random.default_rng(cfg.seed))
+
+
+def _draw_latent(cfg: WorkloadConfig, rng: np.random.Generator) -> Latent:
+    """The first draws of a trace, in :func:`generate`'s order: base, groups, domains, schedule, drift."""
+    m = cfg.model
+    F, L, E = cfg.num_steps, m.num_layers, m.num_experts
+    layer_scale_L = cfg.popularity_sigma * rng.uniform(1 - cfg.layer_spread, 1 + cfg.layer_spread, size=L)
+    static_LE = layer_scale_L[:, None] * rng.standard_normal((L, E))
+    group_of_E = np.arange(E) * m.num_groups // E
+    static_LE += cfg.group_sigma * rng.standard_normal((L, m.num_groups))[:, group_of_E]
+    domain_YLE = cfg.domain_sigma * rng.standard_normal((cfg.num_domains, L, E))
+    domain_F = _domain_schedule(rng, F, cfg.num_domains, cfg.mean_steps_between_shifts)
+    drift_ALE = _ou_knots(rng, F, L, E, cfg)
+    return Latent(cfg, static_LE, domain_YLE, domain_F, drift_ALE)
+
 
 def generate(config: WorkloadConfig | None = None, *, progress: ProgressFn | None = None) -> Trace:
     """Generate a synthetic trace [F, L, E] (int32 counts) from ``config`` (default: deepseek-v3).
@@ -173,14 +237,8 @@ def generate(config: WorkloadConfig | None = None, *, progress: ProgressFn | Non
     m = cfg.model
     F, L, E = cfg.num_steps, m.num_layers, m.num_experts
     rng = np.random.default_rng(cfg.seed)
-
-    layer_scale_L = cfg.popularity_sigma * rng.uniform(1 - cfg.layer_spread, 1 + cfg.layer_spread, size=L)
-    static_LE = layer_scale_L[:, None] * rng.standard_normal((L, E))
-    group_of_E = np.arange(E) * m.num_groups // E
-    static_LE += cfg.group_sigma * rng.standard_normal((L, m.num_groups))[:, group_of_E]
-    domain_YLE = cfg.domain_sigma * rng.standard_normal((cfg.num_domains, L, E))
-    domain_F = _domain_schedule(rng, F, cfg.num_domains, cfg.mean_steps_between_shifts)
-    drift_ALE = _ou_knots(rng, F, L, E, cfg)
+    hidden = _draw_latent(cfg, rng)
+    domain_F = hidden.domain_F
 
     is_prefill_F = rng.random(F) < cfg.prefill_fraction
     lo = np.where(is_prefill_F, cfg.prefill_tokens[0], cfg.decode_tokens[0])
@@ -188,14 +246,12 @@ def generate(config: WorkloadConfig | None = None, *, progress: ProgressFn | Non
     tokens_F = np.exp(rng.uniform(np.log(lo), np.log(hi + 1))).astype(np.int64).clip(lo, hi)
 
     counts_FLE = np.empty((F, L, E), dtype=np.int32)
-    knot_of_F = np.arange(F) // cfg.drift_knot_steps
     for t0 in range(0, F, cfg.drift_knot_steps):
         # Steps inside one drift knot share the domain-free part of the logits.
         t1 = min(t0 + cfg.drift_knot_steps, F)
-        logits_LE = static_LE + drift_ALE[knot_of_F[t0]]
         for d in np.unique(domain_F[t0:t1]):
             steps = np.arange(t0, t1)[domain_F[t0:t1] == d]
-            prob_LE = _capped_softmax(logits_LE + domain_YLE[d], 1.0 / m.top_k)
+            prob_LE = hidden.probabilities(t0 // cfg.drift_knot_steps, int(d))
             pvals = np.broadcast_to(prob_LE, (len(steps), L, E)).reshape(-1, E)
             tokens_rows = np.repeat(tokens_F[steps], L)
             counts = _sample_topk_counts(rng, tokens_rows, m.top_k, pvals)

@@ -124,3 +124,48 @@ def test_invalid_config() -> None:
     with pytest.raises(ValueError, match="decode_tokens"):
         WorkloadConfig(decode_tokens=(10, 5))
     assert generate(WorkloadConfig(preset="tiny", num_steps=0)).num_steps == 0
+
+
+def test_the_latent_state_is_what_the_counts_were_drawn_from() -> None:
+    """``latent`` replays generate's first draws: its domain schedule names the trace's shifts, and
+    each step's counts are a multinomial sample of its shares: pooled over the steps of one drift
+    knot and domain, the frequencies differ from the shares by the total variation sampling noise
+    alone gives (within 10%), and from a neighbouring domain's shares by more."""
+    from eplb.workloads import latent
+
+    cfg = WorkloadConfig(
+        preset="qwen3-235b-a22b", num_steps=400, seed=5, mean_steps_between_shifts=60.0, drift_knot_steps=20
+    )
+    trace = generate(cfg)
+    hidden = latent(WorkloadConfig.of_trace(trace))
+    assert hidden.config == cfg
+    changes = (np.flatnonzero(np.diff(hidden.domain_F) != 0) + 1).tolist()
+    assert changes == trace.meta["domain_change_steps"] and changes
+    shares_FLE = hidden.shares(np.arange(cfg.num_steps))
+    np.testing.assert_allclose(shares_FLE.sum(axis=-1), 1.0, atol=1e-12)
+    assert (shares_FLE <= 1.0 / cfg.model.top_k + 1e-12).all()  # capped like the draws
+    ratios, own, other = [], [], []
+    for t0 in range(0, cfg.num_steps - cfg.drift_knot_steps, cfg.drift_knot_steps):
+        steps = np.arange(t0, t0 + cfg.drift_knot_steps)
+        same = steps[hidden.domain_F[steps] == hidden.domain_F[t0]]
+        counts_LE = trace.counts_FLE[same].sum(axis=0).astype(np.float64)
+        n_L1 = counts_LE.sum(axis=-1, keepdims=True)
+        p_LE = shares_FLE[t0]
+        tv = 0.5 * np.abs(counts_LE / n_L1 - p_LE).sum(axis=-1).mean()
+        # E|X| = sigma sqrt(2 / pi) for each share's normal approximation.
+        noise = 0.5 * np.sqrt(2.0 / np.pi) * np.sqrt(p_LE * (1.0 - p_LE) / n_L1).sum(axis=-1).mean()
+        ratios.append(tv / noise)
+        later = t0 + cfg.drift_knot_steps
+        if hidden.domain_F[later] != hidden.domain_F[t0]:
+            own.append(tv)
+            other.append(0.5 * np.abs(counts_LE / n_L1 - shares_FLE[later]).sum(axis=-1).mean())
+    assert min(ratios) > 0.9 and max(ratios) < 1.1, ratios
+    assert other and min(other) > 1.5 * max(own), (other, own)
+
+
+def test_of_trace_needs_generator_metadata() -> None:
+    from eplb.traces import Trace
+
+    bare = Trace(np.zeros((1, 1, 4), dtype=np.int32), np.ones(1, dtype=bool), np.ones(1, dtype=np.int64), {})
+    with pytest.raises(ValueError, match="no generator metadata"):
+        WorkloadConfig.of_trace(bare)
