@@ -15,7 +15,8 @@ slowest schedule's first rebalance):
   with each forecast, under static (SGLang's with EPLB on) or ``lp`` dispatch (``lp`` only on
   ``--lp-workloads``: its per-batch split takes minutes to simulate); ``oracle`` plans each
   rebalance on the next 50 passes themselves (the same budget and decisions): the ceiling no
-  forecast reaches;
+  forecast reaches; ``latent`` on the generator's hidden popularity of the window's passes
+  (``eplb.workloads.latent``): what knowing the present exactly, but not the future, gives;
 - ``periodic-static``: scipy every 1000 passes on a window of 1000;
 - ``deepseek-1000``: eplb's port of DeepSeek's EPLB every 1000 passes on 1000: the bytes every
   row is compared with (issue 22: continuous steady-state bytes <= 1/4 of it).
