@@ -18,7 +18,6 @@ the survivors from the live placement repaired (eplb.solver.degraded).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import replace
 from typing import Any
@@ -152,19 +151,7 @@ def solve(
         if diff is None
         else pricing.transfer(diff, horizon=horizon, pass_seconds=times.pass_seconds(level)).delay_passes
     )
-    own = (
-        None
-        if cuts is None or not os.environ.get("EPLB_EXP_CAL", "").startswith("current")
-        else Cuts.of_current(W, pricing.current_age_passes, shift_at)
-    )
-    if own is not None and base is not None:
-        # The live placement was fitted on the window's passes before ``own.cut``: its scores
-        # since (already in ``base_LW``) are an older plan's decline, with no second search.
-        calibrated = calibrate(passes, scored, base, base, base_LW, own, pricing.current_age_passes)
-        stats.update(calibrated.stats())
-        stats["calibrated_on_current"] = 1.0
-        predicted, now = calibrated.plan(delay, horizon), calibrated.current(delay, horizon)
-    elif cuts is not None:
+    if cuts is not None:
         # The older plan only calibrates: its MILP polish would change the scores by < 0.001.
         older_options = replace(options, milp_max_solves=0)
         older_prediction = predict(load_WLE[: cuts.cut], older_options, method)
@@ -213,9 +200,7 @@ def solve(
                 times=times,
                 priced=policy.priced,
                 min_gain=options.min_gain,
-                noise_price=0.0
-                if stats.get("calibrated_on_current") and os.environ.get("EPLB_EXP_CAL") == "current_nogate"
-                else noise_price,
+                noise_price=noise_price,
                 num_layers=L,
             )
             stats["saved_seconds"] = verdict.saved_seconds

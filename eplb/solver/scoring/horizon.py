@@ -195,20 +195,6 @@ class Cuts:
         recent = max(min(size // 4, RECENT_PASSES), 2)
         return cls(cut=W - size, stop=W, recent=recent, plan_from=W - recent)
 
-    @classmethod
-    def of_current(cls, num_passes: int, age: int | None, shift_at: int | None) -> Cuts | None:
-        """The cuts that read the live placement as the older plan: fitted on the passes before
-        ``W - age``, its decline on the ``age`` passes since. None where it cannot stand in: no
-        age (nobody fitted it), too few passes on either side, or a shift since it was fitted."""
-        W = num_passes
-        if age is None or age < MIN_CALIBRATION or age >= W:
-            return None
-        cut = W - age
-        recent = max(min(age // 4, RECENT_PASSES), 2)
-        if cut < recent or (shift_at is not None and shift_at > cut - recent):
-            return None
-        return cls(cut=cut, stop=W, recent=recent, plan_from=W - recent)
-
 
 @dataclass(frozen=True)
 class Decline:
