@@ -30,6 +30,8 @@ pytestmark = [
     ),
 ]
 
+REBALANCE_EVERY = 20
+"""The demo's --eplb-rebalance-num-iterations: passes per rebalance decision."""
 # --steps bounds the workload trace the demo draws (steps x ranks); --duration-s only caps a leak.
 DEMO_ARGS = [
     "--nproc",
@@ -39,7 +41,7 @@ DEMO_ARGS = [
     "--duration-s",
     "150",
     "--eplb-rebalance-num-iterations",
-    "20",
+    str(REBALANCE_EVERY),
 ]
 
 
@@ -107,12 +109,12 @@ def test_stored_window_is_one_consistent_window(prometheus: Any) -> None:
     assert all(len(v) == num_gpus for v in by_layer.values())
     for layer, tokens in by_layer.items():
         assert balance[layer] == pytest.approx(np.mean(tokens) / np.max(tokens), rel=1e-9)
-    # One scrape holds both counters: every rebalance decided came after its 20 passes (the demo's
-    # --eplb-rebalance-num-iterations), however fast or slow the machine ran the demo.
+    # One scrape holds both counters: every rebalance decided came after its REBALANCE_EVERY
+    # passes, however fast or slow the machine ran the demo.
     (passes,) = prometheus.api("query", query="sum(eplb_forward_passes_total)", time=at)["result"]
     (decided,) = prometheus.api("query", query=f"sum({names.REBALANCES})", time=at)["result"]
     assert float(decided["value"][1]) >= 1
-    assert float(passes["value"][1]) >= 20 * float(decided["value"][1])
+    assert float(passes["value"][1]) >= REBALANCE_EVERY * float(decided["value"][1])
 
 
 def test_labels_are_bounded_and_fixed(prometheus: Any) -> None:
