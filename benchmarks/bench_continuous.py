@@ -18,7 +18,7 @@ All points are scored on the same steps (from pass 1000, the slowest schedule's 
 rebalance): prefill balancedness, modeled MoE speed-up net of stalls and interference, bytes
 moved across GPUs per 1000 passes, prediction error (|predicted - realized| balancedness of each
 applied plan on the load it served until the next rebalance) and solve time. The continuous
-defaults (``eplb.config``, or ``--default-*``) are judged against the targets of issue 14, also on
+defaults (``eplb.config``, or ``--default-*``) are judged against the project's continuous-mode targets, also on
 a second seed.
 
     python -m benchmarks.bench_continuous                       # every workload and topology

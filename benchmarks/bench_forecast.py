@@ -19,7 +19,7 @@ slowest schedule's first rebalance):
   (``eplb.workloads.latent``): what knowing the present exactly, but not the future, gives;
 - ``periodic-static``: scipy every 1000 passes on a window of 1000;
 - ``deepseek-1000``: eplb's port of DeepSeek's EPLB every 1000 passes on 1000: the bytes every
-  row is compared with (issue 22: continuous steady-state bytes <= 1/4 of it).
+  row is compared with (the target: continuous steady-state bytes <= 1/4 of it).
 
 With ``--variant-layers N`` the variants keep their first N layers and the budget is scaled to
 them (160 x N / L copies per rebalance), so that a sweep fits in minutes on a shared machine; the

@@ -10,7 +10,7 @@ on one trace: eplb's default (scipy) against SGLang 0.5.23's own ``rebalance_exp
 (``benchmarks.peers``, fetched from PyPI) applying every plan, as SGLang does. Both are scored on
 the same passes, from the second rebalance on (the first plan of each run, from the trivial
 placement, is warm-up): prefill balancedness, modeled MoE speed-up net of stalls, bytes moved
-across GPUs per 1000 passes. The checks of issue 21: scipy >= DeepSeek + 0.01 balancedness, with
+across GPUs per 1000 passes. The checks: scipy >= DeepSeek + 0.01 balancedness, with
 at most a quarter of its bytes, and a speed-up at least as good.
 
 Calibration cases (``--calibration``): the same workloads in continuous mode (every 50 passes,

@@ -20,7 +20,7 @@ without eplb's failure-aware placement (``failure_domain=gpu``, one more replay 
 alone: SGLang's and ``none``'s do not depend on it); one node lost (ranks 8-15): at 32 redundant
 experts the 24 survivors hold 216 slots for 256 experts, which no plan can serve, so that case runs
 at 96 redundant (11 slots per GPU, 264 left), with and without ``failure_domain=node``. The last
-table checks, for each case, what issue 25 asks of failure-aware eplb against SGLang: balancedness
+table checks, for each case, what failure-aware eplb must reach against SGLang: balancedness
 after the loss at least SGLang's (to the next rebalance and to the end), fewer bytes reloaded and
 fewer moved at the loss.
 

@@ -2,7 +2,7 @@
 
 Shape legend: T steps, L layers, E logical experts.
 
-The target (issue 4): 10,000 steps x 58 layers x 256 experts, interval 200, three algorithms, at
+The target: 10,000 steps x 58 layers x 256 experts, interval 200, three algorithms, at
 most 60 s on 2 cores; workload generation is timed separately. The peer is SGLang 0.5.23's
 DeepSeek EPLB (``benchmarks.peers``), run as a planner inside the same simulation as ours, so
 balancedness, moves and solve time compare side by side.

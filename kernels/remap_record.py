@@ -255,8 +255,7 @@ FEW_PROGRAMS = 32
 def default_block(numel: int, units: int, count_rows: int = 1) -> tuple[int, int]:
     """(block, num_warps) for ``numel`` ids on ``units`` compute units, 8 warps.
 
-    Measured on an H200 with shared-memory bins (docs/benchmarks.md, "Per-batch dispatch (`lp`),
-    prepared layers and the recorder's cost"): every
+    Measured on an H200 with shared-memory bins (docs/benchmarks.md, "Remap + record"): every
     program's flush adds into the same addresses of its count row, and those atomics serialise,
     so the cost of the flush grows with programs per row. With SPREAD_ROWS rows or more, about
     one block of 512..2048 ids per compute unit (all of them busy); with fewer, blocks of

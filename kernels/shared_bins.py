@@ -3,8 +3,8 @@
 Why: the remap kernel's recording is a histogram per program. Triton up to 3.6 lowers
 ``tl.histogram`` to warp ballots and popcounts, about 50-100 instructions per id for 256 bins, and
 offers no shared-memory atomics; at 58 layers of T = 4096..65536 that made recording cost more
-than the remap itself (docs/benchmarks.md, "Per-batch dispatch (`lp`), prepared layers and the
-recorder's cost"). Here one ``red.shared.add`` per id
+than the remap itself (docs/benchmarks.md, "Remap +
+record"). Here one ``red.shared.add`` per id
 counts into a ``.shared`` array the helpers declare in inline PTX, and the bins are laid out by
 slot, so the flush into the slot counts is contiguous (a static map's slots are a permutation,
 whose scattered atomics cost more than the count).

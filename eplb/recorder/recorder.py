@@ -32,8 +32,8 @@ if TYPE_CHECKING:
 
 CUDA_COUNT_ROWS = 16
 """Count rows per layer on CUDA: the remap kernel runs up to two programs per SM, and with 16 rows
-at most about 17 of its flushes add into one address (docs/benchmarks.md, "Per-batch dispatch
-(`lp`), prepared layers and the recorder's cost")."""
+at most about 17 of its flushes add into one address (docs/benchmarks.md, "Remap +
+record")."""
 
 
 @dataclass(frozen=True, kw_only=True)
