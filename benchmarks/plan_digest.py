@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -97,19 +98,19 @@ def sim_cases(quick: bool) -> Iterator[tuple[str, Callable[[], str]]]:
     for dispatch in ("static", "dynamic", "lp"):
         yield (
             f"sim periodic@1000 EP32 {dispatch}",
-            lambda d=dispatch: _simulate(
-                long, ["scipy", "deepseek"], d, eplb_rebalance_num_iterations=1000, **ep32
+            partial(
+                _simulate, long, ["scipy", "deepseek"], dispatch, eplb_rebalance_num_iterations=1000, **ep32
             ),
         )
         yield (
             f"sim periodic@200 EP32 {dispatch}",
-            lambda d=dispatch: _simulate(
-                short, ["scipy", "deepseek"], d, eplb_rebalance_num_iterations=200, **ep32
+            partial(
+                _simulate, short, ["scipy", "deepseek"], dispatch, eplb_rebalance_num_iterations=200, **ep32
             ),
         )
         yield (
             f"sim continuous EP32 {dispatch}",
-            lambda d=dispatch: _simulate(short, ["scipy"], d, eplb_rebalance_mode="continuous", **ep32),
+            partial(_simulate, short, ["scipy"], dispatch, eplb_rebalance_mode="continuous", **ep32),
         )
     yield (
         "sim continuous EP64 static",
@@ -176,7 +177,8 @@ def _failure(mode: str) -> str:
             )
         for e in run.result.events:
             parts.append((e.step, e.applied, e.reason, e.predicted_balancedness, e.experts_moved_across_gpus))
-        parts.append(run.result.final_placement.phy2log_LP)
+        final = run.result.final_placement
+        parts.append(None if final is None else final.phy2log_LP)
         parts.append(run.result.balancedness_F.astype(np.float64))
     return _h(*parts)
 
@@ -324,8 +326,8 @@ def _sglang(mode: str) -> str:
 def engine_cases() -> Iterator[tuple[str, Callable[[], str]]]:
     yield "eplb solve", _solve_command
     for mode in ("periodic", "continuous"):
-        yield f"vLLM policy {mode}", lambda m=mode: _vllm(m)
-        yield f"SGLang rebalance_experts {mode}", lambda m=mode: _sglang(m)
+        yield f"vLLM policy {mode}", partial(_vllm, mode)
+        yield f"SGLang rebalance_experts {mode}", partial(_sglang, mode)
 
 
 def main(argv: list[str] | None = None) -> int:
