@@ -114,7 +114,7 @@ class EplbManager:
                 f"--expert-distribution-recorder-mode {config.recorder_mode} keeps token ids, not a load "
                 "window: the rebalancer needs stat or per_pass"
             )
-        self._watchdog = Watchdog(watchdog_s, rank)
+        watchdog = Watchdog(watchdog_s, rank)
         lost_after_s = lost_after(self.swap_options.timeout_s)
         liveness = Liveness(group, ranks, rank, lost_after_s) if world_size > 1 else None
         agree = RankAgreement.create(group, world_size, device, liveness)
@@ -146,7 +146,7 @@ class EplbManager:
         )
         self._live = Live(
             sink=self.sink,
-            watchdog=self._watchdog,
+            watchdog=watchdog,
             world=world,
             swaps=swaps,
             recorder=recorder,
@@ -177,6 +177,7 @@ class EplbManager:
 
     @property
     def world_size(self) -> int:
+        """Ranks of the group served with now."""
         return self._live.world.size
 
     @property
@@ -254,7 +255,7 @@ class EplbManager:
         live = self._live
         return ManagerState(
             phase=live.phase,
-            in_flight_seconds=self._watchdog.in_flight(),
+            in_flight_seconds=live.watchdog.in_flight(),
             seconds_since_rebalance=time.monotonic() - live.last_rebalance_at,
             swap_groups=live.swaps.made,
             stopped=live.swaps.stopped,
@@ -274,4 +275,4 @@ class EplbManager:
     def close(self) -> None:
         """Stop the helper threads (a solve in flight is left to end on its own daemon thread)."""
         self._swapper.close()
-        self._watchdog.close()
+        self._live.watchdog.close()

@@ -100,7 +100,7 @@ class Rebalancer:
         load_LE = load_WLE.sum(axis=0)
         before = self.setup.served(load_LE, live.placement, live.weights_LER)
         self.windows.append((live.passes, before))
-        self.live.sink.on_window(logical_load_LE=load_LE, gpu_load_LG=gpu_load(load_LE, live.placement))
+        live.sink.on_window(logical_load_LE=load_LE, gpu_load_LG=gpu_load(load_LE, live.placement))
         if live.world.rank == 0:
             log.info(
                 "pass %d: window of %d passes, window balancedness %.4f",
