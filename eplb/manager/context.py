@@ -4,8 +4,8 @@ now, and the live state every part reads and changes (placement, weights, record
 Shape legend: L layers, E logical experts, P physical slots, R max replicas.
 
 The manager (eplb.manager.manager) makes one :class:`Setup` and one :class:`Live` and hands both to
-its parts, the swap scheduling (eplb.manager.schedule) and the lost-rank recovery
-(eplb.manager.lost_rank). A recovery replaces ``Live.world``, ``Live.swaps`` and ``Live.recorder``;
+its parts: the rebalance from window to record (eplb.manager.rebalance), the swap scheduling
+(eplb.manager.schedule) and the lost-rank recovery (eplb.manager.lost_rank). A recovery replaces ``Live.world``, ``Live.swaps`` and ``Live.recorder``;
 the rest changes in place.
 """
 

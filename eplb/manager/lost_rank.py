@@ -1,14 +1,15 @@
 """The manager's side of surviving a lost rank: what this rank brings to the survivors, their world
 taken over once they regrouped, the move to the degraded plan, and the recovery's records.
 
-Shape legend: W window (passes), L layers, E logical experts, P physical slots, G GPUs (ranks).
+Shape legend: W window (passes), F the passes the recorder holds, L layers, E logical experts,
+P physical slots, G GPUs (ranks), R max replicas.
 
 :meth:`LostRank.serve_on_without` runs on every survivor at the same point: it publishes this
 rank's :class:`~eplb.manager.rendezvous.Arrival`, regroups (eplb.manager.recovery: members, group,
 degraded plan, reloads), then takes the survivors' world over (group, recorder, swap group,
 counters, the engine's ``set_world``) and hot-swaps from the repaired placement to the plan on
-the survivors' swap group. What the loss does to the rebalance in flight is the manager's
-(eplb.manager.manager); docs/architecture.md, "Surviving a lost rank", has the steps.
+the survivors' swap group. What the loss does to the rebalance in flight is decided in
+eplb.manager.rebalance; docs/architecture.md, "Surviving a lost rank", has the steps.
 """
 
 from __future__ import annotations

@@ -129,7 +129,7 @@ class RecoverySetup:
     """This rank's slot buffers of a layer (the engine's)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Survivors:
     """Step 3's group over the members, and this rank's place in it."""
 
@@ -138,8 +138,11 @@ class Survivors:
     rank: int
     """This rank's index among the members (its rank in ``group``)."""
     group: dist.ProcessGroup
+    """The members' process group (the serving group from now on)."""
     agree: RankAgreement
+    """Its collectives, watched by ``liveness``."""
     liveness: Liveness
+    """Its heartbeat watch: a member lost during the recovery raises RankLost."""
 
 
 @dataclass
@@ -148,6 +151,7 @@ class Regrouped:
 
     members: Members
     survivors: Survivors
+    """Their group, and this rank's place in it."""
     alive_G: np.ndarray
     """bool [G]: the old group's ranks that serve on."""
     load_WLE: np.ndarray
@@ -312,7 +316,7 @@ def _survivors_group(
     rank = members.ranks.index(me)
     liveness = Liveness(group, members.ranks, rank, setup.lost_after_s)
     agree = RankAgreement.create(group, len(members.ranks), setup.device, liveness)
-    return Survivors(members.ranks, rank, group, agree, liveness)
+    return Survivors(ranks=members.ranks, rank=rank, group=group, agree=agree, liveness=liveness)
 
 
 def agreed_window(

@@ -8,7 +8,7 @@ Every rank holds the same job (made from the broadcast plan) and takes the same 
 pass: chunk i's swap is prepared (host work, no collective) while the passes before it run, and
 the pass that applies it agrees first that every rank prepared it and that the watchdog has not
 ended the rebalance (docs/architecture.md, "The control loop", steps 4 and 5). How a job ends is
-handed back as a :class:`JobEnd`: the manager records it (eplb.manager.manager).
+handed back as a :class:`JobEnd`, for the rebalance's record (eplb.manager.rebalance).
 """
 
 from __future__ import annotations
