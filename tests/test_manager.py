@@ -71,7 +71,7 @@ def test_rebalance_applies_a_chunk_of_layers_per_pass() -> None:
 
 
 def test_each_chunk_is_prepared_on_a_helper_thread_passes_ahead(monkeypatch: pytest.MonkeyPatch) -> None:
-    import eplb.manager.manager as manager_module
+    import eplb.manager.schedule as schedule_module
     from eplb.hotswap.swap import PreparedSwap
 
     model, placement, w = make()
@@ -82,7 +82,7 @@ def test_each_chunk_is_prepared_on_a_helper_thread_passes_ahead(monkeypatch: pyt
     prepared: list[tuple[tuple[int, ...], str, bool]] = []
     executed: list[tuple[tuple[int, ...], int, str]] = []
     ahead: list[list[int]] = []  # chunks being prepared when each applying pass ends
-    prepare, execute = manager_module.prepare_swap, PreparedSwap.execute
+    prepare, execute = schedule_module.prepare_swap, PreparedSwap.execute
 
     def spy_prepare(*args: Any, **kw: Any) -> PreparedSwap:
         prepared.append((tuple(kw["layers"]), threading.current_thread().name, kw["check"]))
@@ -92,13 +92,13 @@ def test_each_chunk_is_prepared_on_a_helper_thread_passes_ahead(monkeypatch: pyt
         executed.append((self.layers, manager.state().passes, threading.current_thread().name))
         return execute(self, **kw)
 
-    monkeypatch.setattr(manager_module, "prepare_swap", spy_prepare)
+    monkeypatch.setattr(schedule_module, "prepare_swap", spy_prepare)
     monkeypatch.setattr(PreparedSwap, "execute", spy_execute)
     run_passes(manager, model, 2)
     while manager.state().phase != "idle":
         run_passes(manager, model, 1)
-        if manager._job is not None and manager.state().phase == "applying":
-            ahead.append(sorted(manager._job.prepared))
+        if manager._swapper.job is not None and manager.state().phase == "applying":
+            ahead.append(sorted(manager._swapper.job.prepared))
     # Three changed layers, one per pass; each pass executes a swap prepared before it began.
     assert [(layers, p) for layers, p, _ in executed] == [((k,), executed[0][1] + k) for k in range(3)]
     assert ahead == [[1, 2], [2]]
@@ -113,18 +113,18 @@ def test_each_chunk_is_prepared_on_a_helper_thread_passes_ahead(monkeypatch: pyt
 
 
 def test_a_swap_that_cannot_be_prepared_fails_and_restores(monkeypatch: pytest.MonkeyPatch) -> None:
-    import eplb.manager.manager as manager_module
+    import eplb.manager.schedule as schedule_module
 
     model, placement, _ = make()
     before = [{k: v.clone() for k, v in d.items()} for d in model.slots_L]
-    prepare = manager_module.prepare_swap
+    prepare = schedule_module.prepare_swap
 
     def failing_prepare(*args: Any, **kw: Any) -> Any:
         if list(kw["layers"]) == [1]:
             raise RuntimeError("no plan for layer 1")
         return prepare(*args, **kw)
 
-    monkeypatch.setattr(manager_module, "prepare_swap", failing_prepare)
+    monkeypatch.setattr(schedule_module, "prepare_swap", failing_prepare)
     config = EplbConfig(eplb_rebalance_num_iterations=2, eplb_rebalance_layers_per_chunk=1)
     target = other_placement(placement, 4)
     manager = EplbManager(config, model, placement, device=CPU, planner=lambda load, cur: FakePlan(target))

@@ -32,7 +32,7 @@ from __future__ import annotations
 import datetime
 import logging
 import zlib
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -43,7 +43,7 @@ import torch.distributed as dist
 from eplb.manager.backup import ExpertLoader, HostBackup, Move, SlotsOf, checked_weights, move_experts
 from eplb.manager.collectives import RankAgreement
 from eplb.manager.liveness import Liveness, RankLost
-from eplb.manager.rendezvous import Arrival, Members, RankLossError, rendezvous
+from eplb.manager.rendezvous import Arrival, Loss, Members, RankLossError, rendezvous
 from eplb.placement.degraded import orphans, survivors_phy2log
 from eplb.placement.model import Placement
 from eplb.recorder.buffers import PassInfo
@@ -51,7 +51,16 @@ from eplb.recorder.buffers import PassInfo
 if TYPE_CHECKING:
     from eplb.solver.types import Plan, SolveOptions
 
-__all__ = ["RankLossError", "RecoveryRecord", "Regrouped", "Reload", "regroup", "reload_plan"]
+__all__ = [
+    "RankLossError",
+    "RecoveryRecord",
+    "RecoverySetup",
+    "Regrouped",
+    "Reload",
+    "Survivors",
+    "regroup",
+    "reload_plan",
+]
 
 log = logging.getLogger("eplb.manager.recovery")
 
@@ -100,16 +109,49 @@ class Reload:
     caller's loader, on ``dest``."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class RecoverySetup:
+    """What every recovery of one manager takes, the same for the manager's life."""
+
+    device: torch.device
+    """Where the collectives' tensors of the survivors' data group live (the manager's device)."""
+    timeout_s: float
+    """The longest the survivors wait for each other, and the timeout of their new group."""
+    lost_after_s: float
+    """A heartbeat that stands still this long while a rank waits: its rank is gone."""
+    num_groups: int
+    """Expert groups of the model (the degraded plan's topology)."""
+    backup: HostBackup | None
+    """This rank's host copies (``--eplb-host-backup``), or None."""
+    loader: ExpertLoader | None
+    """The caller's loader of one expert's weights, or None."""
+    slots_of: SlotsOf
+    """This rank's slot buffers of a layer (the engine's)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Survivors:
+    """Step 3's group over the members, and this rank's place in it."""
+
+    ranks: tuple[int, ...]
+    """The members' global ranks, ascending (member i is rank i of ``group``)."""
+    rank: int
+    """This rank's index among the members (its rank in ``group``)."""
+    group: dist.ProcessGroup
+    """The members' process group (the serving group from now on)."""
+    agree: RankAgreement
+    """Its collectives, watched by ``liveness``."""
+    liveness: Liveness
+    """Its heartbeat watch: a member lost during the recovery raises RankLost."""
+
+
 @dataclass
 class Regrouped:
     """What :func:`regroup` leaves: the survivors' group, their plan, and the slots repaired."""
 
     members: Members
-    group: dist.ProcessGroup
-    agree: RankAgreement
-    liveness: Liveness
-    rank: int
-    """This rank's index among the members (its rank in ``group``)."""
+    survivors: Survivors
+    """Their group, and this rank's place in it."""
     alive_G: np.ndarray
     """bool [G]: the old group's ranks that serve on."""
     load_WLE: np.ndarray
@@ -194,29 +236,19 @@ def check_arrivals(members: Members, current: Placement) -> None:
 
 
 def regroup(
+    setup: RecoverySetup,
+    loss: Loss,
     *,
     old_group: dist.ProcessGroup | None,
-    world: Sequence[int],
-    me: int,
-    device: torch.device,
-    arrival: Arrival,
-    named_lost: Collection[int],
-    timeout_s: float,
-    lost_after_s: float,
-    why: str,
     current: Placement,
     window: tuple[Sequence[PassInfo], np.ndarray],
     to_logical: Callable[[np.ndarray, list[int]], np.ndarray],
     base_options: SolveOptions,
-    num_groups: int,
-    backup: HostBackup | None,
-    loader: ExpertLoader | None,
-    slots_of: SlotsOf,
 ) -> Regrouped:
     """Steps 1-6 on this rank (see the module's doc); collective over the survivors.
 
-    ``world``: the old group's global ranks; ``me``: this rank's global rank; ``window``: this
-    rank's recorder window (its passes and slot counts); ``to_logical``: the recorder's
+    ``old_group``: the group that lost a rank (``loss.world`` its global ranks); ``window``:
+    this rank's recorder window (its passes and slot counts); ``to_logical``: the recorder's
     conversion of slot counts to expert counts. RankLossError, alike on every member, when they
     cannot serve on together.
     """
@@ -224,33 +256,26 @@ def regroup(
 
     store = group_store(old_group)
     members = rendezvous(
-        store,
-        root_store(store),
-        world,
-        me,
-        arrival,
-        named_lost=named_lost,
-        timeout_s=timeout_s,
-        lost_after_s=lost_after_s,
-        why=why,
+        store, root_store(store), loss, timeout_s=setup.timeout_s, lost_after_s=setup.lost_after_s
     )
     check_arrivals(members, current)
-    alive_G = np.isin(np.asarray(world), members.ranks)
+    alive_G = np.isin(np.asarray(loss.world), members.ranks)
     keepers_of = None
+    backup = setup.backup
     if backup is not None:
         keepers_of = {
             (layer, e): backup.keepers(layer, e) for layer, e in np.argwhere(orphans(current, alive_G))
         }
     has_loader = all(a.loader for a in members.arrivals.values())
-    group, agree, liveness = _survivors_group(old_group, members, me, device, timeout_s, lost_after_s)
-    rank = members.ranks.index(me)
+    survivors = _survivors_group(old_group, members, loss.me, setup)
+    agree = survivors.agree
     try:
         infos, phys_FLP = window
         load_WLE = agreed_window(
             infos, phys_FLP, to_logical, members.arrivals, agree, (current.num_layers, current.num_logical)
         )
         options = degraded_options(base_options, alive_G, backup is not None)
-        plan, repaired = degraded_plan(load_WLE, current, options, num_groups)
+        plan, repaired = degraded_plan(load_WLE, current, options, setup.num_groups)
         same = agree.same(placement_digest(plan.placement), placement_digest(repaired))
     except RankLost as exc:
         raise RankLossError(f"a rank was lost while the survivors agreed on their plan: {exc}") from exc
@@ -264,29 +289,13 @@ def regroup(
         ranks=members.ranks,
         has_loader=has_loader,
     )
-    run_reloads(
-        reloads,
-        rank=rank,
-        ranks=members.ranks,
-        group=group,
-        agree=agree,
-        liveness=liveness,
-        slots_of=slots_of,
-        slots_per_gpu=current.slots_per_gpu,
-        backup=backup,
-        loader=loader,
-    )
-    return Regrouped(members, group, agree, liveness, rank, alive_G, load_WLE, plan, repaired, reloads)
+    run_reloads(reloads, survivors, setup, current.slots_per_gpu)
+    return Regrouped(members, survivors, alive_G, load_WLE, plan, repaired, reloads)
 
 
 def _survivors_group(
-    old_group: dist.ProcessGroup | None,
-    members: Members,
-    me: int,
-    device: torch.device,
-    timeout_s: float,
-    lost_after_s: float,
-) -> tuple[dist.ProcessGroup, RankAgreement, Liveness]:
+    old_group: dist.ProcessGroup | None, members: Members, me: int, setup: RecoverySetup
+) -> Survivors:
     """Step 3: the members' group (collective over them), its agreement and its liveness watch."""
     backend = str(dist.get_backend(old_group))
     if "nccl" in backend:  # free the stream a collective with the lost peer may hold
@@ -299,14 +308,15 @@ def _survivors_group(
         group = dist.new_group(
             list(members.ranks),
             backend="nccl" if "nccl" in backend else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
+            timeout=datetime.timedelta(seconds=setup.timeout_s),
             use_local_synchronization=True,
         )
     except RuntimeError as exc:  # a member lost meanwhile, or the store gone (DistError is one)
         raise RankLossError(f"the survivors could not form their group: {type(exc).__name__}: {exc}") from exc
     rank = members.ranks.index(me)
-    liveness = Liveness(group, members.ranks, rank, lost_after_s)
-    return group, RankAgreement.create(group, len(members.ranks), device, liveness), liveness
+    liveness = Liveness(group, members.ranks, rank, setup.lost_after_s)
+    agree = RankAgreement.create(group, len(members.ranks), setup.device, liveness)
+    return Survivors(ranks=members.ranks, rank=rank, group=group, agree=agree, liveness=liveness)
 
 
 def agreed_window(
@@ -364,20 +374,11 @@ def degraded_options(base: SolveOptions, alive_G: np.ndarray, host_backup: bool)
 
 
 def run_reloads(
-    reloads: Sequence[Reload],
-    *,
-    rank: int,
-    ranks: Sequence[int],
-    group: dist.ProcessGroup,
-    agree: RankAgreement,
-    liveness: Liveness,
-    slots_of: SlotsOf,
-    slots_per_gpu: int,
-    backup: HostBackup | None,
-    loader: ExpertLoader | None,
+    reloads: Sequence[Reload], survivors: Survivors, setup: RecoverySetup, slots_per_gpu: int
 ) -> None:
     """Step 6 on this rank: gather its reloads into temporaries, agree that every member's
     arrived, then write them into the slots (RankLossError on every member when one failed)."""
+    rank, slots_of, backup, loader = survivors.rank, setup.slots_of, setup.backup, setup.loader
     moves: list[Move] = [
         (r.source, r.dest, (r.layer, r.expert, r.slot)) for r in reloads if r.source is not None
     ]
@@ -393,11 +394,11 @@ def run_reloads(
             move_experts(
                 moves,
                 me=rank,
-                ranks=ranks,
-                group=group,
+                ranks=survivors.ranks,
+                group=survivors.group,
                 read=host_copy,
                 like=lambda key: slots_of(key[0]),
-                liveness=liveness,
+                liveness=survivors.liveness,
                 what="reloading from the host copies",
             )
         )
@@ -419,7 +420,7 @@ def run_reloads(
         except Exception as exc:  # reported to every member below
             failure = failure or f"{type(exc).__name__}: {exc}"
     try:
-        failed = agree.any(bool(failure))
+        failed = survivors.agree.any(bool(failure))
     except RankLost as exc:
         raise RankLossError(f"a rank was lost while the survivors reloaded experts: {exc}") from exc
     if failed:

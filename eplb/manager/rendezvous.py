@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from dataclasses import asdict, dataclass
 
 import torch.distributed as dist
@@ -85,51 +85,48 @@ def accounted_for(world: Collection[int], here: Collection[int], gone: Collectio
     return set(world) <= set(here) | set(gone)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Loss:
+    """A rank loss as this rank begins its recovery of a group."""
+
+    world: tuple[int, ...]
+    """The group's global ranks, in group order."""
+    me: int
+    """This rank's global rank."""
+    arrival: Arrival
+    """What this rank holds, published to the others."""
+    named_lost: tuple[int, ...]
+    """Global ranks known gone (the engine's word, a swap's error); one that arrives in time serves on."""
+    why: str
+    """What found the loss: logged, and set under the group's recovery key for the others."""
+
+
 def rendezvous(
-    store: dist.Store,
-    root: dist.Store,
-    world: Sequence[int],
-    me: int,
-    arrival: Arrival,
-    *,
-    named_lost: Collection[int],
-    timeout_s: float,
-    lost_after_s: float,
-    why: str,
+    store: dist.Store, root: dist.Store, loss: Loss, *, timeout_s: float, lost_after_s: float
 ) -> Members:
-    """Publish ``arrival`` and return the members every survivor reads (see the module's doc).
+    """Publish ``loss.arrival`` and return the members every survivor reads (see the module's doc).
 
     ``store``: the old group's store (its prefix); ``root``: the store under every prefix (the
-    heartbeats); ``world``: the old group's global ranks; ``me``: this rank (global).
-    RankLossError when the store is unreachable or the decision left this rank out.
+    heartbeats). RankLossError when the store is unreachable or the decision left this rank out.
     """
     try:
-        return _rendezvous(
-            store, root, list(world), me, arrival, set(named_lost), timeout_s, lost_after_s, why
-        )
+        return _rendezvous(store, root, loss, timeout_s, lost_after_s)
     except RankLossError:
         raise
     except Exception as exc:  # DistNetworkError, ...: the store's host may be the lost rank
         raise RankLossError(
-            f"rank {me}: the store is unreachable ({type(exc).__name__}: {str(exc)[:160]}), so the "
+            f"rank {loss.me}: the store is unreachable ({type(exc).__name__}: {str(exc)[:160]}), so the "
             "survivors cannot agree on who serves on: host the store outside the ranks"
         ) from exc
 
 
 def _rendezvous(
-    store: dist.Store,
-    root: dist.Store,
-    world: list[int],
-    me: int,
-    arrival: Arrival,
-    named_lost: set[int],
-    timeout_s: float,
-    lost_after_s: float,
-    why: str,
+    store: dist.Store, root: dist.Store, loss: Loss, timeout_s: float, lost_after_s: float
 ) -> Members:
+    world, me, named_lost = list(loss.world), loss.me, set(loss.named_lost)
     if not store.check([BEGUN_KEY]):
-        store.set(BEGUN_KEY, f"rank {me}: {why}"[:500])
-    store.set(f"{PREFIX}/here/{me}", arrival.encode())
+        store.set(BEGUN_KEY, f"rank {me}: {loss.why}"[:500])
+    store.set(f"{PREFIX}/here/{me}", loss.arrival.encode())
     decision_key = f"{PREFIX}/members"
     watch = Watch(root, world, world.index(me), lost_after_s)
     still = _Stalls(watch, world, lost_after_s)
