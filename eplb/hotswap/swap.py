@@ -27,7 +27,7 @@ from eplb.hotswap.commit import HotSwapError, Outcome, SwapRun
 from eplb.hotswap.control import Cause, SwapControl, SwapFailure
 from eplb.hotswap.layout import PlainLayout, SlotLayout
 from eplb.hotswap.plan import SwapPlan, plan_swap
-from eplb.hotswap.program import SwapProgram, compile_swap
+from eplb.hotswap.program import ProgramSpec, SwapProgram, compile_swap
 from eplb.hotswap.runtime import SwapRuntime
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
@@ -372,8 +372,7 @@ def prepare_swap(
     # What moves, in the foundation's terms; the plan moves exactly that (one receive per arrival).
     assert diff.experts_moved_across_gpus == plan.cross_gpu_transfers, "one receive per arrival"
     with runtime.timed("compile"):
-        program = compile_swap(
-            plan,
+        spec = ProgramSpec(
             rank=runtime.rank,
             piece_fractions=options.piece_fractions,
             view_shapes=runtime.view_shapes,
@@ -381,6 +380,7 @@ def prepare_swap(
             verify=options.verify,
             checksum_backend=options.checksum_backend,
         )
+        program = compile_swap(plan, spec)
     shape_key = (options.staging_budget_bytes, int(options.verify), *options.piece_fractions)
     value = CheckValue(
         fingerprint=fingerprint(cur_LP, tgt_LP, layer_list, shape_key),
