@@ -25,7 +25,7 @@ from eplb.hotswap.control import Cause, Decision, SwapControl, SwapFailure
 from eplb.hotswap.group import GroupRun
 from eplb.hotswap.plan import SwapPlan
 from eplb.hotswap.program import SwapProgram
-from eplb.hotswap.runtime import SwapRuntime
+from eplb.hotswap.runtime import SwapRuntime, keep_for_good
 from eplb.placement.model import Placement
 
 log = logging.getLogger("eplb.hotswap.commit")
@@ -289,6 +289,7 @@ class SwapRun:
             return
         _ABANDONED.append((self.rt.staging_flat, self.runs))
         del _ABANDONED[:-4]
+        keep_for_good(self.rt.group)  # what it left posted must not hold up the process's exit
         if self.rt.device.type == "cuda" and not all(run.settled() for run in self.runs):
             _abort_communicator(self.rt.group)
 

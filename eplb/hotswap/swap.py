@@ -26,6 +26,7 @@ from eplb.hotswap.checksum import checksum_backends
 from eplb.hotswap.commit import HotSwapError, Outcome, SwapRun
 from eplb.hotswap.control import Cause, SwapControl, SwapFailure
 from eplb.hotswap.layout import PlainLayout, SlotLayout
+from eplb.hotswap.owned import drop, owned_group, refuse_serving
 from eplb.hotswap.plan import SwapPlan, plan_swap
 from eplb.hotswap.program import ProgramSpec, SwapProgram, compile_swap
 from eplb.hotswap.runtime import SwapRuntime
@@ -148,6 +149,10 @@ class PreparedSwap:
         self.moved, self.program, self.value, self.target = moved, program, value, target
         self.executed = False
         self.checked = False
+        self.given_up = False
+        """The swap gave its group up (alike on every rank; or this rank left it before knowing
+        its decision): the group must not run another collective. A swap group of our own is
+        then dropped (eplb.hotswap.owned)."""
         self.control: SwapControl | None = None
         self._run: SwapRun | None = None
         self._started = 0.0
@@ -170,24 +175,32 @@ class PreparedSwap:
         if self.checked:
             return
         rt = self.runtime
-        with rt.timed("check"):
-            staged = True
-            try:
-                rt.reserve_staging(self.program.staging_rows)
-            except Exception:  # out of memory here is reported on every rank below
-                staged = False
-            control = SwapControl.for_group(rt.group, self.options.timeout_s)
-            with self._lock:
-                self.control, pending = control, self._abort
-            if pending is not None and control is not None:
-                control.give_up(pending)
-            value = replace(self.value, staged=staged)
-            try:
-                values = [value] if self.control is None else run_check(self.control, value, fault)
-                verdict(values, rt.staging_bytes(self.program.staging_rows))
-            except BaseException:
-                rt.release_staging()
-                raise
+        self.given_up = True  # until every rank's check is in (what follows refuses alike)
+        try:
+            with rt.timed("check"):
+                if rt.group is None and (own := owned_group(rt.device, self.options.timeout_s)) is not None:
+                    rt.bind(own)
+                staged = True
+                try:
+                    rt.reserve_staging(self.program.staging_rows)
+                except Exception:  # out of memory here is reported on every rank below
+                    staged = False
+                control = SwapControl.for_group(rt.group, self.options.timeout_s)
+                with self._lock:
+                    self.control, pending = control, self._abort
+                if pending is not None and control is not None:
+                    control.give_up(pending)
+                value = replace(self.value, staged=staged)
+                try:
+                    values = [value] if self.control is None else run_check(self.control, value, fault)
+                    self.given_up = False
+                    verdict(values, rt.staging_bytes(self.program.staging_rows))
+                except BaseException:
+                    rt.release_staging()
+                    raise
+        finally:
+            if self.given_up:
+                drop(rt.group)
         self.checked = True
 
     def execute(
@@ -210,18 +223,25 @@ class PreparedSwap:
         self.executed = True
         self._started = time.perf_counter()
         self.check(fault)
-        if self.bound is not None:
-            torch.cuda.current_stream(self.runtime.device).wait_event(self.bound)
-        self._run = SwapRun(
-            self.runtime,
-            self.program,
-            self.control,
-            fault,
-            update_maps,
-            restore_maps,
-            pace_bytes_per_s=self.options.pace_bytes_per_s,
-        )
-        outcome = self._run.execute(self.plan, self.target, self.layers)
+        self.given_up = True  # until the swap's decision is known here
+        try:
+            if self.bound is not None:
+                torch.cuda.current_stream(self.runtime.device).wait_event(self.bound)
+            self._run = SwapRun(
+                self.runtime,
+                self.program,
+                self.control,
+                fault,
+                update_maps,
+                restore_maps,
+                pace_bytes_per_s=self.options.pace_bytes_per_s,
+            )
+            outcome = self._run.execute(self.plan, self.target, self.layers)
+        finally:
+            decision = self._run.decision if self._run is not None else None
+            self.given_up = decision is None or decision.gives_up_group
+            if self.given_up:
+                drop(self.runtime.group)
         return self._result(outcome, time.perf_counter() - self._started)
 
     def decided(self) -> HotSwapResult:
@@ -340,6 +360,7 @@ def prepare_swap(
     raises such errors on its own; :meth:`PreparedSwap.execute` checks first.
     """
     options = options or HotSwapOptions()
+    refuse_serving(group)
     layer_list = tuple(sorted(set(range(old.num_layers) if layers is None else (int(x) for x in layers))))
     try:
         runtime = SwapRuntime.create(
@@ -353,11 +374,8 @@ def prepare_swap(
                 f"old and new placements differ in shape or topology: {_shape(old)} and {_shape(new)}"
             )
     except ValueError as exc:  # the placements or buffers do not fit: a shape problem of this rank
-        if check and (control := SwapControl.for_group(group, options.timeout_s)) is not None:
-            values = run_check(
-                control, CheckValue(fingerprint=0, shape="", staged=True, problem=str(exc)), fault
-            )
-            verdict(values, 0)  # raises on every rank, naming the first rank with a problem
+        if check:
+            _check_unfit(slots_L, group, options.timeout_s, str(exc), fault)
         rank = _rank_in(group)
         raise HotSwapShapeError(f"shape: rank {rank} cannot run this hot-swap: {exc}", rank=rank) from exc
     cur_LP = old.phy2log_LP
@@ -391,6 +409,29 @@ def prepare_swap(
     if check:
         prepared.check(fault)
     return prepared
+
+
+def _check_unfit(
+    slots_L: Sequence[Mapping[str, torch.Tensor]],
+    group: dist.ProcessGroup | None,
+    timeout_s: float,
+    problem: str,
+    fault: FaultHook | None,
+) -> None:
+    """This rank's slots or placements do not fit the swap: take part in the check (on the group
+    every rank checks on), so that every rank raises HotSwapShapeError naming the first such rank."""
+    if group is None:
+        device = next((t.device for tensors in slots_L for t in tensors.values()), torch.device("cpu"))
+        group = owned_group(device, timeout_s)
+    control = SwapControl.for_group(group, timeout_s)
+    if control is None:
+        return
+    try:
+        values = run_check(control, CheckValue(fingerprint=0, shape="", staged=True, problem=problem), fault)
+    except BaseException:  # given up (a rank lost, late or interrupted): alike on every rank
+        drop(group)
+        raise
+    verdict(values, 0)
 
 
 def _rank_in(group: dist.ProcessGroup | None) -> int:

@@ -166,7 +166,7 @@ class EplbManager:
         if self.world_size > 1:
             liveness = Liveness(group, self._ranks, self.rank, self._lost_after_s)
         self._agree = RankAgreement.create(group, self.world_size, device, liveness)
-        self._swaps = SwapGroups(group, self._agree, device, self.rank)
+        self._swaps = SwapGroups(group, self._agree, device, self.rank, timeout_s=self.swap_options.timeout_s)
         self._backup: HostBackup | None = None
         if config.eplb_host_backup and self.world_size > 1:
             self._backup = HostBackup.fill(
@@ -575,7 +575,9 @@ class EplbManager:
         )
         self.recorder.start()
         try:
-            self._swaps = SwapGroups(got.group, got.agree, self.device, got.rank)
+            self._swaps = SwapGroups(
+                got.group, got.agree, self.device, got.rank, timeout_s=self.swap_options.timeout_s
+            )
         except (RankLost, RuntimeError) as exc:  # RuntimeError: new_group failed (a member lost)
             raise RankLossError(f"a rank was lost while the survivors made their swap group: {exc}") from exc
         self._placement, self._weights_LER = got.repaired, None

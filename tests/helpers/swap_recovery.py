@@ -137,7 +137,7 @@ def hotswap_on_its_own_group(ctx: RankContext, at: int) -> list[dict[str, Any]]:
                 else:
                     raise KeyboardInterrupt
 
-        group = swap_group(None, ctx.device)
+        group = swap_group(None, ctx.device, timeout_s=TIMEOUT_S)
         got: dict[str, Any] = {"kind": kind}
         try:
             hot_swap(model.slots_L, src, dst, group=group, options=options, fault=fault)
@@ -150,7 +150,7 @@ def hotswap_on_its_own_group(ctx: RankContext, at: int) -> list[dict[str, Any]]:
             s == (OLD if src is old else NEW) for s in layer_states(model, w, old, new, ctx.rank)
         )
         got["serving"] = serving_collectives(ctx)
-        fresh = swap_group(None, ctx.device)  # the group given up is never used again
+        fresh = swap_group(None, ctx.device, timeout_s=TIMEOUT_S)  # the group given up is never used again
         res = hot_swap(
             model.slots_L,
             src,
