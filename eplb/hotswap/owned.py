@@ -6,13 +6,17 @@ leaves its group out of step, and the next collective on it may abort the proces
 as ``group``, and without a ``group`` run on a swap group of their own over the default group's
 ranks: made at the first swap's check (collective: every rank checks at the same point), one per
 slot device type and group timeout, and kept while its swaps end with a decision every rank voted
-on (committed or failed). A swap given up (``HotSwapError``, or a rank that left it) drops it on
-every rank alike; the next swap, which every rank starts at the same point, makes a fresh one. A
+on (committed or failed). A swap given up (``HotSwapError``, or a rank that left it, before its
+check too) drops it on every rank alike; the next swap, which every rank starts at the same
+point, makes a fresh one. A
 group dropped is kept alive, never used or destroyed again (eplb.hotswap.runtime.keep_for_good).
 With one process there is no group to make.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,7 +43,7 @@ def owned_group(device: torch.device, timeout_s: float) -> dist.ProcessGroup | N
     at the same point). None with one process (a swap has no peer)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return None
-    key = (device.type, swap_group_timeout_s(timeout_s))
+    key = _key(device, timeout_s)
     world = dist.group.WORLD
     held = _OWNED.get(key)
     if held is None or held[0] is not world:  # none yet, or one over an earlier default group
@@ -54,3 +58,20 @@ def drop(group: dist.ProcessGroup | None) -> None:
     for key, (_, held) in list(_OWNED.items()):
         if held is group:
             del _OWNED[key]
+
+
+@contextlib.contextmanager
+def unchecked(group: dist.ProcessGroup | None, device: torch.device, timeout_s: float) -> Iterator[None]:
+    """Around a swap's work before its check: a rank that leaves there (any exception) takes no
+    part in the check, where the others give the swap's group up; so without a ``group`` ours is
+    dropped here too, and every rank's next swap makes a fresh one."""
+    try:
+        yield
+    except BaseException:
+        if group is None:
+            _OWNED.pop(_key(device, timeout_s), None)
+        raise
+
+
+def _key(device: torch.device, timeout_s: float) -> tuple[str, float]:
+    return device.type, swap_group_timeout_s(timeout_s)

@@ -26,7 +26,7 @@ from eplb.hotswap.checksum import checksum_backends
 from eplb.hotswap.commit import HotSwapError, Outcome, SwapRun
 from eplb.hotswap.control import Cause, SwapControl, SwapFailure
 from eplb.hotswap.layout import PlainLayout, SlotLayout
-from eplb.hotswap.owned import drop, owned_group, refuse_serving
+from eplb.hotswap.owned import drop, owned_group, refuse_serving, unchecked
 from eplb.hotswap.plan import SwapPlan, plan_swap
 from eplb.hotswap.program import ProgramSpec, SwapProgram, compile_swap
 from eplb.hotswap.runtime import SwapRuntime
@@ -361,23 +361,39 @@ def prepare_swap(
     """
     options = options or HotSwapOptions()
     refuse_serving(group)
-    layer_list = tuple(sorted(set(range(old.num_layers) if layers is None else (int(x) for x in layers))))
-    try:
-        runtime = SwapRuntime.create(
-            slots_L, old, group, layout or PlainLayout(), options.timeout_s, options.verify
-        )
-        if old.phy2log_LP.shape != new.phy2log_LP.shape or (old.num_gpus, old.num_nodes) != (
-            new.num_gpus,
-            new.num_nodes,
-        ):
-            raise ValueError(
-                f"old and new placements differ in shape or topology: {_shape(old)} and {_shape(new)}"
+    device = next((t.device for tensors in slots_L for t in tensors.values()), torch.device("cpu"))
+    unfit: ValueError | None = None
+    with unchecked(group, device, options.timeout_s):  # a rank that leaves here skips the check
+        layer_list = tuple(sorted(set(range(old.num_layers) if layers is None else (int(x) for x in layers))))
+        try:
+            runtime = SwapRuntime.create(
+                slots_L, old, group, layout or PlainLayout(), options.timeout_s, options.verify
             )
-    except ValueError as exc:  # the placements or buffers do not fit: a shape problem of this rank
-        if check:
-            _check_unfit(slots_L, group, options.timeout_s, str(exc), fault)
-        rank = _rank_in(group)
-        raise HotSwapShapeError(f"shape: rank {rank} cannot run this hot-swap: {exc}", rank=rank) from exc
+            if old.phy2log_LP.shape != new.phy2log_LP.shape or (old.num_gpus, old.num_nodes) != (
+                new.num_gpus,
+                new.num_nodes,
+            ):
+                raise ValueError(
+                    f"old and new placements differ in shape or topology: {_shape(old)} and {_shape(new)}"
+                )
+        except ValueError as exc:  # the placements or buffers do not fit: a shape problem of this rank
+            unfit = exc
+        if unfit is None:
+            prepared = _compiled(runtime, old, new, layer_list, options)
+        elif not check:
+            raise _shape_error(group, unfit) from unfit
+    if unfit is not None:
+        _check_unfit(device, group, options.timeout_s, str(unfit), fault)
+        raise _shape_error(group, unfit) from unfit
+    if check:
+        prepared.check(fault)
+    return prepared
+
+
+def _compiled(
+    runtime: SwapRuntime, old: Placement, new: Placement, layer_list: tuple[int, ...], options: HotSwapOptions
+) -> PreparedSwap:
+    """Plan and compile this rank's part of the swap of ``layer_list`` from ``old`` to ``new``."""
     cur_LP = old.phy2log_LP
     tgt_LP = cur_LP.copy()
     tgt_LP[list(layer_list)] = new.phy2log_LP[list(layer_list)]
@@ -405,23 +421,20 @@ def prepare_swap(
         shape=f"{_shape(old)} layers {len(layer_list)} bytes/expert {runtime.bytes_per_expert}",
         staged=True,
     )
-    prepared = PreparedSwap(runtime, plan, layer_list, options, moved, program, value, target)
-    if check:
-        prepared.check(fault)
-    return prepared
+    return PreparedSwap(runtime, plan, layer_list, options, moved, program, value, target)
 
 
 def _check_unfit(
-    slots_L: Sequence[Mapping[str, torch.Tensor]],
+    device: torch.device,
     group: dist.ProcessGroup | None,
     timeout_s: float,
     problem: str,
     fault: FaultHook | None,
 ) -> None:
     """This rank's slots or placements do not fit the swap: take part in the check (on the group
-    every rank checks on), so that every rank raises HotSwapShapeError naming the first such rank."""
+    every rank checks on), so that every rank raises HotSwapShapeError naming the first such rank
+    (one process: nothing to check)."""
     if group is None:
-        device = next((t.device for tensors in slots_L for t in tensors.values()), torch.device("cpu"))
         group = owned_group(device, timeout_s)
     control = SwapControl.for_group(group, timeout_s)
     if control is None:
@@ -432,6 +445,11 @@ def _check_unfit(
         drop(group)
         raise
     verdict(values, 0)
+
+
+def _shape_error(group: dist.ProcessGroup | None, problem: ValueError) -> HotSwapShapeError:
+    rank = _rank_in(group)
+    return HotSwapShapeError(f"shape: rank {rank} cannot run this hot-swap: {problem}", rank=rank)
 
 
 def _rank_in(group: dist.ProcessGroup | None) -> int:

@@ -17,7 +17,7 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from eplb.hotswap.layout import PlainLayout
 from eplb.moe.spawn import RankContext, host_store, init_rank
 from tests.helpers.swap_faults import setup
 
@@ -131,11 +132,19 @@ def serving_collectives(ctx: RankContext, group: dist.ProcessGroup | None = None
 
 
 # ---- the hot-swap alone: a swap given up on its own group ---------------------------------------
-GIVEN_UP = {"stall": "prepare", "interrupt": "received", "sigint": "received"}
+GIVEN_UP = {"stall": "prepare", "interrupt": "received", "sigint": "received", "early": ""}
 """Faults of :func:`hotswap_given_up`, and the stage of chunk 1 at which each fires: ``stall``
 sleeps STALL_S (past timeout_s) before chunk 1 is posted, ``interrupt`` raises KeyboardInterrupt
 once chunk 1 arrived, ``sigint`` sends its own process SIGINT then (Python's handler raises
-KeyboardInterrupt in the swap)."""
+KeyboardInterrupt in the swap); ``early`` raises KeyboardInterrupt while the swap is prepared,
+before this rank's check (its layout's ``slot_views``)."""
+
+
+class InterruptedLayout(PlainLayout):
+    """The plain layout, whose ``slot_views`` raises KeyboardInterrupt (the "early" fault)."""
+
+    def slot_views(self, tensors: Mapping[str, torch.Tensor], slot: int) -> list[torch.Tensor]:
+        raise KeyboardInterrupt
 
 
 def _swap_setup(ctx: RankContext) -> tuple[Any, ...]:
@@ -186,8 +195,9 @@ def hotswap_given_up(
                 _fire(kind, STALL_S)
 
         got: dict[str, Any] = {"kind": kind}
+        layout = InterruptedLayout() if kind == "early" and ctx.rank == at else None
         try:
-            hot_swap(model.slots_L, src, dst, group=group(), options=options, fault=fault)
+            hot_swap(model.slots_L, src, dst, group=group(), options=options, layout=layout, fault=fault)
             got["type"] = "result"
         except HotSwapError as exc:
             got.update(type="HotSwapError", cause=exc.cause, blamed=exc.rank, alive=exc.alive)
