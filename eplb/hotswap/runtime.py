@@ -7,7 +7,9 @@ or of the staging buffer); :class:`SwapRuntime` turns them into tensor views, po
 and copies, and holds the one staging buffer that every expert this rank receives or copies
 waits in until the swap commits. Data and each group's agreement go over ``group`` (NCCL on
 GPUs, Gloo on CPU) as raw bytes; the check and the decision go through the store
-(eplb.hotswap.control). Running a group on top of this is eplb.hotswap.group's concern.
+(eplb.hotswap.control). Running a group on top of this is eplb.hotswap.group's concern. The
+process groups themselves are made here: :func:`swap_group` (a timeout of its own, from the swaps'
+``timeout_s``), and a group a swap gave up is kept for good (:func:`keep_for_good`).
 """
 
 from __future__ import annotations

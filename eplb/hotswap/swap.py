@@ -351,13 +351,16 @@ def prepare_swap(
 
     ``slots_L[l]`` maps tensor names to this rank's slot buffers [S, ...] of layer l (weights,
     scales), in the engine layout that ``layout`` describes. ``group``: the swap's own process
-    group (:func:`eplb.hotswap.runtime.swap_group`), never the one the model serves with: a swap
-    given up with transfers in flight leaves its group unusable. With ``check`` (collective over
-    the ranks of ``group``, through its store) it reserves the staging buffer (every expert the
-    swap writes on this rank, held until executed) and makes sure every rank runs this swap: a
-    rank whose placements or buffers do not fit (another shape) takes part and every rank raises
-    HotSwapShapeError naming it. Without, it is host work only (a helper thread may run it) and
-    raises such errors on its own; :meth:`PreparedSwap.execute` checks first.
+    group (:func:`eplb.hotswap.runtime.swap_group`), never the one the model serves with (the
+    default group is refused: ValueError), since a swap given up with transfers in flight leaves
+    its group unusable; None: a swap group of its own over the default group's ranks, made at the
+    check and dropped after a swap given up (eplb.hotswap.owned; one process: none). With
+    ``check`` (collective over the ranks of the group, through its store) it reserves the staging
+    buffer (every expert the swap writes on this rank, held until executed) and makes sure every
+    rank runs this swap: a rank whose placements or buffers do not fit (another shape) takes part
+    and every rank raises HotSwapShapeError naming it. Without, it is host work only (a helper
+    thread may run it) and raises such errors on its own; :meth:`PreparedSwap.execute` checks
+    first. Every rank that checks a swap executes it.
     """
     options = options or HotSwapOptions()
     refuse_serving(group)
@@ -473,7 +476,8 @@ def hot_swap(
     restore_maps: Callable[[], None] | None = None,
     fault: FaultHook | None = None,
 ) -> HotSwapResult:
-    """Move this rank's slots of ``layers`` from ``old`` to ``new`` (collective over ``group``).
+    """Move this rank's slots of ``layers`` from ``old`` to ``new`` (collective over ``group``, or
+    without one over the default group's ranks, on a swap group of its own: see prepare_swap).
 
     :func:`prepare_swap` then :meth:`PreparedSwap.execute`; ``update_maps`` should copy the new
     maps into place, ``restore_maps`` the old ones (see execute).
