@@ -1,10 +1,11 @@
-"""Swaps given up on a group of their own, on real ranks (tests/test_hotswap_serving.py,
+"""Swaps given up on a group of their own (the caller's ``swap_group``, or the one ``hot_swap``
+makes without a group), on real ranks (tests/test_hotswap_serving.py,
 tests/test_manager_recovery.py): the serving group stays usable, a fresh swap group commits, and
 the rebalance watchdog ends a rebalance that hangs.
 
 :func:`run_to_exit` spawns the ranks and lets each one end its process on its own (no
 ``os._exit``), so a rank that a poisoned group aborts (SIGABRT) or that hangs in its exit fails
-the test: every process must exit with code 0.
+the test: every process must exit with code 0 (and, when asked, within some seconds of its end).
 """
 
 from __future__ import annotations
@@ -164,11 +165,13 @@ def _fire(kind: str, stall_s: float) -> None:
         time.sleep(stall_s)
     elif kind == "interrupt":
         raise KeyboardInterrupt
-    else:
+    elif kind == "sigint":
         signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5.0)  # the handler raises KeyboardInterrupt in here
         raise AssertionError("SIGINT did not interrupt the swap")
+    else:
+        raise ValueError(f"no fault {kind!r} fires in a fault hook")
 
 
 def hotswap_given_up(
