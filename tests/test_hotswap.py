@@ -314,3 +314,30 @@ def test_keyboard_interrupt_leaves_one_placement_then_propagates(stage: str) -> 
     # Before the commit point: old weights, maps never changed; after it: the commit finishes first.
     assert_holds(slots_L, w, new if stage == "committed" else old)
     assert maps == (["new"] if stage == "committed" else [])
+
+
+@pytest.mark.parametrize(
+    ("timeout_s", "group_s"),
+    [(0.01, 10.0), (2.0, 10.0), (10.0 / 3, 10.0), (5.0, 15.0), (60.0, 180.0), (150.0, 450.0), (600.0, 900.0)],
+)
+def test_a_swap_groups_own_timeout_is_a_few_times_the_swaps(timeout_s: float, group_s: float) -> None:
+    from eplb.hotswap.runtime import swap_group_timeout_s
+
+    # Three times timeout_s, at least 10 s (to make the group), at most 5 minutes past timeout_s.
+    assert swap_group_timeout_s(timeout_s) == pytest.approx(group_s)
+    assert swap_group_timeout_s(timeout_s) > timeout_s  # never ends a wait the swap still runs
+
+
+def test_without_a_process_group_no_swap_group_is_made() -> None:
+    import torch.distributed as dist
+
+    from eplb.hotswap import owned
+
+    assert not dist.is_initialized()
+    old, new = placements(4)
+    w = logical(4)
+    slots_L = slot_buffers(w, old, 0, torch.device("cpu"), torch.float32)
+    assert hot_swap(slots_L, old, new).ok
+    assert_holds(slots_L, w, new)
+    assert owned.owned_group(torch.device("cpu"), 60.0) is None and not owned._OWNED
+    owned.refuse_serving(None)  # nothing to refuse: no default group

@@ -1,7 +1,8 @@
 """Gloo, 2 and 4 ranks: the EP model equals the dense reference before and after a hot-swap;
 injected failures the agreements settle (checksum mismatch, exception) leave weights and outputs
-exactly as before on every rank, with the same cause and rank everywhere; slot buffers never move.
-One process group per world size runs every scenario (lost and late peers: test_hotswap_faults)."""
+exactly as before on every rank, with the same cause and rank everywhere; slot buffers never move;
+swaps without a group run on groups of their own (the default group is refused). One process
+group per world size runs every scenario (lost and late peers: test_hotswap_faults)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from eplb.moe.spawn import RankContext, run_ranks
 
 
 def scenario(ctx: RankContext, seed: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from eplb.hotswap.owned import owned_group
     from eplb.hotswap.swap import HotSwapOptions, hot_swap
     from eplb.moe.model import MoEModel, MoEModelConfig, logical_weights
     from eplb.moe.reference import dense_moe, reference_forward
     from eplb.placement.model import Placement
     from tests.helpers.placements import random_phy2log
+    from tests.helpers.swap_faults import group_timeout_s
 
     G, rank = ctx.world_size, ctx.rank
     cfg = MoEModelConfig(num_layers=3, num_experts=8, top_k=3, hidden=32, intermediate=16)
@@ -122,6 +127,21 @@ def scenario(ctx: RankContext, seed: int) -> dict[str, Any]:
         torch.equal(exact.slots_L[layer]["w13"], w["w13"][layer][mine[layer]])
         for layer in range(cfg.num_layers)
     )
+    # Without a group every swap above ran on a swap group of its own (one per group timeout),
+    # never on the default group, which is refused as a swap's group (on every rank, before any
+    # collective).
+    try:
+        hot_swap(exact.slots_L, block_target, new, group=dist.group.WORLD)
+        out["world_refused"] = None
+    except ValueError as exc:
+        out["world_refused"] = str(exc)
+    out["owned"] = []
+    for timeout_s in (0.4, HotSwapOptions().timeout_s):
+        own = owned_group(ctx.device, timeout_s)  # the one the swaps with this timeout_s ran on
+        assert own is not None
+        out["owned"].append(
+            (own is dist.group.WORLD, dist.get_process_group_ranks(own), group_timeout_s(own), own.group_name)
+        )
     return out
 
 
@@ -173,3 +193,18 @@ def test_failed_trade_restores_backups(results: list[dict[str, Any]]) -> None:
 
 def test_storage_never_moves(results: list[dict[str, Any]]) -> None:
     assert all(r["ptrs_same"] for r in results)
+
+
+def test_without_a_group_swaps_run_on_groups_of_their_own_never_on_the_default_one(
+    results: list[dict[str, Any]],
+) -> None:
+    G = len(results)
+    for r in results:
+        assert r["world_refused"] is not None and r["world_refused"].startswith("group: "), r["world_refused"]
+        assert "group=None" in r["world_refused"] and "swap_group" in r["world_refused"]
+        # Over every rank, each with a timeout of its own: 10 s at least, else 3 x timeout_s.
+        (world_a, ranks_a, timeout_a, name_a), (world_b, ranks_b, timeout_b, name_b) = r["owned"]
+        assert not world_a and not world_b and name_a != name_b
+        assert ranks_a == ranks_b == list(range(G))
+        assert (timeout_a, timeout_b) == (10.0, 180.0)
+    assert len({tuple(o[3] for o in r["owned"]) for r in results}) == 1  # the same groups on every rank

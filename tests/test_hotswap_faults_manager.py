@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from eplb.moe.spawn import RankContext, run_ranks
-from tests.helpers.swap_faults import NEW, OLD, TIMEOUT_S, layer_states, setup
+from tests.helpers.swap_faults import NEW, OLD, TIMEOUT_S, group_timeout_s, layer_states, setup
 
 
 def manager_loses_a_peer(ctx: RankContext) -> dict[str, Any]:
@@ -45,6 +45,9 @@ def manager_loses_a_peer(ctx: RankContext) -> dict[str, Any]:
         swap_options=HotSwapOptions(timeout_s=TIMEOUT_S),
         swap_fault=fault,
     )
+    swap_group = manager._swaps.group  # made with the manager, for swaps of its options' timeout_s
+    assert swap_group is not None
+    made_with = group_timeout_s(swap_group)
     for _ in range(60):
         manager.on_forward_pass_begin(is_prefill=False, num_tokens=4)
         manager.recorder.pass_counts_LP[:, 0] = 4  # some load, without a forward (no exchange)
@@ -68,6 +71,7 @@ def manager_loses_a_peer(ctx: RankContext) -> dict[str, Any]:
             bool((state.placement.phy2log_LP[layer] == new.phy2log_LP[layer]).all()) for layer in range(3)
         ],
         "model_held": model.placement.same_slots(state.placement),
+        "swap_group_timeout_s": made_with,
     }
 
 
@@ -85,3 +89,5 @@ def test_the_manager_serves_on_and_stops_rebalancing_when_a_peer_is_lost() -> No
     # The first layer chunk committed before the loss; the rest stayed old: consistent per layer.
     assert r0["held"] == [True, False, False] and r0["model_held"]
     assert r0["layers"] == [NEW, OLD, OLD]
+    # Its swap group had a timeout of its own, from the swaps' (TIMEOUT_S = 2 s): the 10 s floor.
+    assert TIMEOUT_S == 2.0 and r0["swap_group_timeout_s"] == 10.0

@@ -10,7 +10,7 @@ import torch
 
 from eplb.hotswap.checksum import SlotChecksum, block_checksums
 from eplb.hotswap.plan import SwapPlan, plan_swap
-from eplb.hotswap.program import GroupProgram, SwapProgram, compile_swap
+from eplb.hotswap.program import GroupProgram, ProgramSpec, SwapProgram, compile_swap
 from eplb.hotswap.swap import HotSwapOptions, hot_swap, prepare_swap
 from eplb.moe.model import slot_buffers
 from eplb.placement.model import Placement
@@ -28,11 +28,13 @@ def compiled(plan: SwapPlan, fractions: tuple[float, ...], verify: bool = True) 
     return [
         compile_swap(
             plan,
-            rank=r,
-            piece_fractions=fractions,
-            view_shapes=VIEWS,
-            device=torch.device("cpu"),
-            verify=verify,
+            ProgramSpec(
+                rank=r,
+                piece_fractions=fractions,
+                view_shapes=VIEWS,
+                device=torch.device("cpu"),
+                verify=verify,
+            ),
         )
         for r in range(plan.num_gpus)
     ]
@@ -75,8 +77,8 @@ def test_programs_match_across_ranks_and_cover_the_plan(seed: int, fractions: tu
                             staging[dst][b.start + m] = int(cur[a.layer, src * S + a.start + m])
             # Piece j carries its fraction of each GPU's arrivals (rounded up to whole slots).
             share = fractions[j] / sum(fractions) if len(group[0].pieces) == len(fractions) else 1.0
-            for g, got in arriving.items():
-                assert got <= np.ceil(share * totals[g]) + 1, (j, g, got, totals[g])
+            for g, count in arriving.items():
+                assert count <= np.ceil(share * totals[g]) + 1, (j, g, count, totals[g])
         for r, prog in enumerate(group):
             for a, b in prog.local.copies:  # local moves: slots into staging too
                 assert not a.staging and b.staging

@@ -3,7 +3,9 @@
 ``hot_swap`` = ``prepare_swap`` + ``PreparedSwap.execute``; every tensor keeps its storage, so
 captured CUDA graphs stay valid; every rank ends on the old or the new placement, whatever a peer
 does, and ``committed_placement`` tells a restarted rank which one its group serves. Swaps run on
-a process group of their own (``swap_group``), never the one the model serves with.
+a process group of their own, never the one the model serves with: the caller's (``swap_group``),
+or without one a swap group that ``hot_swap`` makes over the default group's ranks and drops after
+a swap given up.
 """
 
 from __future__ import annotations

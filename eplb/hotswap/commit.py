@@ -25,7 +25,7 @@ from eplb.hotswap.control import Cause, Decision, SwapControl, SwapFailure
 from eplb.hotswap.group import GroupRun
 from eplb.hotswap.plan import SwapPlan
 from eplb.hotswap.program import SwapProgram
-from eplb.hotswap.runtime import SwapRuntime
+from eplb.hotswap.runtime import SwapRuntime, keep_for_good
 from eplb.placement.model import Placement
 
 log = logging.getLogger("eplb.hotswap.commit")
@@ -47,8 +47,10 @@ class HotSwapError(RuntimeError):
     be gone (a heartbeat stopped, a connection broke, the store is unreachable); True when every
     rank is alive (late or interrupted), so all can meet again on a fresh group. The group's ranks
     may be out of step (transfers still posted) or gone: do not use it for another collective;
-    a swap needs a group of its own (:func:`eplb.hotswap.runtime.swap_group`), never the one the
-    model serves with, so giving one up leaves serving intact.
+    a swap needs a group of its own (:func:`eplb.hotswap.runtime.swap_group`, or the one
+    ``hot_swap`` makes without a group, which it drops itself), never the one the model serves
+    with, so giving one up leaves serving intact. The group is kept alive for good, so what it
+    left posted holds up no process's exit (:func:`eplb.hotswap.runtime.keep_for_good`).
     """
 
     def __init__(
@@ -289,6 +291,7 @@ class SwapRun:
             return
         _ABANDONED.append((self.rt.staging_flat, self.runs))
         del _ABANDONED[:-4]
+        keep_for_good(self.rt.group)  # what it left posted must not hold up the process's exit
         if self.rt.device.type == "cuda" and not all(run.settled() for run in self.runs):
             _abort_communicator(self.rt.group)
 

@@ -45,7 +45,8 @@ swap), an arrival was corrupted, ranks disagreed on its shape, or an exception (
 
 POLL_S = 0.01
 """Longest pause between two looks at the store while waiting."""
-_SEQ: dict[tuple[int, ...], int] = {}
+_SEQ: dict[dist.ProcessGroup, int] = {}
+"""Swaps started on each group (the group itself is the key: groups are never destroyed)."""
 _T = TypeVar("_T")
 
 
@@ -97,6 +98,11 @@ class Decision:
     def commit(self) -> bool:
         return self.failure is None
 
+    @property
+    def gives_up_group(self) -> bool:
+        """Abandoned with a rank's transfers possibly unsettled: the group must not be used again."""
+        return self.failure is not None and not self.failure.group_usable
+
     @classmethod
     def parse(cls, raw: bytes | str) -> Decision:
         text = raw.decode() if isinstance(raw, bytes) else raw
@@ -121,11 +127,22 @@ class SwapControl:
     """
 
     def __init__(
-        self, store: dist.Store, *, rank: int, peers: Sequence[int], seq: int, timeout_s: float
+        self,
+        store: dist.Store,
+        *,
+        rank: int,
+        peers: Sequence[int],
+        seq: int,
+        timeout_s: float,
+        name: str,
     ) -> None:
         self.store, self.rank, self.peers, self.seq = store, rank, list(peers), seq
         self.world, self.timeout_s = len(self.peers), timeout_s
         self.tag = group_tag(self.peers)
+        """The ranks' name: the commit records are kept under it, for any group of these ranks."""
+        self.beat_tag = f"{self.tag}.{zlib.crc32(name.encode()):08x}"
+        """This group's name in heartbeat positions (``name``: the group's, the same on its ranks):
+        its swaps are counted apart from those of another group of the same ranks."""
         self.root = root_store(store)
         self.heartbeat = Heartbeat.of(self.root, self.peers[rank])
         self.watch = Watch(self.root, self.peers, rank, lost_after(timeout_s))
@@ -139,15 +156,25 @@ class SwapControl:
             return None
         world = dist.get_world_size(group)
         peers = [dist.get_global_rank(group, r) if group is not None else r for r in range(world)]
-        key = (*peers, id(dist.group.WORLD))
-        _SEQ[key] = seq = _SEQ.get(key, 0) + 1
-        return cls(group_store(group), rank=dist.get_rank(group), peers=peers, seq=seq, timeout_s=timeout_s)
+        pg = group if group is not None else dist.group.WORLD
+        assert pg is not None, "an initialized default group"
+        # Counted per group: a fresh group starts every rank at 1, even after a rank left a swap
+        # before it counted it (interrupted before its check).
+        _SEQ[pg] = seq = _SEQ.get(pg, 0) + 1
+        return cls(
+            group_store(group),
+            rank=dist.get_rank(group),
+            peers=peers,
+            seq=seq,
+            timeout_s=timeout_s,
+            name=pg.group_name,
+        )
 
     # ---- where this rank is -------------------------------------------------------------------
     def at(self, step: int, label: str) -> None:
         """This rank reached protocol step ``step`` (monotonic within the swap), named ``label``."""
         self.step, self.label = step, label
-        self.heartbeat.position = position(self.tag, self.seq, step, label)
+        self.heartbeat.position = position(self.beat_tag, self.seq, step, label)
 
     # ---- waits --------------------------------------------------------------------------------
     def wait(
@@ -201,7 +228,7 @@ class SwapControl:
             except SwapFailure as failure:
                 return failure
             beats = self._store(self.watch.read)
-            behind = [r for r, v in beats.items() if step_of(v, self.tag, self.seq) < self.step]
+            behind = [r for r, v in beats.items() if step_of(v, self.beat_tag, self.seq) < self.step]
             absent = [r for r in range(self.world) if r != self.rank and r not in beats]
             blamed = next(iter(behind + absent), None)
             if blamed is None or blamed in absent or beats[blamed] != first.get(blamed):

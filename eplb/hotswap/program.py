@@ -166,52 +166,38 @@ class SwapProgram:
     commit: list[tuple[Span, Span]]
 
 
-def compile_swap(
-    plan: SwapPlan,
-    *,
-    rank: int,
-    piece_fractions: Sequence[float],
-    view_shapes: Sequence[tuple[tuple[int, ...], torch.dtype]],
-    device: torch.device,
-    verify: bool,
-    checksum_backend: str = "auto",
-) -> SwapProgram:
+@dataclass(frozen=True, kw_only=True)
+class ProgramSpec:
+    """What this rank's program is compiled for: the same for every chunk of a swap."""
+
+    rank: int
+    """The rank (GPU) whose part of the plan is compiled."""
+    piece_fractions: Sequence[float]
+    """How a chunk's arrivals at each GPU are cut into pieces (``HotSwapOptions.piece_fractions``)."""
+    view_shapes: Sequence[tuple[tuple[int, ...], torch.dtype]]
+    """(shape, dtype) of each view of one slot."""
+    device: torch.device
+    """Where the checksum tasks' index tensors live (the slot buffers' device)."""
+    verify: bool
+    """Checksum every moved expert; False: no checksum tasks."""
+    checksum_backend: str = "auto"
+    """auto | torch | triton (``HotSwapOptions.checksum_backend``)."""
+
+
+def compile_swap(plan: SwapPlan, spec: ProgramSpec) -> SwapProgram:
     """This rank's program for every chunk of ``plan``; staging rows follow the chunks' order."""
     groups: list[GroupProgram] = []
     rows = 0
     for k in range(len(plan.chunks)):
-        prog = compile_group(
-            plan,
-            k,
-            rank=rank,
-            piece_fractions=piece_fractions,
-            view_shapes=view_shapes,
-            device=device,
-            verify=verify,
-            checksum_backend=checksum_backend,
-            first_row=rows,
-        )
+        prog = compile_group(plan, k, spec, first_row=rows)
         rows += prog.staging_rows
         groups.append(prog)
     return SwapProgram(groups, rows, [pair for g in groups for pair in g.commit])
 
 
-def compile_group(
-    plan: SwapPlan,
-    k: int,
-    *,
-    rank: int,
-    piece_fractions: Sequence[float],
-    view_shapes: Sequence[tuple[tuple[int, ...], torch.dtype]],
-    device: torch.device,
-    verify: bool,
-    checksum_backend: str = "auto",
-    first_row: int = 0,
-) -> GroupProgram:
-    """This rank's program for chunk k, staging from row ``first_row`` on.
-
-    ``view_shapes``: (shape, dtype) of each view of one slot.
-    """
+def compile_group(plan: SwapPlan, k: int, spec: ProgramSpec, *, first_row: int = 0) -> GroupProgram:
+    """This rank's program for chunk k, staging from row ``first_row`` on."""
+    rank, view_shapes, verify = spec.rank, spec.view_shapes, spec.verify
     S, G = plan.slots_per_gpu, plan.num_gpus
     chunk = plan.chunks[k]
     lo = rank * S
@@ -236,11 +222,11 @@ def compile_group(
             ]
         next_row += b.count
     cross = [b for b in blocks if b.src_gpu != b.dst_gpu]
-    pieces_global = _cut_pieces(cross, piece_fractions, G)
+    pieces_global = _cut_pieces(cross, spec.piece_fractions, G)
     stages: list[Stage] = []
     words = 2 * len(view_shapes)  # checksum words per transfer
     n = len(chunk.transfers)
-    checks = _CheckBuilder(view_shapes, device, checksum_backend if verify else None, words, n)
+    checks = _CheckBuilder(view_shapes, spec.device, spec.checksum_backend if verify else None, words, n)
     for blocks_of_piece in [*pieces_global, [b for b in blocks if b.src_gpu == b.dst_gpu == rank]]:
         stage = Stage()
         for b in blocks_of_piece:

@@ -7,12 +7,15 @@ or of the staging buffer); :class:`SwapRuntime` turns them into tensor views, po
 and copies, and holds the one staging buffer that every expert this rank receives or copies
 waits in until the swap commits. Data and each group's agreement go over ``group`` (NCCL on
 GPUs, Gloo on CPU) as raw bytes; the check and the decision go through the store
-(eplb.hotswap.control). Running a group on top of this is eplb.hotswap.group's concern.
+(eplb.hotswap.control). Running a group on top of this is eplb.hotswap.group's concern. The
+process groups themselves are made here: :func:`swap_group` (a timeout of its own, from the swaps'
+``timeout_s``), and a group a swap gave up is kept for good (:func:`keep_for_good`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -26,6 +29,8 @@ from eplb.hotswap.program import Check, Span, Stage
 from eplb.placement.model import Placement
 
 _CONTROL_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_KEPT: list[dist.ProcessGroup] = []
+"""Groups given up (:func:`keep_for_good`)."""
 _ALIGN = 512
 
 
@@ -77,7 +82,6 @@ class SwapRuntime:
                     raise ValueError(f"layer {layer} tensor {name!r} has {t.shape[0]} slots, expected S={S}")
         views = layout.slot_views(slots_L[0], 0)
         device = views[0].device
-        gloo = world == 1 or "gloo" in str(dist.get_backend(group))
         peers = [dist.get_global_rank(group, r) if group is not None else r for r in range(world)]
         sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
         return cls(
@@ -92,9 +96,15 @@ class SwapRuntime:
             verify,
             [(tuple(v.shape), v.dtype) for v in views],
             peers,
-            torch.device("cpu") if gloo else device,
+            _agree_device(group, device, world),
             sms,
         )
+
+    def bind(self, group: dist.ProcessGroup) -> None:
+        """Run on ``group`` from now on: a group over the same ranks, in the same order, as the one
+        this runtime was made with (a swap group that ``hot_swap`` makes at the check)."""
+        assert dist.get_process_group_ranks(group) == self.peers, "a group over the same ranks"
+        self.group, self.agree_device = group, _agree_device(group, self.device, self.world_size)
 
     @property
     def bytes_per_expert(self) -> int:
@@ -171,6 +181,11 @@ class SwapRuntime:
                 d.copy_(s)
 
 
+def _agree_device(group: dist.ProcessGroup | None, device: torch.device, world: int) -> torch.device:
+    """Where the agreements' all-reduces run: the host for Gloo, else the slots' device."""
+    return torch.device("cpu") if world == 1 or "gloo" in str(dist.get_backend(group)) else device
+
+
 def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     """A CPU (Gloo) group over the same ranks: ``group`` itself when it runs Gloo, else one made once.
 
@@ -187,15 +202,18 @@ def control_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup | None:
     return _CONTROL_GROUPS[key]
 
 
-def swap_group(serving: dist.ProcessGroup | None, device: torch.device) -> dist.ProcessGroup:
+def swap_group(
+    serving: dist.ProcessGroup | None, device: torch.device, *, timeout_s: float
+) -> dist.ProcessGroup:
     """A new process group over the ranks of ``serving`` for hot-swaps alone: Gloo for CPU slot
-    buffers, NCCL for CUDA ones.
+    buffers, NCCL for CUDA ones, with a timeout of its own (:func:`swap_group_timeout_s` of the
+    swaps' ``timeout_s``, ``HotSwapOptions.timeout_s``).
 
     A swap given up with transfers still posted (a late or interrupted peer: HotSwapError) leaves
     its group out of step, and the next collective on it may abort the process (Gloo: a size
     mismatch, then ``terminate``). So swaps run on a group of their own, never on the one the model
     serves with, and the caller drops this one after a HotSwapError and makes another once every
-    rank is back.
+    rank is back (``hot_swap`` without a group does this itself: eplb.hotswap.owned).
 
     Collective over the ranks of ``serving`` only (``use_local_synchronization``): each of them
     calls it at the same point. torch names the group after its ranks and the number of groups
@@ -208,12 +226,41 @@ def swap_group(serving: dist.ProcessGroup | None, device: torch.device) -> dist.
         dist.get_process_group_ranks(serving) if serving is not None else list(range(dist.get_world_size()))
     )
     backend = "nccl" if device.type == "cuda" else "gloo"
-    group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+    timeout = datetime.timedelta(seconds=swap_group_timeout_s(timeout_s))
+    group = dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
     if backend == "nccl":
         # NCCL builds a communicator at its first operation, which every rank must join: here,
         # rather than in a swap's point-to-point batches, which leave some ranks out.
         dist.all_reduce(torch.zeros(1, device=device), group=group)
     return group
+
+
+def swap_group_timeout_s(timeout_s: float) -> float:
+    """The timeout of a swap group whose swaps have ``timeout_s``: three times it, at least 10 s,
+    at most 5 minutes more than it.
+
+    Every wait of a swap ends within ``timeout_s`` or the swap is given up, so on a group in step
+    no operation lasts longer; the group's timeout ends what a swap given up left posted (on Gloo
+    an all-reduce or a receive the peers never join holds a worker thread until then: torch's
+    default is 30 minutes). The floor leaves room to make the group (its ranks meet in the store)
+    and NCCL's first communicator.
+    """
+    return max(10.0, min(3.0 * timeout_s, timeout_s + 300.0))
+
+
+def keep_for_good(group: dist.ProcessGroup | None) -> None:
+    """Keep a group that a swap gave up alive for the rest of the process, its exit included.
+
+    Its operations may still be posted (an all-reduce or receive a peer never joins), and Gloo's
+    destructor joins the worker threads that run them, so destroying it (``destroy_process_group``,
+    or the interpreter's exit) would wait for them until the group's timeout; and destroying a
+    group would hand its name to the next one (:func:`swap_group`). So its reference count is
+    raised once for good: the process ends without running its destructor.
+    """
+    if group is None or any(g is group for g in _KEPT):
+        return
+    _KEPT.append(group)
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def group_count() -> int:

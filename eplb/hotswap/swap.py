@@ -26,8 +26,9 @@ from eplb.hotswap.checksum import checksum_backends
 from eplb.hotswap.commit import HotSwapError, Outcome, SwapRun
 from eplb.hotswap.control import Cause, SwapControl, SwapFailure
 from eplb.hotswap.layout import PlainLayout, SlotLayout
+from eplb.hotswap.owned import drop, owned_group, refuse_serving, unchecked
 from eplb.hotswap.plan import SwapPlan, plan_swap
-from eplb.hotswap.program import SwapProgram, compile_swap
+from eplb.hotswap.program import ProgramSpec, SwapProgram, compile_swap
 from eplb.hotswap.runtime import SwapRuntime
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
@@ -148,6 +149,10 @@ class PreparedSwap:
         self.moved, self.program, self.value, self.target = moved, program, value, target
         self.executed = False
         self.checked = False
+        self.given_up = False
+        """The swap gave its group up (alike on every rank; or this rank left it before knowing
+        its decision): the group must not run another collective. A swap group of our own is
+        then dropped (eplb.hotswap.owned)."""
         self.control: SwapControl | None = None
         self._run: SwapRun | None = None
         self._started = 0.0
@@ -170,24 +175,32 @@ class PreparedSwap:
         if self.checked:
             return
         rt = self.runtime
-        with rt.timed("check"):
-            staged = True
-            try:
-                rt.reserve_staging(self.program.staging_rows)
-            except Exception:  # out of memory here is reported on every rank below
-                staged = False
-            control = SwapControl.for_group(rt.group, self.options.timeout_s)
-            with self._lock:
-                self.control, pending = control, self._abort
-            if pending is not None and control is not None:
-                control.give_up(pending)
-            value = replace(self.value, staged=staged)
-            try:
-                values = [value] if self.control is None else run_check(self.control, value, fault)
-                verdict(values, rt.staging_bytes(self.program.staging_rows))
-            except BaseException:
-                rt.release_staging()
-                raise
+        self.given_up = True  # until every rank's check is in (what follows refuses alike)
+        try:
+            with rt.timed("check"):
+                if rt.group is None and (own := owned_group(rt.device, self.options.timeout_s)) is not None:
+                    rt.bind(own)
+                staged = True
+                try:
+                    rt.reserve_staging(self.program.staging_rows)
+                except Exception:  # out of memory here is reported on every rank below
+                    staged = False
+                control = SwapControl.for_group(rt.group, self.options.timeout_s)
+                with self._lock:
+                    self.control, pending = control, self._abort
+                if pending is not None and control is not None:
+                    control.give_up(pending)
+                value = replace(self.value, staged=staged)
+                try:
+                    values = [value] if self.control is None else run_check(self.control, value, fault)
+                    self.given_up = False
+                    verdict(values, rt.staging_bytes(self.program.staging_rows))
+                except BaseException:
+                    rt.release_staging()
+                    raise
+        finally:
+            if self.given_up:
+                drop(rt.group)
         self.checked = True
 
     def execute(
@@ -210,18 +223,25 @@ class PreparedSwap:
         self.executed = True
         self._started = time.perf_counter()
         self.check(fault)
-        if self.bound is not None:
-            torch.cuda.current_stream(self.runtime.device).wait_event(self.bound)
-        self._run = SwapRun(
-            self.runtime,
-            self.program,
-            self.control,
-            fault,
-            update_maps,
-            restore_maps,
-            pace_bytes_per_s=self.options.pace_bytes_per_s,
-        )
-        outcome = self._run.execute(self.plan, self.target, self.layers)
+        self.given_up = True  # until the swap's decision is known here
+        try:
+            if self.bound is not None:
+                torch.cuda.current_stream(self.runtime.device).wait_event(self.bound)
+            self._run = SwapRun(
+                self.runtime,
+                self.program,
+                self.control,
+                fault,
+                update_maps,
+                restore_maps,
+                pace_bytes_per_s=self.options.pace_bytes_per_s,
+            )
+            outcome = self._run.execute(self.plan, self.target, self.layers)
+        finally:
+            decision = self._run.decision if self._run is not None else None
+            self.given_up = decision is None or decision.gives_up_group
+            if self.given_up:
+                drop(self.runtime.group)
         return self._result(outcome, time.perf_counter() - self._started)
 
     def decided(self) -> HotSwapResult:
@@ -331,35 +351,52 @@ def prepare_swap(
 
     ``slots_L[l]`` maps tensor names to this rank's slot buffers [S, ...] of layer l (weights,
     scales), in the engine layout that ``layout`` describes. ``group``: the swap's own process
-    group (:func:`eplb.hotswap.runtime.swap_group`), never the one the model serves with: a swap
-    given up with transfers in flight leaves its group unusable. With ``check`` (collective over
-    the ranks of ``group``, through its store) it reserves the staging buffer (every expert the
-    swap writes on this rank, held until executed) and makes sure every rank runs this swap: a
-    rank whose placements or buffers do not fit (another shape) takes part and every rank raises
-    HotSwapShapeError naming it. Without, it is host work only (a helper thread may run it) and
-    raises such errors on its own; :meth:`PreparedSwap.execute` checks first.
+    group (:func:`eplb.hotswap.runtime.swap_group`), never the one the model serves with (the
+    default group is refused: ValueError), since a swap given up with transfers in flight leaves
+    its group unusable; None: a swap group of its own over the default group's ranks, made at the
+    check and dropped after a swap given up (eplb.hotswap.owned; one process: none). With
+    ``check`` (collective over the ranks of the group, through its store) it reserves the staging
+    buffer (every expert the swap writes on this rank, held until executed) and makes sure every
+    rank runs this swap: a rank whose placements or buffers do not fit (another shape) takes part
+    and every rank raises HotSwapShapeError naming it. Without, it is host work only (a helper
+    thread may run it) and raises such errors on its own; :meth:`PreparedSwap.execute` checks
+    first. Every rank that checks a swap executes it.
     """
     options = options or HotSwapOptions()
-    layer_list = tuple(sorted(set(range(old.num_layers) if layers is None else (int(x) for x in layers))))
-    try:
-        runtime = SwapRuntime.create(
-            slots_L, old, group, layout or PlainLayout(), options.timeout_s, options.verify
-        )
-        if old.phy2log_LP.shape != new.phy2log_LP.shape or (old.num_gpus, old.num_nodes) != (
-            new.num_gpus,
-            new.num_nodes,
-        ):
-            raise ValueError(
-                f"old and new placements differ in shape or topology: {_shape(old)} and {_shape(new)}"
+    refuse_serving(group)
+    device = next((t.device for tensors in slots_L for t in tensors.values()), torch.device("cpu"))
+    unfit: ValueError | None = None
+    with unchecked(group, device, options.timeout_s):  # a rank that leaves here skips the check
+        layer_list = tuple(sorted(set(range(old.num_layers) if layers is None else (int(x) for x in layers))))
+        try:
+            runtime = SwapRuntime.create(
+                slots_L, old, group, layout or PlainLayout(), options.timeout_s, options.verify
             )
-    except ValueError as exc:  # the placements or buffers do not fit: a shape problem of this rank
-        if check and (control := SwapControl.for_group(group, options.timeout_s)) is not None:
-            values = run_check(
-                control, CheckValue(fingerprint=0, shape="", staged=True, problem=str(exc)), fault
-            )
-            verdict(values, 0)  # raises on every rank, naming the first rank with a problem
-        rank = _rank_in(group)
-        raise HotSwapShapeError(f"shape: rank {rank} cannot run this hot-swap: {exc}", rank=rank) from exc
+            if old.phy2log_LP.shape != new.phy2log_LP.shape or (old.num_gpus, old.num_nodes) != (
+                new.num_gpus,
+                new.num_nodes,
+            ):
+                raise ValueError(
+                    f"old and new placements differ in shape or topology: {_shape(old)} and {_shape(new)}"
+                )
+        except ValueError as exc:  # the placements or buffers do not fit: a shape problem of this rank
+            unfit = exc
+        if unfit is None:
+            prepared = _compiled(runtime, old, new, layer_list, options)
+        elif not check:
+            raise _shape_error(group, unfit) from unfit
+    if unfit is not None:
+        _check_unfit(device, group, options.timeout_s, str(unfit), fault)
+        raise _shape_error(group, unfit) from unfit
+    if check:
+        prepared.check(fault)
+    return prepared
+
+
+def _compiled(
+    runtime: SwapRuntime, old: Placement, new: Placement, layer_list: tuple[int, ...], options: HotSwapOptions
+) -> PreparedSwap:
+    """Plan and compile this rank's part of the swap of ``layer_list`` from ``old`` to ``new``."""
     cur_LP = old.phy2log_LP
     tgt_LP = cur_LP.copy()
     tgt_LP[list(layer_list)] = new.phy2log_LP[list(layer_list)]
@@ -372,8 +409,7 @@ def prepare_swap(
     # What moves, in the foundation's terms; the plan moves exactly that (one receive per arrival).
     assert diff.experts_moved_across_gpus == plan.cross_gpu_transfers, "one receive per arrival"
     with runtime.timed("compile"):
-        program = compile_swap(
-            plan,
+        spec = ProgramSpec(
             rank=runtime.rank,
             piece_fractions=options.piece_fractions,
             view_shapes=runtime.view_shapes,
@@ -381,16 +417,42 @@ def prepare_swap(
             verify=options.verify,
             checksum_backend=options.checksum_backend,
         )
+        program = compile_swap(plan, spec)
     shape_key = (options.staging_budget_bytes, int(options.verify), *options.piece_fractions)
     value = CheckValue(
         fingerprint=fingerprint(cur_LP, tgt_LP, layer_list, shape_key),
         shape=f"{_shape(old)} layers {len(layer_list)} bytes/expert {runtime.bytes_per_expert}",
         staged=True,
     )
-    prepared = PreparedSwap(runtime, plan, layer_list, options, moved, program, value, target)
-    if check:
-        prepared.check(fault)
-    return prepared
+    return PreparedSwap(runtime, plan, layer_list, options, moved, program, value, target)
+
+
+def _check_unfit(
+    device: torch.device,
+    group: dist.ProcessGroup | None,
+    timeout_s: float,
+    problem: str,
+    fault: FaultHook | None,
+) -> None:
+    """This rank's slots or placements do not fit the swap: take part in the check (on the group
+    every rank checks on), so that every rank raises HotSwapShapeError naming the first such rank
+    (one process: nothing to check)."""
+    if group is None:
+        group = owned_group(device, timeout_s)
+    control = SwapControl.for_group(group, timeout_s)
+    if control is None:
+        return
+    try:
+        values = run_check(control, CheckValue(fingerprint=0, shape="", staged=True, problem=problem), fault)
+    except BaseException:  # given up (a rank lost, late or interrupted): alike on every rank
+        drop(group)
+        raise
+    verdict(values, 0)
+
+
+def _shape_error(group: dist.ProcessGroup | None, problem: ValueError) -> HotSwapShapeError:
+    rank = _rank_in(group)
+    return HotSwapShapeError(f"shape: rank {rank} cannot run this hot-swap: {problem}", rank=rank)
 
 
 def _rank_in(group: dist.ProcessGroup | None) -> int:
@@ -414,7 +476,8 @@ def hot_swap(
     restore_maps: Callable[[], None] | None = None,
     fault: FaultHook | None = None,
 ) -> HotSwapResult:
-    """Move this rank's slots of ``layers`` from ``old`` to ``new`` (collective over ``group``).
+    """Move this rank's slots of ``layers`` from ``old`` to ``new`` (collective over ``group``, or
+    without one over the default group's ranks, on a swap group of its own: see prepare_swap).
 
     :func:`prepare_swap` then :meth:`PreparedSwap.execute`; ``update_maps`` should copy the new
     maps into place, ``restore_maps`` the old ones (see execute).

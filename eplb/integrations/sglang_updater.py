@@ -233,7 +233,7 @@ class EplbWeightUpdater:
                 from eplb.hotswap.runtime import swap_group
 
                 # Collective over every rank: each calls update for the same chunk on the same pass.
-                self.group = swap_group(None, sample.device)
+                self.group = swap_group(None, sample.device, timeout_s=self.config.timeout_s)
         self._swap(old, new_expert_location_metadata, weights, layers, world, nodes)
         return {}
 

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from eplb.hotswap.runtime import group_count, swap_group
-from eplb.hotswap.swap import HotSwapError, HotSwapResult, PreparedSwap
+from eplb.hotswap.swap import HotSwapError, HotSwapOptions, HotSwapResult, PreparedSwap
 from eplb.manager.collectives import RankAgreement
 from eplb.placement.model import Placement
 
@@ -50,9 +50,18 @@ class SwapGroups:
     """
 
     def __init__(
-        self, serving: dist.ProcessGroup | None, agree: RankAgreement, device: torch.device, rank: int
+        self,
+        serving: dist.ProcessGroup | None,
+        agree: RankAgreement,
+        device: torch.device,
+        rank: int,
+        *,
+        timeout_s: float = HotSwapOptions.timeout_s,
     ) -> None:
         self.serving, self.agree, self.device, self.rank = serving, agree, device, rank
+        self.timeout_s = timeout_s
+        """The swaps' ``timeout_s`` (the manager's swap options): the swap groups' own timeout
+        follows from it (eplb.hotswap.runtime.swap_group_timeout_s)."""
         self.group: dist.ProcessGroup | None = None
         """The group swaps run on now (None with one rank, or once dropped)."""
         self.made = 0
@@ -147,7 +156,7 @@ class SwapGroups:
         )
 
     def _make(self) -> None:
-        self.group = swap_group(self.serving, self.device)
+        self.group = swap_group(self.serving, self.device, timeout_s=self.timeout_s)
         self.made += 1
 
     def _lose(self, exc: HotSwapError) -> None:

@@ -144,7 +144,13 @@ class LostRank:
         live.recorder.stop()
         live.recorder = start_recorder(setup.config, got.repaired, setup.device, live.world)
         try:
-            live.swaps = SwapGroups(survivors.group, survivors.agree, setup.device, survivors.rank)
+            live.swaps = SwapGroups(
+                survivors.group,
+                survivors.agree,
+                setup.device,
+                survivors.rank,
+                timeout_s=setup.swap_options.timeout_s,
+            )
         except (RankLost, RuntimeError) as exc:  # RuntimeError: new_group failed (a member lost)
             raise RankLossError(f"a rank was lost while the survivors made their swap group: {exc}") from exc
         live.placement, live.weights_LER = got.repaired, None

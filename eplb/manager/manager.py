@@ -119,7 +119,7 @@ class EplbManager:
         liveness = Liveness(group, ranks, rank, lost_after_s) if world_size > 1 else None
         agree = RankAgreement.create(group, world_size, device, liveness)
         world = World(group=group, rank=rank, ranks=ranks, agree=agree)
-        swaps = SwapGroups(group, agree, device, rank)
+        swaps = SwapGroups(group, agree, device, rank, timeout_s=self.swap_options.timeout_s)
         backup = None
         if config.eplb_host_backup and world_size > 1:
             backup = HostBackup.fill(

@@ -124,6 +124,11 @@ def run_case(ctx: RankContext, case: dict[str, Any]) -> dict[str, Any] | None:
     return out
 
 
+def group_timeout_s(group: Any) -> float:
+    """The timeout a Gloo process group was made with."""
+    return float(group._get_backend(torch.device("cpu")).options._timeout.total_seconds())
+
+
 def layer_states(
     model: Any, w: dict[str, torch.Tensor], old: Any, new: Any, rank: int
 ) -> list[tuple[bool, ...]]:

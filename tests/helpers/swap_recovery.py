@@ -1,27 +1,32 @@
-"""Swaps given up on a group of their own, on real ranks (tests/test_hotswap_serving.py,
+"""Swaps given up on a group of their own (the caller's ``swap_group``, or the one ``hot_swap``
+makes without a group), on real ranks (tests/test_hotswap_serving.py,
 tests/test_manager_recovery.py): the serving group stays usable, a fresh swap group commits, and
 the rebalance watchdog ends a rebalance that hangs.
 
 :func:`run_to_exit` spawns the ranks and lets each one end its process on its own (no
 ``os._exit``), so a rank that a poisoned group aborts (SIGABRT) or that hangs in its exit fails
-the test: every process must exit with code 0.
+the test: every process must exit with code 0 (and, when asked, within some seconds of its end).
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import pickle
+import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.connection import wait as mp_wait
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from eplb.hotswap.layout import PlainLayout
 from eplb.moe.spawn import RankContext, host_store, init_rank
 from tests.helpers.swap_faults import setup
 
@@ -54,9 +59,10 @@ def _rank_main(
 
     store = root_store(group_store(None))
     try:
-        store.set(f"test/result/{rank}", pickle.dumps(("ok", fn(ctx, *args))))
+        value = fn(ctx, *args)
+        store.set(f"test/result/{rank}", pickle.dumps(("ok", value, time.time())))
     except BaseException:
-        store.set(f"test/result/{rank}", pickle.dumps(("error", traceback.format_exc())))
+        store.set(f"test/result/{rank}", pickle.dumps(("error", traceback.format_exc(), time.time())))
         raise SystemExit(1) from None
     dist.destroy_process_group()  # a process that serves on leaves its groups, swap groups given up too
 
@@ -68,36 +74,49 @@ def run_to_exit(
     args: Sequence[Any] = (),
     timeout_s: float = 60.0,
     backend: str = "gloo",
+    serving_timeout_s: float | None = None,
+    exit_within_s: float | None = None,
 ) -> list[Any]:
     """``fn(ctx, *args)`` on ``world`` spawned ranks: the results by rank, once every process has
-    ended by itself with exit code 0 (AssertionError otherwise, with the codes)."""
+    ended by itself with exit code 0 (AssertionError otherwise, with the codes).
+
+    ``serving_timeout_s``: the default (serving) group's timeout (default ``timeout_s``).
+    ``exit_within_s``: each process must also have exited within this many seconds of the end of
+    its ``fn`` (AssertionError naming the ranks and their delays).
+    """
     server = host_store(timeout_s)
     spawn = mp.get_context("spawn")
+    serving = timeout_s if serving_timeout_s is None else serving_timeout_s
     procs = [
-        spawn.Process(
-            target=_rank_main, args=(fn, r, world, int(server.port), backend, timeout_s, tuple(args))
-        )
+        spawn.Process(target=_rank_main, args=(fn, r, world, int(server.port), backend, serving, tuple(args)))
         for r in range(world)
     ]
     deadline = time.monotonic() + timeout_s
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
+    exited_at: dict[int, float] = {}
+    while len(exited_at) < world and time.monotonic() < deadline:
+        waiting: dict[Any, int] = {p.sentinel: r for r, p in enumerate(procs) if r not in exited_at}
+        for sentinel in mp_wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+            exited_at[waiting[sentinel]] = time.time()
+    hung = [r for r in range(world) if r not in exited_at]
+    for r, p in enumerate(procs):
+        if r in hung:
             p.kill()
-            p.join(5.0)
-    results = []
+        p.join(5.0)
+    results, ended_at = [], {}
     for r in range(world):
         key = f"test/result/{r}"
-        status, value = pickle.loads(server.get(key)) if server.check([key]) else ("missing", None)
+        got = pickle.loads(server.get(key)) if server.check([key]) else ("missing", None, None)
+        status, value, ended_at[r] = got
         if status == "error":
             raise RuntimeError(f"rank {r} failed:\n{value}")
         results.append(value)
     assert not hung, f"ranks {hung} did not exit within {timeout_s} s"
     assert [p.exitcode for p in procs] == [0] * world, [p.exitcode for p in procs]
+    if exit_within_s is not None:
+        late = {r: round(exited_at[r] - ended_at[r], 1) for r in range(world)}
+        assert all(d <= exit_within_s for d in late.values()), f"seconds from the end to the exit: {late}"
     return results
 
 
@@ -114,33 +133,74 @@ def serving_collectives(ctx: RankContext, group: dist.ProcessGroup | None = None
 
 
 # ---- the hot-swap alone: a swap given up on its own group ---------------------------------------
-def hotswap_on_its_own_group(ctx: RankContext, at: int) -> list[dict[str, Any]]:
-    """On ``swap_group``s: rank ``at`` sleeps past timeout_s in chunk 1, then (on a fresh group)
-    raises KeyboardInterrupt once chunk 1 arrived; after each, the serving group (the default one)
-    runs its collectives and a clean swap commits on a fresh swap group."""
-    from eplb.hotswap import HotSwapError, HotSwapOptions, hot_swap, swap_group
+GIVEN_UP = {"stall": "prepare", "interrupt": "received", "sigint": "received", "early": ""}
+"""Faults of :func:`hotswap_given_up`, and the stage of chunk 1 at which each fires: ``stall``
+sleeps STALL_S (past timeout_s) before chunk 1 is posted, ``interrupt`` raises KeyboardInterrupt
+once chunk 1 arrived, ``sigint`` sends its own process SIGINT then (Python's handler raises
+KeyboardInterrupt in the swap); ``early`` raises KeyboardInterrupt while the swap is prepared,
+before this rank's check (its layout's ``slot_views``)."""
+
+
+class InterruptedLayout(PlainLayout):
+    """The plain layout, whose ``slot_views`` raises KeyboardInterrupt (the "early" fault)."""
+
+    def slot_views(self, tensors: Mapping[str, torch.Tensor], slot: int) -> list[torch.Tensor]:
+        raise KeyboardInterrupt
+
+
+def _swap_setup(ctx: RankContext) -> tuple[Any, ...]:
+    """(model, weights, old, new, options): a swap of many chunks (one expert each) with TIMEOUT_S."""
+    from eplb.hotswap import HotSwapOptions
     from eplb.moe.model import MoEModel
-    from tests.helpers.swap_faults import NEW, OLD, layer_states
 
     cfg, w, old, new = setup(ctx.world_size, 11)
     model = MoEModel(cfg, old, rank=ctx.rank, device=ctx.device, weights=w, remap_backend="torch")
     per_expert = sum(t[0].numel() * t.element_size() for t in model.slots_L[0].values())
-    options = HotSwapOptions(staging_budget_bytes=per_expert, timeout_s=TIMEOUT_S)  # many chunks
+    return model, w, old, new, HotSwapOptions(staging_budget_bytes=per_expert, timeout_s=TIMEOUT_S)
+
+
+def _fire(kind: str, stall_s: float) -> None:
+    """Rank's fault ``kind`` (see GIVEN_UP)."""
+    if kind == "stall":
+        time.sleep(stall_s)
+    elif kind == "interrupt":
+        raise KeyboardInterrupt
+    elif kind == "sigint":
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # even if started with SIGINT ignored
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5.0)  # the handler raises KeyboardInterrupt in here
+        raise AssertionError("SIGINT did not interrupt the swap")
+    else:
+        raise ValueError(f"no fault {kind!r} fires in a fault hook")
+
+
+def hotswap_given_up(
+    ctx: RankContext, at: int, own_groups: bool, kinds: Sequence[str]
+) -> list[dict[str, Any]]:
+    """One swap per fault of ``kinds`` (GIVEN_UP), on rank ``at``, then the same swap again with no
+    fault; between them the serving group (the default one) runs its collectives. ``own_groups``:
+    each swap runs on a group of ``swap_group`` (a fresh one after each fault); else ``hot_swap``
+    gets no group (it makes and drops its own). What each rank saw, per fault."""
+    from eplb.hotswap import HotSwapError, hot_swap, swap_group
+    from tests.helpers.swap_faults import NEW, OLD, layer_states
+
+    model, w, old, new, options = _swap_setup(ctx)
+
+    def group() -> dist.ProcessGroup | None:
+        return swap_group(None, ctx.device, timeout_s=TIMEOUT_S) if own_groups else None
+
     out = []
     src, dst = old, new
-    for kind, stage in (("stall", "prepare"), ("interrupt", "received")):
+    for kind in kinds:
 
-        def fault(s: str, chunk: int, bufs: list[torch.Tensor], kind: str = kind, stage: str = stage) -> None:
-            if ctx.rank == at and s == stage and chunk == 1:
-                if kind == "stall":
-                    time.sleep(STALL_S)
-                else:
-                    raise KeyboardInterrupt
+        def fault(s: str, chunk: int, bufs: list[torch.Tensor], kind: str = kind) -> None:
+            if ctx.rank == at and s == GIVEN_UP[kind] and chunk == 1:
+                _fire(kind, STALL_S)
 
-        group = swap_group(None, ctx.device)
         got: dict[str, Any] = {"kind": kind}
+        layout = InterruptedLayout() if kind == "early" and ctx.rank == at else None
         try:
-            hot_swap(model.slots_L, src, dst, group=group, options=options, fault=fault)
+            hot_swap(model.slots_L, src, dst, group=group(), options=options, layout=layout, fault=fault)
             got["type"] = "result"
         except HotSwapError as exc:
             got.update(type="HotSwapError", cause=exc.cause, blamed=exc.rank, alive=exc.alive)
@@ -150,12 +210,11 @@ def hotswap_on_its_own_group(ctx: RankContext, at: int) -> list[dict[str, Any]]:
             s == (OLD if src is old else NEW) for s in layer_states(model, w, old, new, ctx.rank)
         )
         got["serving"] = serving_collectives(ctx)
-        fresh = swap_group(None, ctx.device)  # the group given up is never used again
-        res = hot_swap(
+        res = hot_swap(  # on a fresh group: the one given up is never used again
             model.slots_L,
             src,
             dst,
-            group=fresh,
+            group=group(),
             options=options,
             update_maps=lambda d=dst: model.set_placement(d),
         )
@@ -165,6 +224,36 @@ def hotswap_on_its_own_group(ctx: RankContext, at: int) -> list[dict[str, Any]]:
         out.append(got)
         src, dst = dst, src
     return out
+
+
+def stall_past_the_serving_timeout(
+    ctx: RankContext, at: int, stall_s: float, group_timeout_s: float | None
+) -> dict[str, Any]:
+    """Rank ``at`` sleeps ``stall_s`` (past the serving group's own timeout) in a swap; then every
+    rank tries the serving group's collectives, which time out or fail (a peer asleep, or gone) on
+    every rank: what each rank saw. ``group_timeout_s``: the swap runs on a group of ``swap_group``
+    made for swaps of this timeout_s (its work given up stays posted that much longer); None: on
+    the one ``hot_swap`` makes."""
+    from eplb.hotswap import HotSwapError, hot_swap, swap_group
+
+    model, _, old, new, options = _swap_setup(ctx)
+    group = None if group_timeout_s is None else swap_group(None, ctx.device, timeout_s=group_timeout_s)
+
+    def fault(s: str, chunk: int, bufs: list[torch.Tensor]) -> None:
+        if ctx.rank == at and s == "prepare" and chunk == 1:
+            _fire("stall", stall_s)
+
+    got: dict[str, Any] = {}
+    try:
+        hot_swap(model.slots_L, old, new, group=group, options=options, fault=fault)
+        got["type"] = "result"
+    except HotSwapError as exc:
+        got.update(type="HotSwapError", cause=exc.cause, blamed=exc.rank, alive=exc.alive)
+    try:
+        got["serving"] = serving_collectives(ctx)
+    except RuntimeError as exc:  # Gloo: timed out waiting, or the connection closed by a peer gone
+        got["serving"] = f"{type(exc).__name__}: {str(exc)[-80:]}"
+    return got
 
 
 # ---- the manager: drop the swap group, serve on, renew ------------------------------------------
