@@ -45,7 +45,7 @@ def manager_loses_a_peer(ctx: RankContext) -> dict[str, Any]:
         swap_options=HotSwapOptions(timeout_s=TIMEOUT_S),
         swap_fault=fault,
     )
-    swap_group = manager._swaps.group  # made with the manager, for swaps of its options' timeout_s
+    swap_group = manager._live.swaps.group  # made with the manager, for swaps of its options' timeout_s
     assert swap_group is not None
     made_with = group_timeout_s(swap_group)
     for _ in range(60):
