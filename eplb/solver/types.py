@@ -242,10 +242,12 @@ class SolveOptions:
         bytes_per_expert: int = 0,
         seed: int = 0,
         copy_cost: float | None = None,
+        move_budget: bool = True,
         fields: Mapping[str, Any] | None = None,
     ) -> SolveOptions:
         """The options a server with ``config``'s flags plans with: its algorithm, dispatch mode
-        and move budget (``config.max_moved_experts``), unless ``algorithm`` or ``dispatch`` name
+        and move budget (``config.max_moved_experts``; ``move_budget=False``: none, where the
+        budget is the Decider's allowance alone), unless ``algorithm`` or ``dispatch`` name
         another; ``bytes_per_expert`` and ``seed`` of the model and run; ``copy_cost`` (None:
         priced in seconds); then the user's string-keyed ``fields`` (``--solver-option``,
         ``EPLB_SOLVER_OPTIONS``) over all of these but a move budget the flags give. An unknown
@@ -258,8 +260,9 @@ class SolveOptions:
             "copy_cost": copy_cost,
         }
         chosen = dict(fields or {})
-        if config.max_moved_experts is not None or "max_moved_experts" not in chosen:
-            chosen["max_moved_experts"] = config.max_moved_experts
+        budget = config.max_moved_experts if move_budget else None
+        if budget is not None:
+            chosen["max_moved_experts"] = budget
         return cls.from_mapping(chosen, **given)
 
     @classmethod
