@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
@@ -64,7 +64,6 @@ from eplb.manager.types import (
     chunk_steps,
     default_planner,
     share_plan,
-    timed_plan,
 )
 from eplb.manager.watchdog import Watchdog
 from eplb.metrics.names import ManagerPhase
@@ -74,7 +73,8 @@ from eplb.placement.degraded import DegradedPlacement
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import PlanLike, Planner
-from eplb.policy.decision import Decider
+from eplb.policy.clock import RebalanceClock
+from eplb.policy.decision import Decider, Outcome, Rebalance, Request
 from eplb.policy.dispatch import dispatch_mode
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 
@@ -198,16 +198,16 @@ class EplbManager:
         """Static dispatch: before/after are scored with the static maps' replica shares, as the plans are."""
         self._decider = Decider(config, fitted=config.init_expert_location != "trivial")
         """Every rebalance decision, as the simulator takes them (eplb.policy.decision)."""
-        self._planned_at = 0
-        """Counted pass of the rebalance in progress (its window ends there)."""
+        self._rebalance: Rebalance | None = None
+        """The rebalance in progress, or the last one (its window ends at its counted pass)."""
+        self._clock = RebalanceClock(config.rebalance_interval)
+        """Counted passes and the next rebalance's (eplb.policy.clock, as the simulator's)."""
         self._preparer: ThreadPoolExecutor | None = None
-        self._future: Future[tuple[PlanLike, float]] | None = None
+        self._future: Future[Outcome] | None = None
         self._phase: ManagerPhase = "idle"
         self._last_rebalance_at = time.monotonic()
         self._on_phase = getattr(self.sink, "on_phase", None)  # None: a sink older than the event
         self._passes = 0
-        self._counted = 0
-        self._next_at = config.rebalance_interval
         self._began = time.perf_counter()
         self._history: list[RebalanceRecord] = []
         self._windows: list[tuple[int, float]] = []
@@ -286,15 +286,14 @@ class EplbManager:
             plan_ready, expired = self._agreed(ready, self._watchdog.expired())
         self.sink.on_forward_pass(kind="prefill" if self._kind == "prefill" else "decode", recorded=counted)
         if counted:
-            self._counted += 1
+            self._clock.count()
         if self._phase == "applying":
             self._apply_due(seconds)
         elif self._phase == "solving" and expired:
             self._end_solve()
         elif self._phase == "solving" and plan_ready:
             self._adopt_plan(seconds)
-        elif self._phase == "idle" and self._counted >= self._next_at:
-            self._next_at = self._counted + self.config.rebalance_interval
+        elif self._phase == "idle" and self._clock.due:
             self._trigger()
 
     def state(self) -> ManagerState:
@@ -305,8 +304,8 @@ class EplbManager:
             swap_groups=self._swaps.made,
             stopped=self._swaps.stopped,
             passes=self._passes,
-            counted_passes=self._counted,
-            next_rebalance_at=self._next_at,
+            counted_passes=self._clock.counted,
+            next_rebalance_at=self._clock.next_at,
             window_passes=self.recorder.num_window_passes,
             layers_pending=() if self._job is None else tuple(self._job.pending),
             placement=self._placement,
@@ -330,6 +329,7 @@ class EplbManager:
 
     # ---- steps -------------------------------------------------------------------------------
     def _trigger(self) -> None:
+        rebalance = self._rebalance = self._decider.open(counted_pass=self._clock.begin())
         local_WLE = self.recorder.window_logical_counts(reduce=False)
         load_WLE = self._agree.sum(torch.from_numpy(local_WLE)).numpy().astype(np.float64)
         load_LE = load_WLE.sum(axis=0)
@@ -343,23 +343,20 @@ class EplbManager:
                 load_WLE.shape[0],
                 before,
             )
-        self._planned_at = self._counted
         if self._swaps.dropped is not None:  # a boundary every rank reaches on this pass: renew
             why = self._swaps.renew(self._placement)
             if why is not None:
                 self._finish("failed", f"cannot make a fresh swap group: {why}", before, before, None, 0.0)
                 self._stop()
                 return
-        why_not = self._decider.screen(
-            window_passes=load_WLE.shape[0], window_load=float(load_LE.sum()), window_balancedness=before
-        )
-        if why_not is not None:
-            self._finish("skipped", why_not, before, before, None, 0.0)
+        skipped = rebalance.screen(load_WLE, window_balancedness=before)
+        if skipped is not None:
+            self._finish("skipped", skipped.reason, before, before, None, 0.0)
             return
         self._load_LE, self._before = load_LE, before
         if self.rank == 0:
-            planner = self._decider.planner(self._planner, counted_pass=self._counted)
-            self._future = solve_in_background(planner, load_WLE, self._placement)
+            request = Request(window_WLE=load_WLE, current=self._placement, planner=self._planner)
+            self._future = solve_in_background(lambda: rebalance.plan(request))
         self._watchdog.doing = "solve"
         self._watchdog.begin()
         self._enter("solving")
@@ -501,7 +498,7 @@ class EplbManager:
             placement=placement_digest(self._placement),
             groups=group_count(),
             passes=self._passes,
-            counted=self._counted,
+            counted=self._clock.counted,
             window=window_span(infos, self.recorder.num_counted_passes),
             loader=self._loader is not None,
             can_regroup=callable(getattr(self.engine, "set_world", None)),
@@ -580,8 +577,7 @@ class EplbManager:
             raise RankLossError(f"a rank was lost while the survivors made their swap group: {exc}") from exc
         self._placement, self._weights_LER = got.repaired, None
         self._passes = max(a.passes for a in arrivals)
-        self._counted = max(a.counted for a in arrivals)
-        self._next_at = self._counted + self.config.rebalance_interval
+        self._clock.restart(max(a.counted for a in arrivals))
         set_world = self.engine.set_world  # type: ignore[attr-defined]
         set_world(
             ServingWorld(
@@ -690,12 +686,7 @@ class EplbManager:
         options = getattr(self._planner, "options", None)
         if isinstance(options, SolveOptions):
             return options
-        return SolveOptions(
-            algorithm=self.config.eplb_algorithm,
-            dispatch=self.config.dispatch_algorithm,
-            bytes_per_expert=self._bytes_per_expert,
-            max_moved_experts=self.config.max_moved_experts,
-        )
+        return SolveOptions.from_config(self.config, bytes_per_expert=self._bytes_per_expert)
 
     def _degraded(self) -> DegradedPlacement | None:
         """The live placement in the numbering of the ranks the manager started with (after a loss)."""
@@ -827,9 +818,8 @@ class EplbManager:
             bytes_moved=0 if job is None else job.bytes_moved,
         )
         self._history.append(record)
-        self._decider.record(
-            counted_pass=self._planned_at, applied=outcome == "applied", copies=record.experts_moved
-        )
+        assert self._rebalance is not None, "a rebalance ends after it began"
+        self._rebalance.close(applied=outcome == "applied", copies=record.experts_moved)
         self._job = None
         self._watchdog.end()
         self._last_rebalance_at = time.monotonic()
@@ -849,19 +839,17 @@ class EplbManager:
         return [self.engine.slot_tensors(layer) for layer in range(self._placement.num_layers)]
 
 
-def solve_in_background(
-    planner: Planner, load_WLE: np.ndarray, current: Placement
-) -> Future[tuple[PlanLike, float]]:
-    """Run the planner on a daemon thread of its own: serving never waits for it, and one that
-    never returns (the watchdog ends its rebalance) holds up neither the next solve nor the
-    process's exit."""
-    future: Future[tuple[PlanLike, float]] = Future()
+def solve_in_background(plan: Callable[[], Outcome]) -> Future[Outcome]:
+    """Run ``plan`` (the rebalance's planning step) on a daemon thread of its own: serving never
+    waits for it, and one that never returns (the watchdog ends its rebalance) holds up neither
+    the next solve nor the process's exit."""
+    future: Future[Outcome] = Future()
 
     def run() -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            future.set_result(timed_plan(planner, load_WLE, current))
+            future.set_result(plan())
         except BaseException as exc:  # handed to rank 0's pass, which reports it
             future.set_exception(exc)
 
