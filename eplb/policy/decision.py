@@ -168,10 +168,12 @@ class LostRanks:
     """Where they are reloaded from (peer | host | checkpoint)."""
     survivor_copies: int
     """Expert copies between survivors."""
-    survivors: Verdict | None = None
-    """The verdict on the survivors' plan beyond the repair (eplb's solver: the degraded plan's
-    words say whether it passed); None: the planner worded its degraded plan itself
+    rebalanced: bool | None = None
+    """Whether the survivors' plan beyond the repair passed its own verdict (eplb's solver: the
+    degraded plan's words say so); None: the planner worded its degraded plan itself
     (:attr:`Facts.proposed`)."""
+    repair_reason: str = ""
+    """Why the survivors' plan did not pass (the repair alone is applied)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,17 +263,13 @@ def judge(facts: Facts) -> Verdict:
 def _degraded_words(lost: LostRanks, proposed: Verdict | None) -> str:
     """Why a degraded plan is applied: what it reloads and copies and whether the survivors'
     plan went beyond the repair, or its planner's own words."""
-    if lost.survivors is None:
+    if lost.rebalanced is None:
         assert proposed is not None, "a degraded plan is worded by its planner or by what it moves"
         return proposed.reason
     return (
         f"degraded: rank(s) {list(lost.ranks)} lost; {lost.reloads} expert replicas reloaded from "
         f"{lost.reload_source}, {lost.survivor_copies} copied from survivors; "
-        + (
-            "rebalanced beyond the repair"
-            if lost.survivors.apply
-            else f"repair only ({lost.survivors.reason})"
-        )
+        + ("rebalanced beyond the repair" if lost.rebalanced else f"repair only ({lost.repair_reason})")
     )
 
 

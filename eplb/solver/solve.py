@@ -28,7 +28,7 @@ import numpy as np
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy.cost_model import PassTimes
-from eplb.policy.decision import Facts, LostRanks, Verdict, copy_price, judge, value_horizon
+from eplb.policy.decision import Facts, LostRanks, copy_price, judge, value_horizon
 from eplb.solver.degraded import finish, survivors
 from eplb.solver.policies.protocol import PlacementRequest, Policy, load_policy
 from eplb.solver.predict import Prediction, predict
@@ -85,7 +85,8 @@ def solve(
             reloads=plan.reload.reloads,
             reload_source=plan.reload.source,
             survivor_copies=plan.reload.survivor_copies,
-            survivors=Verdict(inner.apply, inner.reason),
+            rebalanced=inner.apply,
+            repair_reason=inner.reason,
         )
         verdict = judge(Facts(lost=lost))
         return replace(plan, apply=verdict.apply, reason=verdict.reason, repaired=loss.repaired)
