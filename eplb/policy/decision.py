@@ -4,11 +4,12 @@ judge, record), the first plan, the move allowance and its shift burst, and appl
 Shape legend: W window (passes), L layers, E logical experts, P physical slots, G GPUs, R max
 replicas.
 
-The manager, the simulator (periodic, continuous, lost ranks), ``eplb solve``, the manager's
-recovery and the engine adapters each hold one :class:`Decider` and go through it at every
-rebalance, nothing else: :meth:`Decider.rebalance` in one call, or step by step through the
-:class:`Rebalance` that :meth:`Decider.open` returns (the manager screens on every rank, plans on
-rank 0's thread and records on every rank once the swap ended). :meth:`Rebalance.screen` (an
+The manager, the simulator (periodic, continuous, lost ranks), ``eplb solve`` and the engine
+adapters each hold one :class:`Decider` and go through it at every rebalance, nothing else:
+:meth:`Decider.rebalance` in one call, or step by step through the :class:`Rebalance` that
+:meth:`Decider.open` returns (the manager screens on every rank, plans on rank 0's thread and
+records on every rank once the swap ended); the manager's recovery from a lost rank, between
+rebalances, plans and judges its degraded plan with :func:`plan_and_judge`. :meth:`Rebalance.screen` (an
 empty window, one GPU, SGLang's ``--eplb-min-rebalancing-utilization-threshold``), then
 :meth:`Rebalance.plan` (the first plan since start-up moves without the move budget, the
 allowance's budgets, the :class:`Pricing` the plan is judged by; planning reads what
