@@ -7,8 +7,10 @@ continuous mode, static dispatch, and once recording prefill passes only). At ev
 pass and take the same decision: applied or skipped, for the same reason class (empty window,
 utilization threshold, or the planner's verdict), asked of the same planner (its move budgets
 included: the unbudgeted first plan, the shift burst and its repayment), on the same window and
-placement, with the same target and the same count of expert copies across GPUs. The swap is
-unpaced and in one chunk, and rank 0 waits for each solve, so timing cannot move a decision.
+placement, with the same target and the same count of expert copies across GPUs, and each
+caller's Decider (eplb.policy.decision, the one path both take) recording the same (counted
+pass, applied, copies). The swap is unpaced and in one chunk, and rank 0 waits for each solve,
+so timing cannot move a decision.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ def compare(m: Decision, s: Decision) -> list[str]:
         differ("window balancedness", m.balancedness, s.balancedness)
     if m.copies != s.copies:
         differ("expert copies across GPUs", m.copies, s.copies)
+    if m.recorded != s.recorded:
+        differ("the Decider's record (counted pass, applied, copies)", m.recorded, s.recorded)
     if m.outcome == "applied" and m.plan is not None and m.after != m.plan.target:
         differ("slots serving after the swap vs the plan", *changed_slots(m.after, m.plan.target))
     if m.plan is None or s.plan is None:

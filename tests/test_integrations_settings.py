@@ -30,7 +30,7 @@ from eplb.integrations.engine_env import (
     WINDOW_PASSES_ENV,
     read_engine_env,
 )
-from eplb.integrations.engine_plan import CONTINUOUS_DEFAULTS, EngineDecisions, make_planner
+from eplb.integrations.engine_plan import CONTINUOUS_COPY_COST, EngineDecisions, make_planner
 from eplb.placement.model import Placement
 from eplb.policy.decision import MoveAllowance
 
@@ -85,10 +85,7 @@ def test_unknown_variables_are_logged(caplog: pytest.LogCaptureFixture) -> None:
 
 def test_continuous_planner_is_priced_and_options_override() -> None:
     continuous = read_engine_env({MODE_ENV: "continuous"})
-    assert (
-        make_planner("auto", "flag", settings=continuous).options.copy_cost
-        == CONTINUOUS_DEFAULTS["copy_cost"]
-    )
+    assert make_planner("auto", "flag", settings=continuous).options.copy_cost == CONTINUOUS_COPY_COST
     assert make_planner("auto", "flag", settings=read_engine_env({})).options.copy_cost == 0.0
     given = read_engine_env({MODE_ENV: "continuous", SOLVER_OPTIONS_ENV: '{"copy_cost": 0.01}'})
     assert make_planner("auto", "flag", settings=given).options.copy_cost == 0.01

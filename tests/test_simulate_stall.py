@@ -15,8 +15,8 @@ import pytest
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy import LoadHistory, Proposal
+from eplb.policy.decision import VLLM_IN_FLIGHT
 from eplb.simulate import CostModel, RunResult, RunSpec, SimulationConfig, simulate
-from eplb.simulate.run_state import VLLM_IN_FLIGHT
 from eplb.traces import Trace
 from tests.helpers.simulation import server
 

@@ -112,36 +112,39 @@ def _solve(args: argparse.Namespace) -> int:
     from eplb.placement.diff import diff_placements
     from eplb.placement.io import save_placement
     from eplb.policy import dispatch_mode
-    from eplb.solver.planner import SolverPlanner
+    from eplb.policy.decision import Decider, Request
+    from eplb.simulate.planners import RunSpec, make_planner
     from eplb.solver.scoring.served import served_balancedness
-    from eplb.solver.types import SolveOptions
 
     flags = config.eplb
     start = current or Placement.trivial(
         trace.num_layers, trace.num_experts, flags.ep_size, flags.ep_num_redundant_experts, flags.nnodes
     )
     mode = dispatch_mode(flags.dispatch_algorithm)
-    options = SolveOptions.from_mapping(
-        config.solver_options,
-        algorithm=flags.eplb_algorithm,
-        dispatch=mode.name,
+    load_LE = window_WLE.sum(axis=0, dtype=np.int64)
+    before = served_balancedness(load_LE, start, dispatch=mode.name)
+    # The first rebalance of a server with these flags, its interval the window (as the simulator
+    # and the manager plan it): started from a given placement, that one counts as fitted.
+    planner = make_planner(RunSpec(flags.eplb_algorithm, mode.name), config)
+    assert planner is not None
+    decider = Decider(flags, fitted=flags.init_expert_location != "trivial", cost=config.cost)
+    request = Request(
+        window_WLE=window_WLE,
+        current=start,
+        planner=planner,
+        history=past,
         bytes_per_expert=config.bytes_per_expert,
-        seed=args.seed,
     )
-    planner = SolverPlanner(options=options, num_groups=config.num_groups)
-    proposal = planner(window_WLE, start, past)
-    placement = proposal.placement
+    outcome = decider.rebalance(request, counted_pass=num_recorded, window_balancedness=before)
+    placement = outcome.placement or start
     trace_meta = {k: v for k, v in trace.meta.items() if k != "generator"}
     meta = {"algorithm": flags.eplb_algorithm, "window_steps": int(window_WLE.shape[0]), "trace": trace_meta}
-    load_LE = window_WLE.sum(axis=0, dtype=np.int64)
     # Bytes only where the trace or --bytes-per-expert says them; a dump does not.
     bytes_known = args.bytes_per_expert is not None or "bytes_per_expert" in trace.meta
     moves = diff_placements(start, placement, config.bytes_per_expert if bytes_known else 0)
     notes = [n for n in (trace.prefill_note(),) if n and args.eplb_record_prefill_only]
     with staged:
-        own = save_placement(
-            out_dir / PLACEMENT_FILE, placement, proposal.dispatch_weights_LER, meta, outputs=staged
-        )
+        own = save_placement(out_dir / PLACEMENT_FILE, placement, outcome.weights_LER, meta, outputs=staged)
         sglang = placement.write_sglang_json(out_dir / SGLANG_FILE, outputs=staged)
         trtllm_balancer, trtllm_options = trtllm.write_load_balancer(
             placement, out_dir, args.trtllm_layer_offset, outputs=staged
@@ -157,12 +160,12 @@ def _solve(args: argparse.Namespace) -> int:
             "nnodes": placement.num_nodes,
             # As the server will split each expert's tokens (static maps, weights or evenly).
             "balancedness_on_window": served_balancedness(
-                load_LE, placement, proposal.dispatch_weights_LER, dispatch=mode.name
+                load_LE, placement, outcome.weights_LER, dispatch=mode.name
             ),
-            "balancedness_on_window_before": served_balancedness(load_LE, start, dispatch=mode.name),
-            "solver_predicted_balancedness": proposal.predicted_balancedness,
-            "solver_says_apply": proposal.apply,
-            "solver_reason": proposal.reason,
+            "balancedness_on_window_before": before,
+            "solver_predicted_balancedness": outcome.predicted,
+            "solver_says_apply": outcome.applied,
+            "solver_reason": outcome.reason,
             "moves": moves.summary(),
             "notes": notes,
             "placement": str(own),

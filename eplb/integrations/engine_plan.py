@@ -7,8 +7,9 @@ vLLM and SGLang run their EPLB planner on every rank and trust each rank to reac
 so everything here is a function of its inputs: no clocks, no randomness (the solver's budgets
 are counts; wall time is measured only for the metrics). Engine maps arrive as int64 torch
 tensors and may hold -1 for a slot that holds nothing (vLLM's elastic EP); :func:`engine_placement`
-turns one into a :class:`Placement` the solver can plan from, :func:`plan_for_engine` runs one
-:class:`SolverPlanner`, and :class:`EngineDecisions` keeps a process's rebalance decisions
+turns one into a :class:`Placement` the solver can plan from, :func:`plan_for_engine` (and
+:func:`plan_degraded`, ranks lost) runs one rebalance of a :class:`SolverPlanner` through the
+process's Decider, and :class:`EngineDecisions` keeps a process's rebalance decisions
 (eplb.policy.decision) and its own history of the windows the engine handed over, which in
 continuous mode (``EPLB_REBALANCE_MODE=continuous``, eplb.integrations.engine_env) is longer
 than one engine window.
@@ -28,17 +29,17 @@ from eplb.integrations.engine_env import SOLVER_OPTIONS_ENV, EngineEnv, solver_o
 from eplb.integrations.engine_metrics import EngineMetrics, RebalanceReport
 from eplb.placement.balance import model_balancedness
 from eplb.placement.degraded import DegradedPlacement, ReloadReport, check_alive
-from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
-from eplb.policy import Planner, check_policy_name
-from eplb.policy.decision import Decider
+from eplb.policy import check_policy_name
+from eplb.policy.clock import RebalanceClock
+from eplb.policy.decision import Decider, Outcome, RankLoss, Request
 from eplb.solver.planner import SolverPlanner
-from eplb.solver.solve import solve
 from eplb.solver.types import SolveOptions, Topology, as_load_array
 
 __all__ = [
-    "CONTINUOUS_DEFAULTS",
-    "ENGINE_DEFAULTS",
+    "CONTINUOUS_COPY_COST",
+    "ENGINE_COPY_COST",
+    "ENGINE_DISPATCH",
     "SOLVER_OPTIONS_ENV",
     "EngineDecisions",
     "EnginePlan",
@@ -88,21 +89,22 @@ class EnginePlan:
         return self.placement.logcnt_LE.astype(np.int64)
 
 
-ENGINE_DEFAULTS: dict[str, Any] = {"copy_cost": 0.0}
-"""Solver options every adapter starts from. An engine's planner is not told what an expert's
-weights weigh, so eplb cannot price a copy in seconds there; with ``copy_cost`` 0 it plans as
-balanced as it can from the live placement, keeping every expert it cannot improve on (on the
-tests' drifting input through vLLM's and SGLang's own code it moves about 60% of the copies their
-DeepSeek repack moves; with the former price of 0.002 a copy, about 25%, at 0.005-0.01 less
-balancedness on the next window). ``EPLB_SOLVER_OPTIONS`` overrides it, e.g.
+ENGINE_COPY_COST = 0.0
+"""The copy cost every adapter plans with in periodic mode. An engine's planner is not told what
+an expert's weights weigh, so eplb cannot price a copy in seconds there; with ``copy_cost`` 0 it
+plans as balanced as it can from the live placement, keeping every expert it cannot improve on
+(on the tests' drifting input through vLLM's and SGLang's own code it moves about 60% of the
+copies their DeepSeek repack moves; with the former price of 0.002 a copy, about 25%, at
+0.005-0.01 less balancedness on the next window). ``EPLB_SOLVER_OPTIONS`` overrides it, e.g.
 ``{"bytes_per_expert": 44040192}`` to price copies in seconds, or ``{"copy_cost": 0.002}``."""
-
-
-CONTINUOUS_DEFAULTS: dict[str, Any] = {"copy_cost": None}
-"""Solver options of continuous mode, as eplb's manager plans there: every copy priced (in seconds
+CONTINUOUS_COPY_COST: float | None = None
+"""The copy cost of continuous mode, as eplb's manager plans there: every copy priced (in seconds
 with ``bytes_per_expert``, else eplb.policy.decision's fallback price) and against the forecast's
 noise, so the move budget is spent only where it buys balance; the move budget itself comes from
 the :class:`~eplb.policy.decision.Decider`'s allowance at each rebalance."""
+ENGINE_DISPATCH = "dynamic"
+"""The dispatch mode the adapters plan for: an engine's planner is not told how the engine splits
+an expert's tokens over its replicas, so its plans are scored for an even split."""
 
 
 def make_planner(
@@ -111,22 +113,35 @@ def make_planner(
     defaults: Mapping[str, Any] | None = None,
     settings: EngineEnv | None = None,
 ) -> SolverPlanner:
-    """The planner an adapter runs: ``algorithm`` with :data:`ENGINE_DEFAULTS` (continuous mode:
-    also :data:`CONTINUOUS_DEFAULTS`), then ``defaults``, then the options of
+    """The planner an adapter runs: ``algorithm`` as a server with the adapter's settings plans
+    (eplb.solver.types.SolveOptions.from_config), with :data:`ENGINE_COPY_COST` (continuous mode:
+    :data:`CONTINUOUS_COPY_COST`) and :data:`ENGINE_DISPATCH`, then ``defaults``, then the options of
     ``EPLB_SOLVER_OPTIONS`` (``settings``'s, else read from the environment now).
 
     Unknown algorithms or options raise ValueError naming ``flag`` or the variable, so a typo stops
     the engine at start-up instead of at its first rebalance.
     """
     check_policy_name(algorithm, flag)
-    base = {**ENGINE_DEFAULTS, **(defaults or {})}
-    if settings is not None and settings.continuous:
-        base.update(CONTINUOUS_DEFAULTS)
-    options = solver_options_from_env(base) if settings is None else {**base, **settings.solver_options}
+    env = settings or EngineEnv()
+    fields = (
+        solver_options_from_env(defaults) if settings is None else {**(defaults or {}), **env.solver_options}
+    )
+    # The options read the flags' algorithm and mode, nothing of the topology (the Decider's).
+    config = env.decision_config(num_gpus=1, num_nodes=1, interval=1)
     try:
-        return SolverPlanner(options=SolveOptions.from_mapping(options, algorithm=algorithm))
+        options = SolveOptions.from_config(
+            config,
+            algorithm=algorithm,
+            dispatch=ENGINE_DISPATCH,
+            copy_cost=CONTINUOUS_COPY_COST if env.continuous else ENGINE_COPY_COST,
+            # An engine's move budget is its Decider's allowance alone (continuous mode): a plan
+            # made as the planner is (a degraded one) is not budgeted, the repair is not optional.
+            move_budget=False,
+            fields=fields,
+        )
     except ValueError as exc:
         raise ValueError(f"{SOLVER_OPTIONS_ENV}: {exc}") from None
+    return SolverPlanner(options=options)
 
 
 def engine_placement(phy2log: Any, load_LE: np.ndarray, num_gpus: int, num_nodes: int) -> Placement | None:
@@ -198,10 +213,10 @@ class EngineDecisions:
             num_gpus=num_gpus, num_nodes=num_nodes, interval=passes_per_rebalance
         )
         self.decider = Decider(config)
+        self.clock = RebalanceClock(config.rebalance_interval)
+        """Passes counted so far: one call's window (``passes_per_rebalance``) each, each call a rebalance."""
         self.history_rows = history_rows
         self.metrics = metrics
-        self.counted = 0
-        """Passes counted so far (one call's window each)."""
         self._rows: list[np.ndarray] = []
         self.last_plan: EnginePlan | None = None
 
@@ -239,7 +254,8 @@ class EngineDecisions:
         the decisions' screen says (the live placement uses a dead rank)."""
         newest_WLE = as_load_array(window)
         history_WLE = self.remember(newest_WLE)
-        self.counted += self.decider.config.rebalance_interval
+        self.clock.count(self.clock.interval)
+        counted = self.clock.begin()
         started = time.monotonic()
         if self.metrics is not None:
             self.metrics.solving(started)
@@ -253,8 +269,9 @@ class EngineDecisions:
                 num_groups=num_groups,
                 planner=planner,
                 current=current,
+                decider=self.decider,
+                counted_pass=counted,
             )
-            self.decider.record(counted_pass=self.counted, applied=True, copies=float(plan.copies))
         else:
             plan = plan_for_engine(
                 history_WLE,
@@ -265,7 +282,7 @@ class EngineDecisions:
                 planner=planner,
                 current=current,
                 decider=self.decider,
-                counted_pass=self.counted,
+                counted_pass=counted,
             )
         self.last_plan = plan
         if self.metrics is not None:
@@ -308,14 +325,15 @@ def plan_for_engine(
     decider: Decider | None = None,
     counted_pass: int = 0,
 ) -> EnginePlan:
-    """Plan from ``window`` ([W, L, E] or [L, E]) on the engine's topology.
+    """Plan from ``window`` ([W, L, E] or [L, E]) on the engine's topology, as the rebalance at
+    ``counted_pass`` of ``decider`` (:class:`EngineDecisions`'; None: a fresh process's, of one
+    window's passes): its screen (an empty window, one GPU), its planner (the first plan, the move
+    allowance, the pricing), its verdict and its record (eplb.policy.decision).
 
     Nodes that do not divide the GPUs count as one node (vLLM does the same). With ``current``
     the plan is migration-aware and may keep ``current`` (``applied=False``) when moving does not
-    pay; without one it is a fresh plan. A window with no load keeps ``current`` (or the trivial
-    placement): there is nothing to plan from. With a ``decider`` (:class:`EngineDecisions`), the
-    rebalance at ``counted_pass`` goes through it: its screen (an empty window, one GPU), its
-    planner (the first plan, the move allowance, the pricing) and its record of what it moved.
+    pay; without one (or one of another shape) it is a fresh plan. A window with no load keeps
+    ``current`` (or the trivial placement): there is nothing to plan from.
     """
     window_WLE = as_load_array(window)
     W, L, E = window_WLE.shape
@@ -328,57 +346,20 @@ def plan_for_engine(
     ):
         current = None
     keep = current or _trivial(L, E, num_gpus, num_physical, nodes)
-    if decider is None:
-        why_not = None if window_WLE.any() else "no load recorded: placement kept"
-    else:
-        load_LE = window_WLE.sum(axis=0)
-        why_not = decider.screen(
-            window_passes=W,
-            window_load=float(load_LE.sum()),
-            window_balancedness=float(model_balancedness(load_LE, keep)) if load_LE.any() else 1.0,
-            num_gpus=num_gpus,
-        )
-    if why_not is not None:
-        if decider is not None:
-            decider.record(counted_pass=counted_pass, applied=False, copies=0.0)
-        return EnginePlan(placement=keep, applied=False, reason=why_not)
-    planner = dataclasses.replace(planner, num_groups=groups)
-    chosen: Planner = planner if decider is None else decider.planner(planner, counted_pass=counted_pass)
-    if current is None:
-        topology = Topology(num_gpus=num_gpus, num_nodes=nodes, num_physical=num_physical, num_groups=groups)
-        options = chosen.options if isinstance(chosen, SolverPlanner) else planner.options
-        fresh = solve(window_WLE, topology, None, options)
-        if decider is not None:
-            decider.record(counted_pass=counted_pass, applied=True, copies=0.0)
-        return EnginePlan(
-            placement=fresh.placement,
-            applied=True,
-            reason=fresh.reason,
-            predicted=fresh.predicted_balancedness,
-            solve_seconds=float(fresh.stats.get("solve_seconds", 0.0)),
-        )
-    plan = chosen(window_WLE, current)
-    moved = diff_placements(current, plan.placement).experts_moved_across_gpus if plan.apply else 0
-    if decider is not None:
-        decider.record(counted_pass=counted_pass, applied=plan.apply, copies=float(moved))
-    solve_seconds = float(getattr(plan, "stats", {}).get("solve_seconds", 0.0))
-    if not plan.apply:
-        kept = getattr(plan, "stats", {}).get("current_balancedness")
-        return EnginePlan(
-            placement=current,
-            applied=False,
-            reason=plan.reason,
-            predicted=None if kept is None else float(kept),
-            solve_seconds=solve_seconds,
-        )
-    return EnginePlan(
-        placement=plan.placement,
-        applied=True,
-        reason=plan.reason,
-        copies=int(moved),
-        predicted=plan.predicted_balancedness,
-        solve_seconds=solve_seconds,
+    topology = Topology(num_gpus=num_gpus, num_nodes=nodes, num_physical=num_physical, num_groups=groups)
+    request = Request(
+        window_WLE=window_WLE,
+        current=current,
+        planner=dataclasses.replace(planner, num_groups=groups, topology=topology),
     )
+    load_LE = window_WLE.sum(axis=0)
+    outcome = (decider or _fresh_decider(num_gpus, nodes, W)).rebalance(
+        request,
+        counted_pass=counted_pass,
+        window_balancedness=float(model_balancedness(load_LE, keep)) if load_LE.any() else 1.0,
+        num_gpus=num_gpus,
+    )
+    return _engine_plan(outcome, keep)
 
 
 def plan_degraded(
@@ -389,15 +370,19 @@ def plan_degraded(
     num_groups: int | None,
     planner: SolverPlanner,
     current: Placement,
+    decider: Decider | None = None,
+    counted_pass: int = 0,
 ) -> EnginePlan:
-    """The degraded plan (eplb.solver.degraded) over the ranks of ``current`` that ``alive`` marks live.
+    """The degraded plan (eplb.solver.degraded) over the ranks of ``current`` that ``alive`` marks
+    live, as the rebalance at ``counted_pass`` of ``decider`` (as :func:`plan_for_engine`).
 
     ``alive`` holds one flag per rank of ``current``. ``num_physical`` is the engine's slot count
     after the loss: every slot for SGLang (it keeps dead ranks' slots), the survivors' for vLLM (its
     scale-down drops them). The plan keeps every survivor's replica that balance allows and serves
-    every expert; it is always applied (the live placement uses dead ranks) and not budgeted (the
-    repair is not optional). ``copies`` counts copies between survivors, ``reload`` what must come
-    from elsewhere. ValueError when the sizes disagree or the survivors cannot hold every expert.
+    every expert; it is always applied (the live placement uses dead ranks) and planned with the
+    planner as given (the repair is not optional: not budgeted). ``copies`` counts copies between
+    survivors, ``reload`` what must come from elsewhere. ValueError when the sizes disagree or the
+    survivors cannot hold every expert.
     """
     alive_G = check_alive(alive, current.num_gpus)
     live_slots = int(alive_G.sum()) * current.slots_per_gpu
@@ -407,22 +392,42 @@ def plan_degraded(
             f"{current.slots_per_gpu} slots hold {live_slots} (of {current.num_physical})"
         )
     groups = num_groups if num_groups is not None and num_groups >= 1 else 1
-    topology = Topology(
-        num_gpus=current.num_gpus,
-        num_nodes=current.num_nodes,
-        num_physical=current.num_physical,
-        num_groups=groups,
+    window_WLE = as_load_array(window)
+    request = Request(
+        window_WLE=window_WLE,
+        current=current,
+        planner=dataclasses.replace(planner, num_groups=groups),
+        loss=RankLoss(alive_G=alive_G, prepared=False),
     )
-    options = dataclasses.replace(planner.options, alive_ranks=tuple(bool(a) for a in alive_G))
-    plan = solve(as_load_array(window), topology, current, options)
-    assert plan.degraded is not None and plan.reload is not None
+    decider = decider or _fresh_decider(current.num_gpus, current.num_nodes, window_WLE.shape[0])
+    return _engine_plan(decider.rebalance(request, counted_pass=counted_pass), current)
+
+
+def _fresh_decider(num_gpus: int, num_nodes: int, passes: int) -> Decider:
+    """A fresh process's decisions, rebalancing every ``passes`` (one window's)."""
+    return Decider(EngineEnv().decision_config(num_gpus=num_gpus, num_nodes=num_nodes, interval=passes))
+
+
+def _engine_plan(outcome: Outcome, keep: Placement) -> EnginePlan:
+    """What ``outcome`` gives the engine: its plan when applied, else ``keep``."""
+    plan = outcome.plan
+    if not outcome.applied or plan is None:
+        kept = None if plan is None else getattr(plan, "stats", {}).get("current_balancedness")
+        return EnginePlan(
+            placement=keep,
+            applied=False,
+            reason=outcome.reason,
+            predicted=None if kept is None else float(kept),
+            solve_seconds=outcome.solve_seconds,
+        )
+    report = outcome.reload
     return EnginePlan(
         placement=plan.placement,
         applied=True,
-        reason=plan.reason,
-        copies=plan.reload.survivor_copies,
+        reason=outcome.reason,
+        copies=outcome.copies if report is None else report.survivor_copies,
         predicted=plan.predicted_balancedness,
-        solve_seconds=float(plan.stats.get("solve_seconds", 0.0)),
-        degraded=plan.degraded,
-        reload=plan.reload,
+        solve_seconds=outcome.solve_seconds,
+        degraded=outcome.degraded,
+        reload=report,
     )

@@ -30,6 +30,7 @@ from eplb.metrics.names import ManagerPhase
 from eplb.metrics.sink import MetricsSink
 from eplb.placement.balance import model_balancedness
 from eplb.placement.model import Placement
+from eplb.policy.clock import RebalanceClock
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 
 log = logging.getLogger("eplb.manager.manager")
@@ -123,10 +124,9 @@ class Live:
     """idle | solving | applying | stopped."""
     passes: int = 0
     """Forward passes ended (after a lost rank: the most any survivor had)."""
-    counted: int = 0
-    """Passes the recorder counted (after a lost rank: the most any survivor had)."""
-    next_at: int
-    """Counted-pass number of the next rebalance."""
+    clock: RebalanceClock
+    """The counted passes and the next rebalance's (eplb.policy.clock; after a lost rank it
+    restarts from the most any survivor had)."""
     history: list[RebalanceRecord] = field(default_factory=list)
     """Every rebalance's record, in order."""
     last_rebalance_at: float

@@ -126,7 +126,7 @@ class LostRank:
             placement=placement_digest(live.placement),
             groups=group_count(),
             passes=live.passes,
-            counted=live.counted,
+            counted=live.clock.counted,
             window=window_span(infos, live.recorder.num_counted_passes),
             loader=self.recovery.loader is not None,
             can_regroup=callable(getattr(self.setup.engine, "set_world", None)),
@@ -155,8 +155,7 @@ class LostRank:
             raise RankLossError(f"a rank was lost while the survivors made their swap group: {exc}") from exc
         live.placement, live.weights_LER = got.repaired, None
         live.passes = max(a.passes for a in arrivals)
-        live.counted = max(a.counted for a in arrivals)
-        live.next_at = live.counted + setup.config.rebalance_interval
+        live.clock.restart(max(a.counted for a in arrivals))
         set_world = setup.engine.set_world  # type: ignore[attr-defined]
         set_world(
             ServingWorld(

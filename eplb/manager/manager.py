@@ -51,6 +51,7 @@ from eplb.manager.watchdog import Watchdog
 from eplb.metrics.sink import MetricsSink, NullSink
 from eplb.placement.model import Placement
 from eplb.policy import PlanLike, Planner
+from eplb.policy.clock import RebalanceClock
 from eplb.policy.dispatch import dispatch_mode
 from eplb.recorder.recorder import ExpertDistributionRecorder
 
@@ -151,7 +152,7 @@ class EplbManager:
             swaps=swaps,
             recorder=recorder,
             placement=placement,
-            next_at=config.rebalance_interval,
+            clock=RebalanceClock(config.rebalance_interval),
             last_rebalance_at=time.monotonic(),
         )
         self._began = time.perf_counter()
@@ -260,8 +261,8 @@ class EplbManager:
             swap_groups=live.swaps.made,
             stopped=live.swaps.stopped,
             passes=live.passes,
-            counted_passes=live.counted,
-            next_rebalance_at=live.next_at,
+            counted_passes=live.clock.counted,
+            next_rebalance_at=live.clock.next_at,
             window_passes=live.recorder.num_window_passes,
             layers_pending=self._swapper.pending,
             placement=live.placement,

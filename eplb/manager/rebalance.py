@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
@@ -26,12 +26,11 @@ from eplb.manager.context import Live, Setup, log
 from eplb.manager.lost_rank import LostRank
 from eplb.manager.recovery import RecoveryRecord
 from eplb.manager.schedule import SwapScheduler
-from eplb.manager.types import RebalanceRecord, SwapJob, share_plan, timed_plan
+from eplb.manager.types import RebalanceRecord, SwapJob, share_plan
 from eplb.metrics.sink import RebalanceOutcome
 from eplb.placement.balance import gpu_load
-from eplb.placement.model import Placement
-from eplb.policy import PlanLike, Planner
-from eplb.policy.decision import Decider
+from eplb.policy import Planner
+from eplb.policy.decision import Decider, Outcome, Rebalance, Request
 
 if TYPE_CHECKING:
     from eplb.solver.types import SolveOptions
@@ -53,9 +52,9 @@ class Rebalancer:
         config = setup.config
         self._decider = Decider(config, fitted=config.init_expert_location != "trivial")
         """Every rebalance decision, as the simulator takes them (eplb.policy.decision)."""
-        self._planned_at = 0
-        """Counted pass of the rebalance in progress (its window ends there)."""
-        self._future: Future[tuple[PlanLike, float]] | None = None
+        self._rebalance: Rebalance | None = None
+        """The rebalance in progress, or the last one (its window ends at its counted pass)."""
+        self._future: Future[Outcome] | None = None
         """Rank 0's solve in flight."""
         self.windows: list[tuple[int, float]] = []
         """(pass, balancedness of the window summed over ranks under the live placement) at each check."""
@@ -82,19 +81,19 @@ class Rebalancer:
             plan_ready, expired = live.agreed(ready, self._watchdog.expired())
         live.sink.on_forward_pass(kind="prefill" if prefill else "decode", recorded=counted)
         if counted:
-            live.counted += 1
+            live.clock.count()
         if live.phase == "applying":
             self._apply_due(seconds)
         elif live.phase == "solving" and expired:
             self._end_solve()
         elif live.phase == "solving" and plan_ready:
             self._adopt_plan(seconds)
-        elif live.phase == "idle" and live.counted >= live.next_at:
-            live.next_at = live.counted + self.setup.config.rebalance_interval
+        elif live.phase == "idle" and live.clock.due:
             self._trigger()
 
     def _trigger(self) -> None:
         live = self.live
+        rebalance = self._rebalance = self._decider.open(counted_pass=live.clock.begin())
         local_WLE = live.recorder.window_logical_counts(reduce=False)
         load_WLE = live.world.agree.sum(torch.from_numpy(local_WLE)).numpy().astype(np.float64)
         load_LE = load_WLE.sum(axis=0)
@@ -108,23 +107,20 @@ class Rebalancer:
                 load_WLE.shape[0],
                 before,
             )
-        self._planned_at = live.counted
         if live.swaps.dropped is not None:  # a boundary every rank reaches on this pass: renew
             why = live.swaps.renew(live.placement)
             if why is not None:
                 self._finish("failed", f"cannot make a fresh swap group: {why}", before, before, None, 0.0)
                 live.stop()
                 return
-        why_not = self._decider.screen(
-            window_passes=load_WLE.shape[0], window_load=float(load_LE.sum()), window_balancedness=before
-        )
-        if why_not is not None:
-            self._finish("skipped", why_not, before, before, None, 0.0)
+        skipped = rebalance.screen(load_WLE, window_balancedness=before)
+        if skipped is not None:
+            self._finish("skipped", skipped.reason, before, before, None, 0.0)
             return
         self._load_LE, self._before = load_LE, before
         if live.world.rank == 0:
-            planner = self._decider.planner(self._planner, counted_pass=live.counted)
-            self._future = solve_in_background(planner, load_WLE, live.placement)
+            request = Request(window_WLE=load_WLE, current=live.placement, planner=self._planner)
+            self._future = solve_in_background(lambda: rebalance.plan(request))
         self._watchdog.doing = "solve"
         self._watchdog.begin()
         live.enter("solving")
@@ -227,12 +223,7 @@ class Rebalancer:
         options = getattr(self._planner, "options", None)
         if isinstance(options, SolveOptions):
             return options
-        return SolveOptions(
-            algorithm=self.setup.config.eplb_algorithm,
-            dispatch=self.setup.config.dispatch_algorithm,
-            bytes_per_expert=self.setup.bytes_per_expert,
-            max_moved_experts=self.setup.config.max_moved_experts,
-        )
+        return SolveOptions.from_config(self.setup.config, bytes_per_expert=self.setup.bytes_per_expert)
 
     def _finish(
         self,
@@ -257,9 +248,8 @@ class Rebalancer:
             bytes_moved=0 if job is None else job.bytes_moved,
         )
         self.live.history.append(record)
-        self._decider.record(
-            counted_pass=self._planned_at, applied=outcome == "applied", copies=record.experts_moved
-        )
+        assert self._rebalance is not None, "a rebalance ends after it began"
+        self._rebalance.close(applied=outcome == "applied", copies=record.experts_moved)
         self.swapper.job = None
         self._watchdog.end()
         self.live.last_rebalance_at = time.monotonic()
@@ -276,19 +266,17 @@ class Rebalancer:
         record.report_to(self.live.sink)
 
 
-def solve_in_background(
-    planner: Planner, load_WLE: np.ndarray, current: Placement
-) -> Future[tuple[PlanLike, float]]:
-    """Run the planner on a daemon thread of its own: serving never waits for it, and one that
-    never returns (the watchdog ends its rebalance) holds up neither the next solve nor the
-    process's exit."""
-    future: Future[tuple[PlanLike, float]] = Future()
+def solve_in_background(plan: Callable[[], Outcome]) -> Future[Outcome]:
+    """Run ``plan`` (the rebalance's planning step) on a daemon thread of its own: serving never
+    waits for it, and one that never returns (the watchdog ends its rebalance) holds up neither
+    the next solve nor the process's exit."""
+    future: Future[Outcome] = Future()
 
     def run() -> None:
         if not future.set_running_or_notify_cancel():
             return
         try:
-            future.set_result(timed_plan(planner, load_WLE, current))
+            future.set_result(plan())
         except BaseException as exc:  # handed to rank 0's pass, which reports it
             future.set_exception(exc)
 

@@ -346,20 +346,21 @@ def degraded_plan(
     load_WLE: np.ndarray, current: Placement, options: SolveOptions, num_groups: int
 ) -> tuple[Plan, Placement]:
     """Step 5: the degraded plan and the repaired placement it starts from (both compact: over
-    the members' slots)."""
-    from eplb.solver.degraded import survivors
-    from eplb.solver.solve import solve
-    from eplb.solver.types import Topology, as_load_array
+    the members' slots), planned and judged by eplb.policy.decision with ``options`` as given."""
+    from eplb.policy.decision import RankLoss, Request, plan_and_judge
+    from eplb.solver.planner import SolverPlanner
+    from eplb.solver.types import Plan
 
-    topology = Topology(
-        num_gpus=current.num_gpus,
-        num_nodes=current.num_nodes,
-        num_physical=current.num_physical,
-        num_groups=num_groups,
+    assert options.alive_ranks is not None, "a degraded plan names the ranks alive"
+    request = Request(
+        window_WLE=load_WLE,
+        current=current,
+        planner=SolverPlanner(options=options, num_groups=num_groups),
+        loss=RankLoss(alive_G=np.asarray(options.alive_ranks, dtype=bool), prepared=False),
     )
-    plan = solve(load_WLE, topology, current, options)
-    repaired = survivors(as_load_array(load_WLE), topology, current, options).repaired
-    return plan, repaired
+    plan = plan_and_judge(request).plan
+    assert isinstance(plan, Plan) and plan.repaired is not None, "eplb's solver repairs before it plans"
+    return plan, plan.repaired
 
 
 def degraded_options(base: SolveOptions, alive_G: np.ndarray, host_backup: bool) -> SolveOptions:

@@ -6,7 +6,6 @@ Shape legend: W window (passes), L layers, E logical experts, P physical slots, 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -23,7 +22,8 @@ from eplb.manager.pacing import Pacer
 from eplb.metrics.names import ManagerPhase
 from eplb.metrics.sink import MetricsSink, RebalanceOutcome
 from eplb.placement.model import Placement
-from eplb.policy.base import PlanLike, Planner
+from eplb.policy.base import Planner
+from eplb.policy.decision import Outcome
 
 if TYPE_CHECKING:
     from eplb.manager.recovery import RecoveryRecord
@@ -160,16 +160,11 @@ class SwapJob:
 
 
 def default_planner(config: EplbConfig, *, num_groups: int, bytes_per_expert: int) -> Planner:
-    """The solver the flags ask for (algorithm, dispatch mode, move budget)."""
+    """The solver the flags ask for (algorithm, dispatch mode, move budget: SolveOptions.from_config)."""
     from eplb.solver.planner import SolverPlanner  # SciPy only where the default planner is used
     from eplb.solver.types import SolveOptions
 
-    options = SolveOptions(
-        algorithm=config.eplb_algorithm,
-        dispatch=config.dispatch_algorithm,
-        bytes_per_expert=bytes_per_expert,
-        max_moved_experts=config.max_moved_experts,
-    )
+    options = SolveOptions.from_config(config, bytes_per_expert=bytes_per_expert)
     return SolverPlanner(options=options, num_groups=num_groups)
 
 
@@ -190,31 +185,29 @@ def chunk_steps(
     return chunks, steps
 
 
-def timed_plan(planner: Planner, load_WLE: np.ndarray, current: Placement) -> tuple[PlanLike, float]:
-    start = time.perf_counter()
-    plan = planner(load_WLE, current)
-    return plan, time.perf_counter() - start
-
-
 def encode_plan(
-    future: Future[tuple[PlanLike, float]], header: torch.Tensor, phy2log: torch.Tensor, weights: torch.Tensor
+    future: Future[Outcome], header: torch.Tensor, phy2log: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
-    """Rank 0: the plan (or its failure) as the tensors it broadcasts, plus the reason."""
+    """Rank 0: the rebalance's outcome (or the planner's failure) as the tensors it broadcasts,
+    plus the reason."""
     try:
-        plan, seconds = future.result()
+        outcome = future.result()
     except Exception as exc:
         header[:] = torch.tensor([FAILED, 0.0, float("nan"), 0.0], dtype=torch.float64)
         return header, phy2log, weights, f"planner failed: {type(exc).__name__}: {exc}"
-    status = APPLY if plan.apply else SKIP
-    w = plan.dispatch_weights_LER
+    placement = outcome.placement
+    assert placement is not None, "a planned rebalance has a plan"
+    status = APPLY if outcome.applied else SKIP
+    w = outcome.weights_LER
+    predicted = float("nan") if outcome.predicted is None else outcome.predicted
     header[:] = torch.tensor(
-        [status, float(w is not None), plan.predicted_balancedness, seconds], dtype=torch.float64
+        [status, float(w is not None), predicted, outcome.solve_seconds], dtype=torch.float64
     )
-    phy2log.copy_(torch.from_numpy(np.ascontiguousarray(plan.placement.phy2log_LP, dtype=np.int32)))
+    phy2log.copy_(torch.from_numpy(np.ascontiguousarray(placement.phy2log_LP, dtype=np.int32)))
     if w is not None:
         weights.zero_()
         weights[:, :, : w.shape[2]] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
-    return header, phy2log, weights, plan.reason
+    return header, phy2log, weights, outcome.reason
 
 
 @dataclass(frozen=True)
@@ -230,9 +223,7 @@ class SharedPlan:
     weights_LER: np.ndarray | None
 
 
-def share_plan(
-    agree: RankAgreement, future: Future[tuple[PlanLike, float]] | None, current: Placement
-) -> SharedPlan:
+def share_plan(agree: RankAgreement, future: Future[Outcome] | None, current: Placement) -> SharedPlan:
     """Collective: rank 0 (holding the solve's ``future``) broadcasts its decision, then the maps."""
     L, P, E = current.num_layers, current.num_physical, current.num_logical
     R = P - E + 1

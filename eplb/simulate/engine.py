@@ -25,6 +25,7 @@ from threadpoolctl import threadpool_limits
 
 from eplb.placement.model import Placement
 from eplb.policy import Planner
+from eplb.policy.clock import RebalanceClock
 from eplb.simulate.config import SimulationConfig
 from eplb.simulate.planners import RunSpec, make_planner
 from eplb.simulate.results import SimulationResult
@@ -47,10 +48,10 @@ class Chunk:
 
 
 def rebalance_steps(trace: Trace, config: SimulationConfig) -> np.ndarray:
-    """int64 [k]: the steps from which a new plan serves (after every interval-th recorded step)."""
-    recorded_F = recorded_steps_mask(trace, config)
-    count_F = np.cumsum(recorded_F)
-    after = np.flatnonzero(recorded_F & (count_F % config.eplb.rebalance_interval == 0))
+    """int64 [k]: the steps from which a new plan serves (after every interval-th recorded step,
+    the server's clock replayed: eplb.policy.clock.RebalanceClock)."""
+    due_F, _ = RebalanceClock(config.eplb.rebalance_interval).replay(recorded_steps_mask(trace, config))
+    after = np.flatnonzero(due_F)
     return after[after + 1 < trace.num_steps] + 1
 
 
@@ -184,15 +185,4 @@ def planner_for(
     """The planner of ``spec``: the one ``planners`` names, else the built-in one (None for "none")."""
     if planners and spec.name in planners:
         return planners[spec.name]
-    if spec.algorithm == "none":
-        return None
-    options = dict(config.solver_options)
-    if config.eplb.max_moved_experts is not None:
-        options["max_moved_experts"] = config.eplb.max_moved_experts
-    return make_planner(
-        spec,
-        num_groups=config.num_groups,
-        bytes_per_expert=config.bytes_per_expert,
-        seed=config.seed,
-        solver_options=options,
-    )
+    return make_planner(spec, config)

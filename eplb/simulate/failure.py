@@ -7,8 +7,9 @@ The schedule is the simulator's (eplb.simulate.engine: the same rebalance steps 
 run a ``RunState``), with the losses of ``--rank-failure STEP:RANK`` added. At a loss, before the
 step is served, each run answers:
 
-- a solver run (``scipy``, ``deepseek``, ...): ``solve`` with ``alive_ranks`` from the window so
-  far (eplb.solver.degraded): the degraded plan over the survivors, then periodic plans over them;
+- a solver run (``scipy``, ``deepseek``, ...): the degraded plan over the survivors from the
+  window so far (eplb.solver.degraded, through the run's Decider as its rebalance at that pass:
+  eplb.policy.decision), then periodic plans over them;
 - ``sglang_elasticity_aware``: SGLang's own planner over the active ranks
   (eplb.simulate.sglang_peer), at the loss and at every rebalance, as SGLang's elastic EP runs it;
 - ``none``: the first solver run's plans until the loss, then no replanning (what eplb's manager
@@ -21,16 +22,15 @@ so balancedness is over them; a swap in flight at the loss is given up.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from eplb.placement.degraded import DegradedPlacement, orphans, reload_report
+from eplb.placement.degraded import orphans
 from eplb.placement.model import Placement
+from eplb.policy.decision import RankLoss, Request
 from eplb.simulate.config import SimulationConfig
 from eplb.simulate.dispatch import DispatchMatrices
 from eplb.simulate.engine import Chunk, plan_chunks, planner_for, rebalance_steps, recorded_steps_mask
@@ -234,36 +234,28 @@ def _lose(item: _Run, failure: RankFailure, step: int, config: SimulationConfig,
         item.ranks_G = item.ranks_G[alive_G]
         item.losses.append(LossEvent(**facts, reason="no replanning"))
         return
-    counted = int(state.counted_F[step])
     if window_WLE.shape[0] == 0:  # a loss before anything was recorded: plan on no load
         window_WLE = np.zeros((1, state.trace.num_layers, state.trace.num_experts), dtype=np.int32)
-    started = time.perf_counter()
     assert state.planner is not None
-    if item.kind == "eplb":
-        from eplb.solver.planner import SolverPlanner
-
-        base = state.decider.planner(state.planner, counted_pass=counted)
-        assert isinstance(base, SolverPlanner)
-        options = replace(base.options, alive_ranks=tuple(alive_G.tolist()), reload_source=reload_source)
-        plan = replace(base, options=options)(window_WLE, current, state.past)
-        placement, weights_LER, reason = plan.placement, plan.dispatch_weights_LER, plan.reason
-        degraded = plan.degraded
-        assert degraded is not None
-    else:
+    if item.kind == "sglang":
+        # SGLang's planner masks the ranks itself, numbered as at start-up.
         elastic = state.planner
         assert isinstance(elastic, ElasticPlanner)
         full_alive = np.zeros(elastic.num_gpus, dtype=bool)
         full_alive[item.ranks_G[alive_G]] = True
         elastic.alive_G = full_alive
-        proposal = elastic(window_WLE, current, state.past)
-        placement, weights_LER, reason = proposal.placement, None, proposal.reason
-        degraded = DegradedPlacement.from_survivors(placement, alive_G, current.num_nodes)
-    solve_seconds = time.perf_counter() - started
-    report = reload_report(current, degraded, reload_source, config.bytes_per_expert)
-    state.lose_ranks(placement, weights_LER)
-    state.decider.record(
-        counted_pass=counted, applied=True, copies=float(report.reloads + report.survivor_copies)
+    request = Request(
+        window_WLE=window_WLE,
+        current=current,
+        planner=state.planner,
+        history=state.past,
+        loss=RankLoss(alive_G=alive_G, reload_source=reload_source),
+        bytes_per_expert=config.bytes_per_expert,
     )
+    outcome = state.decider.rebalance(request, counted_pass=state.counted_at(step))
+    report, placement = outcome.reload, outcome.placement
+    assert report is not None and placement is not None
+    state.lose_ranks(placement, outcome.weights_LER)
     item.ranks_G = item.ranks_G[alive_G]
     item.losses.append(
         LossEvent(
@@ -275,7 +267,7 @@ def _lose(item: _Run, failure: RankFailure, step: int, config: SimulationConfig,
             changed_slots=report.changed_slots,
             bytes_reloaded=report.bytes_reloaded,
             bytes_moved=report.bytes_moved,
-            solve_seconds=solve_seconds,
-            reason=reason,
+            solve_seconds=outcome.solve_seconds,
+            reason=outcome.reason,
         )
     )

@@ -12,15 +12,18 @@ follows ``eplb.policy.Planner`` and is handed the guarded view as its ``history`
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from eplb.config import DISPATCH_ALGORITHMS
 from eplb.policy import Planner, policy_names
 from eplb.traces import Trace
+
+if TYPE_CHECKING:
+    from eplb.simulate.config import SimulationConfig
 
 ALGORITHMS = ("none", *policy_names())
 """Every registered policy, and "none" (keep the initial placement)."""
@@ -107,25 +110,22 @@ def parse_solver_options(items: Sequence[str]) -> dict[str, Any]:
     return options
 
 
-def make_planner(
-    run: RunSpec,
-    *,
-    num_groups: int,
-    bytes_per_expert: int,
-    seed: int,
-    solver_options: Mapping[str, Any] | None = None,
-) -> Planner | None:
-    """The planner of ``run``; None for "none" (the initial placement is kept throughout)."""
+def make_planner(run: RunSpec, config: SimulationConfig) -> Planner | None:
+    """The planner of ``run`` under ``config``, as a server with its flags plans (the flags' move
+    budget, the model's bytes per expert, the run's seed and ``--solver-option`` fields:
+    eplb.solver.types.SolveOptions.from_config); None for "none" (the initial placement is kept
+    throughout)."""
     if run.algorithm == "none":
         return None
     from eplb.solver.planner import SolverPlanner
     from eplb.solver.types import SolveOptions
 
-    options = SolveOptions.from_mapping(
-        solver_options or {},
+    options = SolveOptions.from_config(
+        config.eplb,
         algorithm=run.algorithm,
         dispatch=run.dispatch,
-        bytes_per_expert=bytes_per_expert,
-        seed=seed,
+        bytes_per_expert=config.bytes_per_expert,
+        seed=config.seed,
+        fields=config.solver_options,
     )
-    return SolverPlanner(options=options, num_groups=num_groups)
+    return SolverPlanner(options=options, num_groups=config.num_groups)

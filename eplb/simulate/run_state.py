@@ -24,19 +24,17 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from eplb.placement.balance import balancedness
-from eplb.placement.diff import diff_placements
+from eplb.placement.diff import PlacementDiff
 from eplb.placement.model import Placement
-from eplb.policy import PlanLike, Planner
+from eplb.policy import Planner
+from eplb.policy.clock import RebalanceClock
 from eplb.policy.cost_model import swap_beside_passes
-from eplb.policy.decision import Decider
+from eplb.policy.decision import Decider, Request
 from eplb.simulate.config import SimulationConfig
 from eplb.simulate.dispatch import DispatchMatrices, dispatch_matrices, fake_gpu_load
 from eplb.simulate.planners import PastView, RunSpec
 from eplb.simulate.results import RebalanceEvent, RunResult
 from eplb.traces import Trace
-
-VLLM_IN_FLIGHT = "vLLM's asynchronous rearrangement of the previous plan is still moving layers"
-"""Why a rebalance is skipped under vLLM's swap: its ``EplbState.step`` does not rearrange while one runs."""
 
 
 @dataclass
@@ -94,82 +92,71 @@ class RunState:
         self.served_load = 0.0
         self.eval_seconds = 0.0
         self.apply_seconds = 0.0
-        self.counted_F = np.cumsum(recorded_F) - recorded_F
+        _, self.counted_F = RebalanceClock(config.eplb.rebalance_interval).replay(recorded_F)
         """int [F]: recorded steps before each step (the recorder's count of passes)."""
 
     # ---- rebalancing ----------------------------------------------------------------------------
+    def counted_at(self, step: int) -> int:
+        """Recorded steps before ``step`` (the recorder's count of passes; the trace's at its end)."""
+        return int(self.counted_F[step]) if step < self.counted_F.size else int(self.recorded_F.sum())
+
     def rebalance(self, step: int) -> None:
+        """The rebalance before ``step`` through the run's Decider (eplb.policy.decision), and, when
+        its plan is applied, the transfer: at once (a stall) or beside the passes."""
         if self.planner is None:
             return
-        if self.swap is not None and self.config.engine_swap == "vllm":
-            self._skip_in_flight(step)
-            return
-        if self.swap is not None:
+        # vLLM's swap still in flight: no plan now, the old one keeps going (a skip, not a stall).
+        in_flight = self.swap is not None and self.config.engine_swap == "vllm"
+        if self.swap is not None and not in_flight:
             # Not arrived yet: serving stalls until it has, then switches before this plan is made.
             self.events[self.swap.event] = replace(
                 self.events[self.swap.event], stall_seconds=self.swap.remaining_seconds
             )
             self._switch(step)
-        self._close_realized()
-        counted = int(self.counted_F[step]) if step < self.counted_F.size else int(self.recorded_F.sum())
-        copies = self._plan(step, counted)
-        self.decider.record(counted_pass=counted, applied=copies is not None, copies=copies or 0.0)
-
-    def _skip_in_flight(self, step: int) -> None:
-        """vLLM's swap still in flight: no plan now, the old one keeps going (VLLM_IN_FLIGHT)."""
-        counted = int(self.counted_F[step]) if step < self.counted_F.size else int(self.recorded_F.sum())
-        window_steps = len(self.past.recorded_steps()[-self.config.eplb.recorder_buffer_size :])
-        self.events.append(
-            RebalanceEvent(
-                step=step, window_steps=window_steps, applied=False, reason=VLLM_IN_FLIGHT, solve_seconds=0.0
-            )
-        )
-        self.decider.record(counted_pass=counted, applied=False, copies=0.0)
-
-    def _plan(self, step: int, counted: int) -> float | None:
-        """Plan at ``step`` (the ``counted``-th recorded pass) and apply the plan if it passes;
-        the expert copies across GPUs it moves (None: no plan applied)."""
-        assert self.planner is not None
+        if not in_flight:
+            self._close_realized()
         self.past.now = step
         window_WLE = self.past.window(self.config.eplb.recorder_buffer_size)
         window_bal = (
             self.matrices.summed_balancedness(window_WLE.sum(axis=0, dtype=np.float64))
-            if window_WLE.shape[0]
+            if window_WLE.shape[0] and not in_flight
             else float("nan")
         )
-        why_not = self.decider.screen(
-            window_passes=window_WLE.shape[0],
-            window_load=float(window_WLE.sum(dtype=np.float64)),
-            window_balancedness=window_bal,
+        request = Request(
+            window_WLE=window_WLE,
+            current=self.placement,
+            planner=self.planner,
+            history=self.past,
+            bytes_per_expert=self.config.bytes_per_expert,
         )
-        if why_not is not None:
-            self.events.append(
-                RebalanceEvent(
-                    step=step,
-                    window_steps=len(window_WLE),
-                    applied=False,
-                    reason=why_not,
-                    solve_seconds=0.0,
-                    window_balancedness=window_bal,
-                )
-            )
-            return None
-        started = time.perf_counter()
-        planner = self.decider.planner(self.planner, counted_pass=counted)
-        proposal: PlanLike = planner(window_WLE, self.placement, self.past)
-        skipped = RebalanceEvent(
+        outcome = self.decider.rebalance(
+            request, counted_pass=self.counted_at(step), window_balancedness=window_bal, in_flight=in_flight
+        )
+        event = RebalanceEvent(
             step=step,
             window_steps=len(window_WLE),
             applied=False,
-            reason=proposal.reason,
-            solve_seconds=time.perf_counter() - started,
+            reason=outcome.reason,
+            solve_seconds=outcome.solve_seconds,
             window_balancedness=window_bal,
-            predicted_balancedness=proposal.predicted_balancedness,
+            predicted_balancedness=outcome.predicted,
         )
-        if not proposal.apply:
-            self.events.append(skipped)
-            return None
-        diff = diff_placements(self.placement, proposal.placement, self.config.bytes_per_expert)
+        if not outcome.applied:
+            self.events.append(event)
+            return
+        assert outcome.diff is not None and outcome.placement is not None
+        self._start_swap(step, event, outcome.diff, outcome.placement, outcome.weights_LER)
+
+    def _start_swap(
+        self,
+        step: int,
+        event: RebalanceEvent,
+        diff: PlacementDiff,
+        placement: Placement,
+        weights_LER: np.ndarray | None,
+    ) -> None:
+        """Send the applied plan's transfer (``diff``) and record its event: serving switches at
+        once (a stall for the whole transfer), or once it arrived beside the passes."""
         cost, gbps = self.config.cost, self.config.eplb.eplb_transfer_gbps
         engine = self.config.engine_swap
         # Beside the passes: eplb's continuous swap, vLLM's asynchronous one; SGLang's waits.
@@ -187,7 +174,7 @@ class RunState:
             longest = 0.0 if beside else link_seconds
         self.events.append(
             replace(
-                skipped,
+                event,
                 applied=True,
                 transfer_seconds=link_seconds,
                 # Not beside the passes: serving waits for the whole transfer.
@@ -202,8 +189,8 @@ class RunState:
         # vLLM's swap runs at the link's own pace unless paced.
         pace = gbps if engine != "vllm" or gbps is not None else min(cost.nvlink_gbps, cost.internode_gbps)
         self.swap = _Swap(
-            proposal.placement,
-            proposal.dispatch_weights_LER,
+            placement,
+            weights_LER,
             len(self.events) - 1,
             link_seconds,
             cost.interference_slowdown(pace) if beside else 0.0,
@@ -211,8 +198,6 @@ class RunState:
         )
         if not beside or (link_seconds == 0 and self.swap.passes_left == 0):
             self._switch(step)
-        # Counted as the manager counts them: the plan's expert copies across GPUs.
-        return float(diff.experts_moved_across_gpus)
 
     def _switch(self, step: int) -> None:
         """The swap in flight has arrived: its placement serves from ``step``."""

@@ -115,7 +115,8 @@ def _repair_counts(count_LE: np.ndarray, load_LE: np.ndarray) -> np.ndarray:
 
 
 def finish(loss: Loss, inner: Plan, options: SolveOptions) -> Plan:
-    """Step 3: the degraded plan from the survivors' ``inner`` plan (solved from ``loss.repaired``)."""
+    """Step 3: the degraded plan from the survivors' ``inner`` plan (solved from ``loss.repaired``);
+    its verdict (always applied, in words) is ``solve``'s to give (eplb.policy.decision.judge)."""
     chosen = inner.placement if inner.apply else loss.repaired
     weights_LER = inner.dispatch_weights_LER
     if not inner.apply and options.weighted:
@@ -137,19 +138,12 @@ def finish(loss: Loss, inner: Plan, options: SolveOptions) -> Plan:
         if inner.apply
         else stats.get("current_balancedness", inner.predicted_balancedness)
     )
-    reason = (
-        f"degraded: rank(s) {dead} lost; {report.reloads} expert replicas reloaded from {report.source}, "
-        f"{report.survivor_copies} copied from survivors; "
-        + ("rebalanced beyond the repair" if inner.apply else f"repair only ({inner.reason})")
-    )
     return replace(
         inner,
         placement=chosen,
         dispatch_weights_LER=weights_LER,
         diff=None,
         predicted_balancedness=float(predicted),
-        apply=True,
-        reason=reason,
         stats=stats,
         degraded=degraded,
         reload=report,

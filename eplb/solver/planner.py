@@ -2,8 +2,10 @@
 
 Shape legend: W window (passes), L layers, E logical experts, R max replicas.
 
-The manager, the simulator, ``eplb solve`` and the engine adapters all plan through it, so one set
-of options means the same plan everywhere. The topology comes from the current placement.
+The manager, the simulator, ``eplb solve`` and the engine adapters all plan through it (by way of
+eplb.policy.decision, which prepares it for each rebalance with the methods below), so one set of
+options means the same plan everywhere. The topology comes from the current placement, or, for a
+plan without one (an engine with no live map), from its own ``topology``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ class SolverPlanner:
     """What ``solve`` is asked for: the policy, the dispatch mode, budgets, pricing, ..."""
     num_groups: int = 1
     """Expert groups, for the hierarchical policy."""
+    topology: Topology | None = None
+    """The topology of a plan without a current placement (:meth:`plan_fresh`; its ``num_groups``
+    is this planner's); None: only the current placement's."""
 
     def for_unfitted_placement(self, *, drop_budget: bool = True) -> SolverPlanner:
         """This planner for a placement nobody fitted (eplb.policy.decision), with no noise price
@@ -58,6 +63,20 @@ class SolverPlanner:
     def with_pricing(self, pricing: Pricing) -> SolverPlanner:
         """This planner with ``pricing`` (horizon, the current placement's age, the transfer model)."""
         return replace(self, options=replace(self.options, pricing=pricing))
+
+    def for_lost_ranks(self, alive: tuple[bool, ...], reload_source: str | None = None) -> SolverPlanner:
+        """This planner for the degraded plan over the ranks ``alive`` marks (``alive_ranks``),
+        reloading from ``reload_source`` (None: the options' own)."""
+        options = replace(self.options, alive_ranks=alive)
+        if reload_source is not None:
+            options = replace(options, reload_source=reload_source)
+        return replace(self, options=options)
+
+    def plan_fresh(self, window_WLE: np.ndarray) -> Plan:
+        """``solve(window, topology, None, options)``: a fresh plan on :attr:`topology`."""
+        if self.topology is None:
+            raise ValueError("a plan without a current placement needs the planner's topology")
+        return solve(window_WLE, replace(self.topology, num_groups=self.num_groups), None, self.options)
 
     def __call__(
         self, window_WLE: np.ndarray, current: Placement, history: LoadHistory | None = None

@@ -12,7 +12,8 @@ starts after it); price one expert copy in balancedness from the pass-time model
 replicas (eplb.solver.search.split); optionally spread replicas over failure domains
 (eplb.solver.search.spread); predict what the plan and the current placement will get over the
 passes the plan serves (eplb.solver.scoring.horizon.calibrate); apply it when the time it saves pays for
-its transfer (eplb.policy.decision.gate). With ``alive_ranks`` (a rank lost), the same steps run over
+its transfer: these facts (eplb.policy.decision.Facts) get their verdict from eplb.policy.decision.judge,
+as every other case does (one GPU, no current placement, a budget that dropped every changed layer). With ``alive_ranks`` (a rank lost), the same steps run over
 the survivors from the live placement repaired (eplb.solver.degraded).
 """
 
@@ -27,7 +28,7 @@ import numpy as np
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
 from eplb.policy.cost_model import PassTimes
-from eplb.policy.decision import ONE_GPU, copy_price, gate, value_horizon
+from eplb.policy.decision import Facts, LostRanks, copy_price, judge, value_horizon
 from eplb.solver.degraded import finish, survivors
 from eplb.solver.policies.protocol import PlacementRequest, Policy, load_policy
 from eplb.solver.predict import Prediction, predict
@@ -77,16 +78,28 @@ def solve(
         # A rank lost: plan over the survivors from the live placement repaired (eplb.solver.degraded).
         loss = survivors(load_WLE, topology, current, options)
         inner = solve(load_WLE, loss.topology, loss.repaired, replace(options, alive_ranks=None))
-        return finish(loss, inner, options)
+        plan = finish(loss, inner, options)
+        assert plan.reload is not None
+        lost = LostRanks(
+            ranks=tuple(np.flatnonzero(~loss.alive_G).tolist()),
+            reloads=plan.reload.reloads,
+            reload_source=plan.reload.source,
+            survivor_copies=plan.reload.survivor_copies,
+            rebalanced=inner.apply,
+            repair_reason=inner.reason,
+        )
+        verdict = judge(Facts(lost=lost))
+        return replace(plan, apply=verdict.apply, reason=verdict.reason, repaired=loss.repaired)
     if G == 1 and current is not None:
         # Nothing to balance: one GPU serves every token whatever the placement; keep it.
+        verdict = judge(Facts(one_gpu=True))
         return Plan(
             placement=current,
             dispatch_weights_LER=lp_split(load_WLE.sum(axis=0), current) if options.weighted else None,
             diff=diff_placements(current, current, options.bytes_per_expert),
             predicted_balancedness=1.0,
-            apply=False,
-            reason=ONE_GPU,
+            apply=verdict.apply,
+            reason=verdict.reason,
             stats={"solve_seconds": time.perf_counter() - start},
         )
     if G == 1 and options.dispatch == "static":
@@ -141,7 +154,9 @@ def solve(
     cuts = Cuts.of(W, shift_at, options.holdout_passes)
     stats["calibration_passes"] = 0.0 if cuts is None else float(cuts.stop - cuts.cut)
     current_share_LP = None if base is None else base.share_LP
-    placement, weights_LER = _plan(policy, prediction, topology, current, options, stats, current_share_LP)
+    placement, weights_LER, dropped = _plan(
+        policy, prediction, topology, current, options, stats, current_share_LP
+    )
     scored = scored_placement(placement, weights_LER, dispatch, base)
     forecast = scored_balancedness(prediction.point_LE, scored, G)
     stats["forecast_balancedness"] = forecast
@@ -155,7 +170,7 @@ def solve(
         # The older plan only calibrates: its MILP polish would change the scores by < 0.001.
         older_options = replace(options, milp_max_solves=0)
         older_prediction = predict(load_WLE[: cuts.cut], older_options, method)
-        older, older_weights = _plan(
+        older, older_weights, _ = _plan(
             policy, older_prediction, topology, current, older_options, {}, current_share_LP
         )
         older_scored = scored_placement(older, older_weights, dispatch, base)
@@ -168,7 +183,7 @@ def solve(
     stats["algorithm_scipy"] = float(policy.name == "scipy")
     stats["prediction_robust"] = float(method == "robust")
     if current is None or diff is None or now is None:
-        apply, reason = True, "no current placement"
+        facts = Facts(no_current=True)
     else:
         copies = diff.experts_moved_across_gpus
         across_nodes = diff.experts_moved_across_nodes
@@ -182,38 +197,34 @@ def solve(
         )
         budget = budget_of(options)
         assert weighted <= budget.weighted + 1e-6 and copies <= budget.plain, "a plan over its move budget"
-        if diff.num_changed_slots == 0 and stats.get("budget_dropped_layers", 0) > 0:
-            apply, reason = (
-                False,
-                (
-                    f"no changed layer of the {policy.name} plan fits within the budget "
-                    f"(max_moved_experts={options.max_moved_experts}, max_bytes_moved={options.max_bytes_moved})"
-                ),
-            )
-        else:
-            verdict = gate(
-                predicted=predicted,
-                current=now,
-                gain_passes=valued,
-                diff=diff,
-                pricing=replace(pricing, horizon_passes=horizon),
-                times=times,
-                priced=policy.priced,
-                min_gain=options.min_gain,
-                noise_price=noise_price,
-                num_layers=L,
-            )
-            stats["saved_seconds"] = verdict.saved_seconds
-            stats["transfer_seconds"] = verdict.cost_seconds
-            apply, reason = verdict.apply, verdict.reason
+        facts = Facts(
+            diff=diff,
+            budget_dropped_layers=dropped,
+            policy=policy.name,
+            max_moved_experts=options.max_moved_experts,
+            max_bytes_moved=options.max_bytes_moved,
+            predicted=predicted,
+            current=now,
+            gain_passes=valued,
+            pricing=replace(pricing, horizon_passes=horizon),
+            times=times,
+            priced=policy.priced,
+            min_gain=options.min_gain,
+            noise_price=noise_price,
+            num_layers=L,
+        )
+    verdict = judge(facts)
+    if verdict.saved_seconds is not None and verdict.cost_seconds is not None:
+        stats["saved_seconds"] = verdict.saved_seconds
+        stats["transfer_seconds"] = verdict.cost_seconds
     stats["solve_seconds"] = time.perf_counter() - start
     return Plan(
         placement=placement,
         dispatch_weights_LER=weights_LER,
         diff=diff,
         predicted_balancedness=predicted,
-        apply=apply,
-        reason=reason,
+        apply=verdict.apply,
+        reason=verdict.reason,
         stats=stats,
     )
 
@@ -226,12 +237,14 @@ def _plan(
     options: SolveOptions,
     stats: dict[str, float],
     current_share_LP: np.ndarray | None = None,
-) -> tuple[Placement, np.ndarray | None]:
-    """The policy's placement for ``prediction``, cut to the move budget, and its dispatch weights.
+) -> tuple[Placement, np.ndarray | None, int]:
+    """The policy's placement for ``prediction``, cut to the move budget, its dispatch weights,
+    and how many of its changed layers the budget dropped (``stats`` reports it too).
 
     ``current_share_LP``: ``current``'s slot shares under ``options.dispatch`` (weights aside)."""
     request = PlacementRequest(prediction, topology, current, options, stats, current_share_LP)
     phy2log_LP = policy.place(request)
+    dropped = 0
     if current is not None and options.budgeted and not (policy.budget_aware and options.incremental):
         # Plans that did not search within the budget keep the whole layers that pay best per copy.
         dispatch = Dispatch(options.dispatch, topology.num_nodes)
@@ -242,7 +255,8 @@ def _plan(
 
         gain_L = score_L(phy2log_LP) - score_L(current.phy2log_LP)
         fitted_LP = fit_layers(phy2log_LP, current, gain_L, budget_of(options))
-        stats["budget_dropped_layers"] = float((fitted_LP != phy2log_LP).any(axis=1).sum())
+        dropped = int((fitted_LP != phy2log_LP).any(axis=1).sum())
+        stats["budget_dropped_layers"] = float(dropped)
         phy2log_LP = fitted_LP
     if options.failure_domain != "none":
         phy2log_LP = failure_aware_phy2log(phy2log_LP, prediction, topology, current, options, stats)
@@ -251,4 +265,4 @@ def _plan(
         phy2log_LP, topology.num_gpus, topology.num_nodes, max_replicas=max_replicas
     )
     weights_LER = lp_split(prediction.point_LE, placement) if options.weighted else None
-    return placement, weights_LER
+    return placement, weights_LER, dropped

@@ -10,7 +10,8 @@ import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +21,9 @@ from eplb.placement.model import Placement
 from eplb.policy.decision import Pricing
 from eplb.policy.dispatch import dispatch_mode
 from eplb.policy.registry import check_policy_name, get_policy
+
+if TYPE_CHECKING:
+    from eplb.config import EplbConfig
 
 PREDICTIONS = ("auto", "sum", "decay", "recent", "robust", "track")
 FAILURE_DOMAINS = ("none", "gpu", "node")
@@ -229,9 +233,43 @@ class SolveOptions:
             raise ValueError("failure_domain spreads replicas beyond a move budget: use it without one")
 
     @classmethod
+    def from_config(
+        cls,
+        config: EplbConfig,
+        *,
+        algorithm: str | None = None,
+        dispatch: str | None = None,
+        bytes_per_expert: int = 0,
+        seed: int = 0,
+        copy_cost: float | None = None,
+        move_budget: bool = True,
+        fields: Mapping[str, Any] | None = None,
+    ) -> SolveOptions:
+        """The options a server with ``config``'s flags plans with: its algorithm, dispatch mode
+        and move budget (``config.max_moved_experts``; ``move_budget=False``: none, where the
+        budget is the Decider's allowance alone), unless ``algorithm`` or ``dispatch`` name
+        another; ``bytes_per_expert`` and ``seed`` of the model and run; ``copy_cost`` (None:
+        priced in seconds); then the user's string-keyed ``fields`` (``--solver-option``,
+        ``EPLB_SOLVER_OPTIONS``) over all of these but a move budget the flags give. An unknown
+        field or a bad value raises ValueError naming it."""
+        given: dict[str, Any] = {
+            "algorithm": config.eplb_algorithm if algorithm is None else algorithm,
+            "dispatch": config.dispatch_algorithm if dispatch is None else dispatch,
+            "bytes_per_expert": bytes_per_expert,
+            "seed": seed,
+            "copy_cost": copy_cost,
+        }
+        chosen = dict(fields or {})
+        budget = config.max_moved_experts if move_budget else None
+        if budget is not None:
+            chosen["max_moved_experts"] = budget
+        return cls.from_mapping(chosen, **given)
+
+    @classmethod
     def from_mapping(cls, fields: Mapping[str, Any], **given: Any) -> SolveOptions:
         """Options from string-keyed ``fields`` (``EPLB_SOLVER_OPTIONS``, ``--solver-option``) over
-        ``given``; an unknown field or a bad value raises ValueError naming it."""
+        ``given`` (:meth:`from_config` builds a server's); an unknown field or a bad value raises
+        ValueError naming it."""
         known = {f.name for f in dataclasses.fields(cls)} - {"pricing"}
         unknown = sorted(set(fields) - known)
         if unknown:
@@ -279,12 +317,12 @@ class Plan:
     the window (eplb.solver.scoring.horizon); on a window too short to calibrate (or ``holdout_passes=0``),
     its per-pass balancedness on the newest passes it was fitted to."""
     apply: bool
-    """False when the modeled time the plan saves does not pay for its transfer (keep ``current``;
-    eplb.policy.decision.gate)."""
+    """False when the modeled time the plan saves does not pay for its transfer, or another case
+    of eplb.policy.decision.judge keeps ``current``."""
     reason: str
-    """Why the plan is applied or skipped, in words."""
-    stats: dict[str, float] = field(default_factory=dict)
-    """Numbers about the solve. Always: solve_seconds, algorithm_scipy (1.0 or 0.0),
+    """Why the plan is applied or skipped, in words (judge's)."""
+    stats: Mapping[str, float] = field(default_factory=dict)
+    """Numbers about the solve, for reports only (read-only: nothing decides on them). Always: solve_seconds, algorithm_scipy (1.0 or 0.0),
     forecast_balancedness (the plan scored on the load it was fitted to), calibration_passes,
     horizon_passes, copy_price. With current: current_balancedness (predicted over the horizon,
     under current), predicted_gain, saved_seconds and transfer_seconds (the gate's), copies_moved,
@@ -302,6 +340,13 @@ class Plan:
     is then its survivors' part (G' live GPUs)."""
     reload: ReloadReport | None = None
     """With ``alive_ranks``: the experts to reload and the bytes from each source."""
+    repaired: Placement | None = None
+    """With ``alive_ranks``: the survivors' placement the plan starts from, each lost expert in
+    one donor's slot (eplb.solver.degraded; what the reloads fill)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.stats, MappingProxyType):
+            object.__setattr__(self, "stats", MappingProxyType(dict(self.stats)))
 
 
 def as_load_array(load: Any) -> np.ndarray:

@@ -6,9 +6,11 @@ The manager side (:func:`manager_run`, one call per rank) replays the trace pass
 rank routes its half of every pass's counts through ``remap_and_record`` into the manager's
 recorder, so the window the manager sums over ranks is the trace's. The simulator side
 (:func:`simulator_decisions`) replays the same trace under the same flags. Both keep their own
-default planner; :func:`recording_plans` only watches ``SolverPlanner.__call__`` to record what
-each plan was asked (the planner with its budgets, the window, the current placement) and what
-it answered. :class:`Decision` is one rebalance in a form both callers fill the same way.
+default planner and go through their own Decider (eplb.policy.decision), the one path;
+:func:`recording_decisions` only watches the Decider's steps, ``Rebalance.plan`` (what each plan
+was asked: the planner as the rebalance prepared it, with its budgets, the window, the current
+placement; and what was decided) and ``Rebalance.close`` (what the Decider recorded).
+:class:`Decision` is one rebalance in a form both callers fill the same way.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from eplb.manager.manager import EplbManager
 from eplb.moe.model import MoEModel, MoEModelConfig
 from eplb.moe.spawn import RankContext
 from eplb.placement.model import Placement
+from eplb.policy.decision import Outcome, Rebalance, Request
 from eplb.simulate import RunSpec, SimulationConfig, simulate
-from eplb.solver.planner import SolverPlanner
 from eplb.traces import Trace
 from eplb.workloads import WorkloadConfig, generate
 
@@ -55,10 +57,10 @@ IDLE_STEPS = (50, 75)
 
 @dataclass(frozen=True)
 class PlanCall:
-    """One call of the planner: what it was given and what it answered."""
+    """One plan of the Decider: what its planner was given and what was decided."""
 
     planner: Any
-    """The planner that planned (its options carry the move budgets of this plan)."""
+    """The planner as the rebalance prepared it (its options carry the move budgets of this plan)."""
     window_passes: int
     window_LE: tuple[tuple[float, ...], ...]
     """The window summed over its passes (and over ranks: the manager plans on the reduced window)."""
@@ -71,6 +73,10 @@ class PlanCall:
     predicted: float | None
     now: int | None
     """``history.now`` where the caller passes a history (the simulator: the first step served)."""
+
+
+Recorded = tuple[int, bool, float]
+"""What the Decider recorded of a rebalance (``Rebalance.close``): its counted pass, applied, copies."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +96,8 @@ class Decision:
     copies: int
     """Expert copies across GPUs the rebalance moved."""
     plan: PlanCall | None
+    recorded: Recorded
+    """What the caller's Decider recorded of it."""
     after: tuple[tuple[int, ...], ...] | None = None
     """phy2log the manager serves once the rebalance finished (None: the simulator's record)."""
 
@@ -99,35 +107,42 @@ def _rows(a: np.ndarray) -> tuple[tuple[Any, ...], ...]:
 
 
 @contextlib.contextmanager
-def recording_plans(calls: list[PlanCall], done: threading.Event | None = None) -> Iterator[None]:
-    """Append every ``SolverPlanner`` call of this process to ``calls`` (and set ``done`` after
-    each); the plans themselves are untouched."""
-    original = SolverPlanner.__call__
+def recording_decisions(
+    calls: list[PlanCall], records: list[Recorded], done: threading.Event | None = None
+) -> Iterator[None]:
+    """Append every plan the Decider makes in this process to ``calls`` (and set ``done`` after
+    each) and every rebalance it records to ``records``; the decisions themselves are untouched."""
+    plan, close = Rebalance.plan, Rebalance.close
 
-    def call(self: SolverPlanner, window_WLE: np.ndarray, current: Placement, history: Any = None) -> Any:
-        plan = original(self, window_WLE, current, history)
+    def planned(self: Rebalance, request: Request) -> Outcome:
+        outcome = plan(self, request)
+        assert request.current is not None and outcome.placement is not None
         calls.append(
             PlanCall(
-                planner=self,
-                window_passes=int(window_WLE.shape[0]),
-                window_LE=_rows(np.asarray(window_WLE, dtype=np.float64).sum(axis=0)),
-                current=_rows(current.phy2log_LP),
-                target=_rows(plan.placement.phy2log_LP),
-                apply=bool(plan.apply),
-                reason=plan.reason,
-                predicted=plan.predicted_balancedness,
-                now=getattr(history, "now", None),
+                planner=outcome.planner,
+                window_passes=int(request.window_WLE.shape[0]),
+                window_LE=_rows(np.asarray(request.window_WLE, dtype=np.float64).sum(axis=0)),
+                current=_rows(request.current.phy2log_LP),
+                target=_rows(outcome.placement.phy2log_LP),
+                apply=outcome.applied,
+                reason=outcome.reason,
+                predicted=outcome.predicted,
+                now=getattr(request.history, "now", None),
             )
         )
         if done is not None:
             done.set()
-        return plan
+        return outcome
 
-    SolverPlanner.__call__ = call  # type: ignore[method-assign]
+    def closed(self: Rebalance, *, applied: bool, copies: float) -> None:
+        records.append((self.counted_pass, applied, float(copies)))
+        close(self, applied=applied, copies=copies)
+
+    Rebalance.plan, Rebalance.close = planned, closed  # type: ignore[method-assign]
     try:
         yield
     finally:
-        SolverPlanner.__call__ = original  # type: ignore[method-assign]
+        Rebalance.plan, Rebalance.close = plan, close  # type: ignore[method-assign]
 
 
 # ---- the trace and the flags ---------------------------------------------------------------------
@@ -193,7 +208,8 @@ def simulation_config(flags: EplbConfig) -> SimulationConfig:
 def simulator_decisions(trace: Trace, flags: EplbConfig) -> tuple[list[Decision], Placement]:
     """Every rebalance of the simulator's run of the flags' planner, and its final placement."""
     calls: list[PlanCall] = []
-    with recording_plans(calls):
+    records: list[Recorded] = []
+    with recording_decisions(calls, records):
         result = simulate(
             trace, [RunSpec(flags.eplb_algorithm, flags.dispatch_algorithm)], simulation_config(flags)
         )
@@ -201,7 +217,7 @@ def simulator_decisions(trace: Trace, flags: EplbConfig) -> tuple[list[Decision]
     by_step = {call.now: call for call in calls}
     assert len(by_step) == len(calls), "one plan per rebalance step"
     decisions = []
-    for event in run.events:
+    for event, recorded in zip(run.events, records, strict=True):  # every rebalance recorded once
         plan = by_step.pop(event.step, None)
         decisions.append(
             Decision(
@@ -212,6 +228,7 @@ def simulator_decisions(trace: Trace, flags: EplbConfig) -> tuple[list[Decision]
                 balancedness=float(event.window_balancedness),
                 copies=event.experts_moved_across_gpus,
                 plan=plan,
+                recorded=recorded,
             )
         )
     assert not by_step, f"plans at steps without a rebalance event: {list(by_step)}"
@@ -245,10 +262,11 @@ def manager_run(
     in one chunk, applied) on the pass after its check: the timing cannot move a check.
     """
     calls: list[PlanCall] = []
+    records: list[Recorded] = []
     solved = threading.Event()
     half_FLE = counts_FLE // 2
     mine_FLE = half_FLE if ctx.rank == 0 else counts_FLE - half_FLE
-    with recording_plans(calls, solved):
+    with recording_decisions(calls, records, solved):
         L, E = counts_FLE.shape[1:]
         placement = Placement.trivial(L, E, ctx.world_size, num_redundant=flags.ep_num_redundant_experts)
         model = MoEModel(MODEL, placement, rank=ctx.rank, device=ctx.device, remap_backend="torch")
@@ -278,6 +296,7 @@ def manager_run(
         "history": [(r.at_pass, r.outcome, r.reason, r.experts_moved) for r in state.history],
         "after": after,
         "calls": calls,
+        "records": records,
         "phase": state.phase,
         "placement": state.placement.phy2log_LP.tolist(),
         "bytes_per_expert": sum(t[0].numel() * t.element_size() for t in model.slot_tensors(0).values()),
@@ -290,11 +309,11 @@ def manager_decisions(rank0: dict[str, Any]) -> list[Decision]:
     assert len(history) == len(checks), f"{len(checks)} checks but {len(history)} records: one still open"
     calls = iter(rank0["calls"])
     decisions = []
-    for (at, balancedness, planned), (_, outcome, reason, moved), placement in zip(
-        checks, history, after, strict=True
+    for (at, balancedness, planned), (_, outcome, reason, moved), placement, recorded in zip(
+        checks, history, after, rank0["records"], strict=True
     ):
         plan = next(calls, None) if planned else None
-        assert plan is not None or not planned, f"pass {at}: planned, but no SolverPlanner call was recorded"
+        assert plan is not None or not planned, f"pass {at}: planned, but the Decider recorded no plan"
         decisions.append(
             Decision(
                 at=at,
@@ -304,6 +323,7 @@ def manager_decisions(rank0: dict[str, Any]) -> list[Decision]:
                 balancedness=float(balancedness),
                 copies=int(moved),
                 plan=plan,
+                recorded=recorded,
                 after=placement,
             )
         )

@@ -57,7 +57,7 @@ class Policy(Protocol):
 
     @property
     def priced(self) -> bool:
-        """Its plans pass the gate in seconds (eplb.policy.decision.gate); else they are applied
+        """Its plans pass the gate in seconds (eplb.policy.decision.judge); else they are applied
         whenever they change something, as SGLang applies DeepSeek's."""
         ...
 
