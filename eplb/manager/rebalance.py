@@ -202,6 +202,12 @@ class Rebalancer:
             if job is None:
                 live.stop()
             return None
+        # The repair, and the degraded plan beyond it, count as an applied rebalance of the
+        # survivors' Decider (its placement's age and move allowance), as the simulator's
+        # lost-rank runs record it.
+        self._decider.open(counted_pass=live.clock.counted).close(
+            applied=True, copies=float(record.reloads + record.survivor_copies)
+        )
         if job is None:
             self.lost.report(record)
         if live.swaps.lost is not None:  # another rank lost in the recovery's swap: again
