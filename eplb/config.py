@@ -39,6 +39,16 @@ def initial_full_plan_on(*, continuous: bool, enabled: bool, budget: int | None)
     return continuous and enabled and budget is not None and budget > 0
 
 
+def even_nodes(num_gpus: int, num_nodes: int = 0, *, gpus_per_node: int = 0) -> int:
+    """The nodes a placement over ``num_gpus`` GPUs is planned on, from an engine's node count (or
+    its GPUs per node): nodes that do not divide the GPUs count as one node, as vLLM and SGLang
+    treat such a layout (no node structure to pack for). :class:`EplbConfig` refuses such an
+    ``--nnodes``; the engine adapters, which take what the engine reports, fold it to one here."""
+    if gpus_per_node >= 1:
+        num_nodes = num_gpus // gpus_per_node if num_gpus % gpus_per_node == 0 else 0
+    return num_nodes if num_nodes >= 1 and num_gpus % num_nodes == 0 else 1
+
+
 RECORDER_MODES = ("stat", "per_pass", "per_token")
 DISPATCH_ALGORITHMS = dispatch_mode_names(flags_only=True)
 """--ep-dispatch-algorithm choices, from the one registry of dispatch modes."""

@@ -19,7 +19,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from eplb.config import CONTINUOUS_BUFFER_SIZE, MAX_WINDOW_PASSES, REBALANCE_MODES, ConfigError, EplbConfig
+from eplb.config import (
+    CONTINUOUS_BUFFER_SIZE,
+    MAX_WINDOW_PASSES,
+    REBALANCE_MODES,
+    ConfigError,
+    EplbConfig,
+    even_nodes,
+)
 from eplb.metrics import names
 
 MODE_ENV = "EPLB_REBALANCE_MODE"
@@ -158,13 +165,13 @@ class EngineEnv:
     def decision_config(self, *, num_gpus: int, num_nodes: int, interval: int) -> EplbConfig:
         """The flags a :class:`~eplb.policy.decision.Decider` of ``num_gpus`` EP ranks on
         ``num_nodes`` nodes decides by, rebalancing every ``interval`` counted passes (nodes that do
-        not divide the GPUs count as one, as the engines do)."""
+        not divide the GPUs count as one: eplb.config.even_nodes)."""
         kwargs: dict[str, Any] = {}
         if self.shift_burst is not None:
             kwargs["eplb_shift_burst"] = self.shift_burst
         return EplbConfig(
             ep_size=max(num_gpus, 1),
-            nnodes=num_nodes if num_nodes >= 1 and num_gpus % num_nodes == 0 else 1,
+            nnodes=even_nodes(num_gpus, num_nodes),
             eplb_rebalance_mode=self.mode,
             eplb_rebalance_num_iterations=min(max(interval, 1), MAX_WINDOW_PASSES),
             eplb_max_moved_experts=self.max_moved_experts,
