@@ -32,7 +32,7 @@ from eplb.commands.common import (
     json_to_stdout,
     run_until_signalled,
 )
-from eplb.commands.flags import DEMO_PERIODIC_INTERVAL, DEMO_PRESET, DEMO_STEPS
+from eplb.commands.flags import DEMO_PERIODIC_INTERVAL
 from eplb.config import SERVER_GROUP, EplbConfig, add_cli_args, config_from_args
 from eplb.metrics.sink import MetricsSink
 
@@ -47,11 +47,11 @@ class DemoConfig:
     """EP ranks (local processes)."""
     device: str = "cpu"
     """cpu (Gloo) or cuda (NCCL, one GPU per rank)."""
-    steps: int = DEMO_STEPS
+    steps: int = flags.DEMO_STEPS
     """Forward passes per rank (the run also stops at ``duration_s`` when given)."""
     duration_s: float | None = None
     """Stop after this many seconds (rank 0 decides; every rank stops on the same pass)."""
-    preset: str = DEMO_PRESET
+    preset: str = flags.DEMO_PRESET
     """Workload preset: the model has its layers, experts and top-k."""
     hidden: int = 64
     """Model width H."""

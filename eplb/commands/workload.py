@@ -17,7 +17,6 @@ from eplb.commands.common import (
     progress_callback,
     write_json,
 )
-from eplb.commands.flags import WORKLOAD_EP_SIZE
 
 HELP = "generate a synthetic expert-load trace (model presets, seeded)"
 
@@ -33,8 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def default_ep_size(num_experts: int) -> int:
-    """The largest divisor of ``num_experts`` up to ``WORKLOAD_EP_SIZE`` (eplb.commands.flags)."""
-    return max(d for d in range(1, min(num_experts, WORKLOAD_EP_SIZE) + 1) if num_experts % d == 0)
+    """The largest divisor of ``num_experts`` up to ``eplb.commands.flags.WORKLOAD_EP_SIZE``."""
+    return max(d for d in range(1, min(num_experts, flags.WORKLOAD_EP_SIZE) + 1) if num_experts % d == 0)
 
 
 def run(args: argparse.Namespace) -> int:
