@@ -142,7 +142,9 @@ def expert_slots(result: Mapping[str, Any]) -> int:
 def _output_block(run: Mapping[str, Any]) -> str:
     """The command and what it printed, as a reader sees it (progress bars left out)."""
     printed = (run["stderr"] + run["stdout"]).split("\n")
-    lines = [ln for ln in printed if ln.strip() and "\r" not in ln and "it/s]" not in ln]
+    lines = [
+        ln for ln in printed if ln.strip() and "\r" not in ln and "it/s]" not in ln and "s/it]" not in ln
+    ]
     return "```\n" + "\n".join([f"$ {run['command']}", *lines]) + "\n```\n"
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+from eplb.flags import Flag, add_flags, dest_of
 from eplb.policy.dispatch import dispatch_mode, dispatch_mode_names
 from eplb.policy.registry import policy_names
 
@@ -39,6 +40,22 @@ def initial_full_plan_on(*, continuous: bool, enabled: bool, budget: int | None)
     return continuous and enabled and budget is not None and budget > 0
 
 
+def even_nodes(num_gpus: int, num_nodes: int = 0, *, gpus_per_node: int = 0) -> int:
+    """The nodes a placement over ``num_gpus`` GPUs is planned on, from an engine's node count (or
+    its GPUs per node): nodes that do not divide the GPUs count as one node, as vLLM and SGLang
+    treat such a layout (no node structure to pack for). :class:`EplbConfig` refuses such an
+    ``--nnodes``; the engine adapters, which take what the engine reports, fold it to one here."""
+    if gpus_per_node >= 1:
+        num_nodes = num_gpus // gpus_per_node if num_gpus % gpus_per_node == 0 else 0
+    return num_nodes if num_nodes >= 1 and num_gpus % num_nodes == 0 else 1
+
+
+def effective_dispatch(ep_dispatch_algorithm: str | None) -> str:
+    """The dispatch mode ``--ep-dispatch-algorithm`` means: the one named, else static (SGLang's
+    when EPLB is on)."""
+    return ep_dispatch_algorithm or "static"
+
+
 RECORDER_MODES = ("stat", "per_pass", "per_token")
 DISPATCH_ALGORITHMS = dispatch_mode_names(flags_only=True)
 """--ep-dispatch-algorithm choices, from the one registry of dispatch modes."""
@@ -56,6 +73,8 @@ CONTINUOUS_MAX_MOVED_EXPERTS = 160
 benchmarks/bench_continuous.py: at most a quarter of the bytes periodic DeepSeek moves every 1000 passes)."""
 CONTINUOUS_BUFFER_SIZE = 200
 """Continuous mode's default --expert-distribution-recorder-buffer-size (at least the interval)."""
+SERVER_GROUP = "expert-parallel load balancing"
+"""The title of the server flags' group in a parser's help."""
 MAX_WINDOW_PASSES = 1_000_000
 """Upper bound of --eplb-rebalance-num-iterations and --expert-distribution-recorder-buffer-size:
 both size the recorder's window, which is allocated up front ([W, L, P] int32; DeepSeek-V3 at
@@ -272,7 +291,7 @@ class EplbConfig:
 
     @property
     def dispatch_algorithm(self) -> str:
-        return self.ep_dispatch_algorithm or "static"
+        return effective_dispatch(self.ep_dispatch_algorithm)
 
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EplbConfig:
@@ -290,136 +309,146 @@ def _check(ok: bool, flag: str, message: str) -> None:
         raise ConfigError(f"{flag}: {message}")
 
 
+_DEFAULTS = {f.name: f.default for f in fields(EplbConfig)}
+
+
+def _server_flag(*names: str, **spec: Any) -> Flag:
+    """A server flag: its destination is the EplbConfig field of its name, its default that
+    field's, so the dataclass states each default once."""
+    return Flag.named(*names, default=_DEFAULTS[dest_of(names[0])], **spec)
+
+
+SERVER_FLAGS: tuple[Flag, ...] = (
+    _server_flag(
+        "--enable-eplb", action="store_true", shown="", help="record expert load and rebalance periodically"
+    ),
+    _server_flag(
+        "--expert-distribution-recorder-mode",
+        choices=RECORDER_MODES,
+        shown="stat when EPLB is on",
+        help="what the recorder keeps; per_token keeps ids and cannot drive --enable-eplb",
+    ),
+    _server_flag(
+        "--expert-distribution-recorder-buffer-size",
+        parse=int,
+        shown=f"the rebalance interval; continuous: {CONTINUOUS_BUFFER_SIZE} or the interval if longer",
+        help=f"recorder window in passes, at most {MAX_WINDOW_PASSES:,}; only continuous mode may exceed "
+        "the interval",
+    ),
+    _server_flag(
+        "--eplb-rebalance-mode",
+        choices=REBALANCE_MODES,
+        env="EPLB_REBALANCE_MODE",
+        help="periodic: SGLang's schedule, the transfer stalls serving; continuous: small budgeted moves "
+        "every few passes, each swap sent beside the following passes",
+    ),
+    _server_flag(
+        "--eplb-rebalance-num-iterations",
+        parse=int,
+        shown=f"{PERIODIC_INTERVAL}, SGLang's; continuous: {CONTINUOUS_INTERVAL}",
+        help=f"rebalance every N counted forward passes, at most {MAX_WINDOW_PASSES:,}",
+    ),
+    _server_flag(
+        "--eplb-rebalance-layers-per-chunk",
+        parse=int,
+        shown="all at once; paced: 1",
+        help="layers hot-swapped per chunk, one chunk per pass unless paced",
+    ),
+    _server_flag(
+        "--eplb-max-moved-experts",
+        parse=int,
+        env="EPLB_MAX_MOVED_EXPERTS",
+        shown=f"none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS}, on average: see --eplb-shift-burst",
+        help="cross-GPU expert copies per rebalance, a solver budget",
+    ),
+    _server_flag(
+        "--eplb-shift-burst",
+        parse=int,
+        env="EPLB_SHIFT_BURST",
+        help="continuous mode: on a domain shift a plan may move up to this many rebalances' "
+        "--eplb-max-moved-experts, repaid by the following ones; 1: never",
+    ),
+    _server_flag(
+        "--eplb-initial-full-plan",
+        action=argparse.BooleanOptionalAction,
+        env="EPLB_INITIAL_FULL_PLAN",
+        shown="on",
+        help="continuous mode: the first plan since start-up moves without --eplb-max-moved-experts "
+        "(not from --init-expert-location, not with a budget of 0)",
+    ),
+    _server_flag(
+        "--eplb-transfer-gbps",
+        parse=float,
+        shown="unpaced",
+        help="continuous mode: pace each swap beside the passes at this many GB/s per GPU",
+    ),
+    _server_flag(
+        "--eplb-min-rebalancing-utilization-threshold",
+        parse=float,
+        help="skip a rebalance when the window's balancedness is above this",
+    ),
+    _server_flag(
+        "--eplb-record-prefill-only",
+        action="store_true",
+        shown="",
+        help="record and count only passes that carry prefill tokens",
+    ),
+    _server_flag(
+        "--eplb-host-backup",
+        action="store_true",
+        shown="the caller's loader",
+        help="keep every expert's weights in host memory on two ranks, so the survivors of a lost "
+        "rank reload the experts it alone held from there",
+    ),
+    _server_flag(
+        "--ep-num-redundant-experts", parse=int, help="physical slots beyond one per logical expert"
+    ),
+    _server_flag(
+        "--ep-dispatch-algorithm",
+        choices=DISPATCH_ALGORITHMS,
+        shown="static when EPLB is on",
+        help="how tokens pick a replica (offline, also the no-balancing baseline's and that of runs "
+        "named without ':MODE')",
+    ),
+    _server_flag("--eplb-algorithm", choices=EPLB_ALGORITHMS, help="placement solver; auto picks scipy"),
+    _server_flag(
+        "--init-expert-location",
+        help="the placement before the first rebalance: 'trivial', an SGLang expert-location JSON "
+        "(file or string: physical_to_logical_map or logical_count), or offline a placement "
+        ".safetensors from 'eplb solve'",
+    ),
+    _server_flag("--ep-size", "--expert-parallel-size", parse=int, help="EP ranks (GPUs)"),
+    _server_flag("--nnodes", parse=int, help="nodes the EP ranks span"),
+    _server_flag(
+        "--num-experts",
+        parse=int,
+        shown="",
+        help="logical experts per layer, to check the slot layout at parse time",
+    ),
+)
+"""The server's EPLB flags (SGLang's names, one per EplbConfig field), each with one help text."""
+
+SERVER_FLAG = {flag.name: flag for flag in SERVER_FLAGS}
+"""The server's flags by name."""
+
+
+def flag_env(name: str) -> str:
+    """The ``EPLB_*`` variable through which the engine adapters take the server flag ``name``."""
+    env = SERVER_FLAG[name].env
+    assert env is not None, f"{name} has no engine variable"
+    return env
+
+
 def add_cli_args(parser: argparse.ArgumentParser, *, check: bool = True) -> argparse.ArgumentParser:
-    """Add the EPLB flags (SGLang names) to ``parser``; defaults come from :class:`EplbConfig`.
+    """Add the EPLB flags (SGLang names, :data:`SERVER_FLAGS`) to ``parser``; defaults come from
+    :class:`EplbConfig`.
 
     With ``check`` (the default) parsing also validates the combination, so an engine that calls
     only ``parser.parse_args()`` gets an invalid combination refused there, naming the flag (exit
     2). ``check=False`` is for callers that adjust the parsed namespace first and then build the
     config with :func:`config_from_args`, which validates.
     """
-    d = EplbConfig()
-    g = parser.add_argument_group("expert-parallel load balancing")
-    g.add_argument("--enable-eplb", action="store_true", help="record expert load and rebalance periodically")
-    g.add_argument(
-        "--expert-distribution-recorder-mode",
-        choices=RECORDER_MODES,
-        default=None,
-        help="what the recorder keeps (default: stat when EPLB is on; "
-        "per_token keeps ids and cannot drive --enable-eplb)",
-    )
-    g.add_argument(
-        "--expert-distribution-recorder-buffer-size",
-        type=int,
-        default=None,
-        help="recorder window in passes, at most "
-        f"{MAX_WINDOW_PASSES:,} (default: the rebalance interval; continuous: "
-        f"{CONTINUOUS_BUFFER_SIZE} or the interval if longer; only continuous may exceed the interval)",
-    )
-    g.add_argument(
-        "--eplb-rebalance-mode",
-        choices=REBALANCE_MODES,
-        default=d.eplb_rebalance_mode,
-        help="periodic: SGLang's schedule; continuous: small budgeted moves every few passes, "
-        "swaps paced beside the passes (default: %(default)s)",
-    )
-    g.add_argument(
-        "--eplb-rebalance-num-iterations",
-        type=int,
-        default=None,
-        help=f"rebalance every N forward passes, at most {MAX_WINDOW_PASSES:,} "
-        f"(default: {PERIODIC_INTERVAL}; continuous: {CONTINUOUS_INTERVAL})",
-    )
-    g.add_argument(
-        "--eplb-rebalance-layers-per-chunk",
-        type=int,
-        default=None,
-        help="layers hot-swapped per chunk, one chunk per pass unless paced (default: all at once; paced: 1)",
-    )
-    g.add_argument(
-        "--eplb-max-moved-experts",
-        type=int,
-        default=None,
-        help="cross-GPU expert copies per rebalance, a solver budget "
-        f"(default: none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS}, on average: see --eplb-shift-burst)",
-    )
-    g.add_argument(
-        "--eplb-shift-burst",
-        type=int,
-        default=d.eplb_shift_burst,
-        help="continuous mode: on a domain shift a plan may move up to this many rebalances' "
-        f"--eplb-max-moved-experts, repaid by the following ones; 1: never (default: {SHIFT_BURST})",
-    )
-    g.add_argument(
-        "--eplb-initial-full-plan",
-        action=argparse.BooleanOptionalAction,
-        default=d.eplb_initial_full_plan,
-        help="continuous mode: the first plan since start-up moves without --eplb-max-moved-experts "
-        "(not from --init-expert-location, not with a budget of 0) (default: on)",
-    )
-    g.add_argument(
-        "--eplb-transfer-gbps",
-        type=float,
-        default=None,
-        help="continuous mode: pace each swap beside the passes at this many GB/s per GPU (default: unpaced)",
-    )
-    g.add_argument(
-        "--eplb-min-rebalancing-utilization-threshold",
-        type=float,
-        default=d.eplb_min_rebalancing_utilization_threshold,
-        help="skip a rebalance when windowed balancedness is above this (default: %(default)s)",
-    )
-    g.add_argument(
-        "--eplb-record-prefill-only",
-        action="store_true",
-        help="record and count only passes that carry prefill tokens",
-    )
-    g.add_argument(
-        "--eplb-host-backup",
-        action="store_true",
-        help="keep every expert's weights in host memory on two ranks, so the survivors of a lost "
-        "rank reload the experts it alone held from there (default: the caller's loader)",
-    )
-    g.add_argument(
-        "--ep-num-redundant-experts",
-        type=int,
-        default=d.ep_num_redundant_experts,
-        help="physical slots beyond one per logical expert (default: %(default)s)",
-    )
-    g.add_argument(
-        "--ep-dispatch-algorithm",
-        choices=DISPATCH_ALGORITHMS,
-        default=None,
-        help="how tokens pick a replica (default: static when EPLB is on)",
-    )
-    g.add_argument(
-        "--eplb-algorithm",
-        choices=EPLB_ALGORITHMS,
-        default=d.eplb_algorithm,
-        help="placement solver; auto picks scipy (default: %(default)s)",
-    )
-    g.add_argument(
-        "--init-expert-location",
-        default=d.init_expert_location,
-        help="'trivial' or an SGLang expert-location JSON (default: %(default)s)",
-    )
-    g.add_argument(
-        "--ep-size",
-        "--expert-parallel-size",
-        dest="ep_size",
-        type=int,
-        default=d.ep_size,
-        help="EP ranks (default: %(default)s)",
-    )
-    g.add_argument(
-        "--nnodes", type=int, default=d.nnodes, help="nodes the EP ranks span (default: %(default)s)"
-    )
-    g.add_argument(
-        "--num-experts",
-        type=int,
-        default=None,
-        help="logical experts per layer, to check the slot layout at parse time",
-    )
+    add_flags(parser.add_argument_group(SERVER_GROUP), SERVER_FLAGS)
     if check:
         _check_when_parsed(parser)
     return parser

@@ -15,6 +15,7 @@ from eplb.config import (
     ConfigError,
     EplbConfig,
     add_cli_args,
+    even_nodes,
     parse_config,
 )
 
@@ -268,3 +269,38 @@ def test_add_cli_args_unchecked_leaves_validation_to_the_caller() -> None:
     args = parser.parse_args(["--ep-size", "8", "--nnodes", "3"])  # the caller adjusts, then checks
     with pytest.raises(ConfigError, match="--nnodes"):
         EplbConfig.from_namespace(args)
+
+
+def test_even_nodes_folds_uneven_layouts_to_one_node() -> None:
+    """Against the rule written out: a node count that divides the GPUs stands, any other is one
+    node; GPUs per node that divide the GPUs give that many nodes, any other one node."""
+    for gpus in range(0, 25):
+        for nodes in range(-2, 27):
+            want = nodes if nodes >= 1 and gpus % nodes == 0 else 1
+            assert even_nodes(gpus, nodes) == want, (gpus, nodes)
+        for per_node in range(1, 27):
+            want = gpus // per_node if gpus >= per_node and gpus % per_node == 0 else 1
+            assert even_nodes(gpus, gpus_per_node=per_node) == want, (gpus, per_node)
+    assert even_nodes(8) == 1  # no node count given: one node
+
+
+def test_the_engine_adapters_state_the_node_rule_only_through_even_nodes() -> None:
+    """No module but eplb.config writes "nodes that do not divide the GPUs count as one" again."""
+    import re
+    from pathlib import Path
+
+    import eplb
+
+    rule = re.compile(r"%\s*\w*nodes?\w*\s*==\s*0\s+else\s+1|%\s*\w*per_node\w*\s*==\s*0\s+else")
+    root = Path(eplb.__file__).parent
+    found = [
+        f"{path.relative_to(root)}:{n}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "config.py" or path.parent != root
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if rule.search(line)
+    ]
+    assert not found
+    for module in ("integrations/engine_env.py", "integrations/engine_plan.py", "integrations/sglang.py"):
+        assert "even_nodes(" in (root / module).read_text(), module
+    assert (root / "integrations/vllm.py").read_text().count("even_nodes(") == 2

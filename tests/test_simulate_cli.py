@@ -141,7 +141,12 @@ def test_simulate_continuous_mode_flags(tmp_path: Path, capsys: pytest.CaptureFi
 
 
 def test_continuous_mode_takes_the_servers_defaults(capsys: pytest.CaptureFixture[str]) -> None:
-    from eplb.config import CONTINUOUS_BUFFER_SIZE, CONTINUOUS_INTERVAL, CONTINUOUS_MAX_MOVED_EXPERTS
+    from eplb.config import (
+        CONTINUOUS_BUFFER_SIZE,
+        CONTINUOUS_INTERVAL,
+        CONTINUOUS_MAX_MOVED_EXPERTS,
+        PERIODIC_INTERVAL,
+    )
 
     base = ["simulate", *TINY, "--steps", "60", "--ep-num-redundant-experts", "4", "--algorithms", "none"]
     assert main([*base, "--eplb-rebalance-mode", "continuous", "--json", "-"]) == 0
@@ -151,7 +156,11 @@ def test_continuous_mode_takes_the_servers_defaults(capsys: pytest.CaptureFixtur
     assert config["move_budget"] == CONTINUOUS_MAX_MOVED_EXPERTS
     assert main([*base, "--eplb-rebalance-mode", "periodic", "--json", "-"]) == 0
     config = json.loads(capsys.readouterr().out)["config"]
-    assert (config["interval"], config["window_size"], config["move_budget"]) == (500, 500, None)
+    assert (config["interval"], config["window_size"], config["move_budget"]) == (
+        PERIODIC_INTERVAL,
+        PERIODIC_INTERVAL,
+        None,
+    )  # the server's
 
 
 def test_sweep_tradeoff_compares_periodic_and_continuous(

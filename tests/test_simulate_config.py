@@ -56,8 +56,7 @@ CASES = {
          "--eplb-transfer-gbps", "50", "--eplb-shift-burst", "2", "--cost-interference", "0.05"],
         dict(ep_size=4, nnodes=2, ep_num_redundant_experts=4, eplb_rebalance_mode="continuous",
              eplb_rebalance_num_iterations=20, expert_distribution_recorder_buffer_size=60,
-             eplb_max_moved_experts=3, eplb_transfer_gbps=50.0, eplb_shift_burst=2,
-             ep_dispatch_algorithm="static"),  # eplb simulate's default
+             eplb_max_moved_experts=3, eplb_transfer_gbps=50.0, eplb_shift_burst=2),
         ["none", "scipy"],
     ),
     "periodic": (

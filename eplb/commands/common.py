@@ -1,5 +1,5 @@
-"""Options and helpers shared by subcommands: seeds, progress bars, optional extras, JSON output,
-signals.
+"""Helpers shared by subcommands: progress bars, optional extras, JSON output, signals (their
+shared flags, ``--seed``, ``--disable-tqdm``, ``--json`` among them, are eplb.commands.flags').
 
 Every file a command writes goes through eplb.fileio (atomic, regular files only); commands that
 write several files stage them in one ``OutputSet`` so a failure leaves none of them. A command
@@ -9,7 +9,6 @@ Ctrl-C does, and it ends with one line and exit status 143 (Ctrl-C: 130).
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -82,24 +81,6 @@ def run_until_signalled(command: str, body: Callable[[], int], *, hard_exit: boo
         sys.stdout.flush()
         os._exit(code)
     return code
-
-
-def add_seed(parser: argparse.ArgumentParser, default: int = 0) -> None:
-    parser.add_argument("--seed", type=int, default=default, help="random seed (default: %(default)s)")
-
-
-def add_progress(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bars")
-
-
-def add_json_out(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--json",
-        dest="json_out",
-        type=Path,
-        default=None,
-        help="also write the results as JSON to this file ('-' for stdout)",
-    )
 
 
 def json_to_stdout(target: Path | None) -> bool:

@@ -11,7 +11,8 @@ import argparse
 import shutil
 from pathlib import Path
 
-from eplb.commands.common import add_json_out, emit
+from eplb.commands import flags
+from eplb.commands.common import emit
 
 HELP = "export the Grafana dashboard and Prometheus/Grafana provisioning files into a folder"
 SUFFIXES = (".json", ".yml", ".yaml")
@@ -19,7 +20,7 @@ SUFFIXES = (".json", ".yml", ".yaml")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="folder to write them into")
-    add_json_out(parser)
+    flags.add(parser, "dashboards", "--json")
 
 
 def dashboards_source() -> Path:

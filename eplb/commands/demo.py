@@ -4,8 +4,9 @@ Each rank runs its own batch per pass (prefill and decode passes as the workload
 L expert-parallel MoE layers; the router is biased by the workload's per-step expert popularity
 (eplb.workloads), so load is skewed and drifts. The manager (eplb.manager.manager) records, solves in the
 background and hot-swaps; rank 0 prints the balancedness before and after each rebalance. The demo runs
-eplb's own manager, so ``--eplb-rebalance-mode`` defaults to ``DEMO_MODE`` (``periodic`` is SGLang's
-schedule, at a demo-sized interval unless one is given).
+eplb's own manager, so ``--eplb-rebalance-mode`` defaults to continuous (``periodic`` is SGLang's
+schedule, at a demo-sized interval unless one is given); eplb.commands.flags states each of the
+demo's own defaults and why.
 
 ``run_demo(config, sink=...)`` is the entry point for callers with their own metrics sink.
 
@@ -24,21 +25,16 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
+from eplb.commands import flags
 from eplb.commands.common import (
-    add_json_out,
-    add_seed,
     check_outputs,
     emit,
     json_to_stdout,
     run_until_signalled,
 )
-from eplb.config import EplbConfig, add_cli_args, config_from_args
+from eplb.commands.flags import DEMO_PERIODIC_INTERVAL
+from eplb.config import SERVER_GROUP, EplbConfig, add_cli_args, config_from_args
 from eplb.metrics.sink import MetricsSink
-
-DEMO_MODE = "continuous"
-"""The demo's --eplb-rebalance-mode default."""
-DEMO_PERIODIC_INTERVAL = 100
-"""The demo's --eplb-rebalance-num-iterations default in periodic mode (continuous: its own default)."""
 
 HELP = "run a small MoE model with EPLB on (CPU ranks over Gloo or GPUs over NCCL), printing balancedness"
 
@@ -51,11 +47,11 @@ class DemoConfig:
     """EP ranks (local processes)."""
     device: str = "cpu"
     """cpu (Gloo) or cuda (NCCL, one GPU per rank)."""
-    steps: int = 300
+    steps: int = flags.DEMO_STEPS
     """Forward passes per rank (the run also stops at ``duration_s`` when given)."""
     duration_s: float | None = None
     """Stop after this many seconds (rank 0 decides; every rank stops on the same pass)."""
-    preset: str = "tiny"
+    preset: str = flags.DEMO_PRESET
     """Workload preset: the model has its layers, experts and top-k."""
     hidden: int = 64
     """Model width H."""
@@ -70,16 +66,14 @@ class DemoConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eplb.workloads import PRESETS
-
     d = DemoConfig(eplb=EplbConfig())
     parser.add_argument("--nproc", type=int, default=d.nproc, help="EP ranks (default: %(default)s)")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default=d.device, help="cpu (Gloo) or cuda (NCCL)"
     )
-    parser.add_argument("--steps", type=int, default=d.steps, help="forward passes (default: %(default)s)")
+    flags.add(parser, "demo", "--steps")
     parser.add_argument("--duration-s", type=float, default=None, help="stop after this many seconds")
-    parser.add_argument("--preset", choices=sorted(PRESETS), default=d.preset, help="workload/model shape")
+    flags.add(parser, "demo", "--preset")
     parser.add_argument("--hidden", type=int, default=d.hidden, help="model width (default: %(default)s)")
     parser.add_argument(
         "--intermediate", type=int, default=d.intermediate, help="expert width (default: %(default)s)"
@@ -87,11 +81,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--token-divisor", type=int, default=d.token_divisor, help="scale workload tokens down"
     )
-    add_cli_args(parser, check=False)  # the namespace is adjusted, then checked
-    # Demo-sized defaults: eplb's own mode, one redundant slot per rank (the interval: see below).
-    parser.set_defaults(eplb_rebalance_mode=DEMO_MODE, ep_num_redundant_experts=None, enable_eplb=True)
-    add_seed(parser)
-    add_json_out(parser)
+    # The server's flags, with the demo's own defaults where the table gives it one (the namespace
+    # is adjusted, then checked: config_from_namespace).
+    flags.add(parser, "demo", *flags.SERVER_NAMES, title=SERVER_GROUP)
+    flags.add(parser, "demo", "--seed", "--json")
     parser.add_argument(
         "--metrics-port",
         type=int,

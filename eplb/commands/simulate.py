@@ -15,17 +15,15 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from eplb.commands import flags
 from eplb.commands.common import (
-    add_json_out,
-    add_progress,
-    add_seed,
     check_output_folder,
     check_outputs,
     progress,
     require_extra,
     write_json,
 )
-from eplb.config import DISPATCH_ALGORITHMS
+from eplb.config import DISPATCH_ALGORITHMS, effective_dispatch
 
 if TYPE_CHECKING:
     from eplb.placement.model import Placement
@@ -39,13 +37,6 @@ DEFAULT_ALGORITHMS = ("none", "deepseek", "scipy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eplb.simulate.options import (
-        add_cost_arguments,
-        add_input_arguments,
-        add_schedule_arguments,
-        add_topology_arguments,
-    )
-
     parser.add_argument(
         "--algorithms",
         nargs="+",
@@ -54,10 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs to compare: none | deepseek | deepseek_hierarchical | scipy | auto, each optionally "
         f"with :{' | :'.join(DISPATCH_ALGORITHMS)} (default: {' '.join(DEFAULT_ALGORITHMS)})",
     )
-    add_input_arguments(parser)
-    add_topology_arguments(parser)
-    add_schedule_arguments(parser)
-    add_cost_arguments(parser)
+    flags.add_groups(parser, "simulate", flags.INPUT, flags.TOPOLOGY, flags.SCHEDULE, flags.COST)
     g = parser.add_argument_group("lost ranks (eplb.simulate.failure)")
     g.add_argument(
         "--rank-failure",
@@ -81,20 +69,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="checkpoint",
         help="with --rank-failure: where experts lost with every replica are reloaded from (default: %(default)s)",
     )
-    parser.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument(
         "--no-timeline", action="store_true", help="leave per-step balancedness and time out of the JSON"
     )
-    add_seed(parser)
-    add_progress(parser)
-    add_json_out(parser)
+    flags.add(parser, "simulate", "--plots", "--seed", "--disable-tqdm", "--json")
 
 
 def run(args: argparse.Namespace) -> int:
     from eplb.simulate import parse_runs, simulate
     from eplb.simulate.options import initial_placement, load_input, simulation_config
 
-    runs = parse_runs(args.algorithms, args.ep_dispatch_algorithm)
+    runs = parse_runs(args.algorithms, effective_dispatch(args.ep_dispatch_algorithm))
     if args.plots is not None:
         require_extra("matplotlib", "plots", "--plots")  # before the simulation, not after it
     check_outputs(args.json_out)  # an unwritable output fails now, not after the simulation

@@ -22,10 +22,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from eplb.commands import flags
 from eplb.commands.common import (
-    add_json_out,
-    add_progress,
-    add_seed,
     json_to_stdout,
     run_until_signalled,
     write_json,
@@ -48,16 +46,8 @@ HELP = "solve a placement from a trace; write it for eplb, SGLang and TensorRT-L
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eplb.config import EPLB_ALGORITHMS
-    from eplb.simulate.options import add_input_arguments, add_schedule_arguments, add_topology_arguments
-
     parser.add_argument("--out", type=Path, required=True, metavar="DIR", help="output folder")
-    parser.add_argument(
-        "--eplb-algorithm",
-        choices=EPLB_ALGORITHMS,
-        default="auto",
-        help="placement solver (default: %(default)s)",
-    )
+    flags.add(parser, "solve", "--eplb-algorithm")
     parser.add_argument(
         "--trtllm-layer-offset",
         type=int,
@@ -66,12 +56,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model layer index of the first MoE layer, for TensorRT-LLM's per-layer keys "
         "(DeepSeek-V3/R1: 3; default: %(default)s)",
     )
-    add_input_arguments(parser)
-    add_topology_arguments(parser)
-    add_schedule_arguments(parser, schedule=False)
-    add_seed(parser)
-    add_progress(parser)
-    add_json_out(parser)
+    flags.add_groups(parser, "solve", flags.INPUT, flags.TOPOLOGY, (flags.SCHEDULE[0], flags.RECORDING))
+    flags.add(parser, "solve", "--seed", "--disable-tqdm", "--json")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -10,28 +10,20 @@ from __future__ import annotations
 import argparse
 import sys
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
+from eplb.commands import flags
 from eplb.commands.common import (
-    add_json_out,
-    add_progress,
-    add_seed,
     check_output_folder,
     check_outputs,
     write_json,
 )
+from eplb.config import effective_dispatch
 
 HELP = "find the fewest redundant experts and the longest rebalance interval that reach a target balancedness"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eplb.simulate.options import (
-        add_cost_arguments,
-        add_input_arguments,
-        add_schedule_arguments,
-        add_topology_arguments,
-    )
     from eplb.simulate.sweep import METRICS
 
     parser.add_argument(
@@ -88,14 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=list(CONTINUOUS_BUDGETS),
         help="continuous budgets, expert copies per rebalance (default: %(default)s)",
     )
-    t.add_argument("--plots", type=Path, default=None, metavar="DIR", help="write DIR/tradeoff.png")
-    add_input_arguments(parser, default_steps=2000)
-    add_topology_arguments(parser)
-    add_schedule_arguments(parser)
-    add_cost_arguments(parser)
-    add_seed(parser)
-    add_progress(parser)
-    add_json_out(parser)
+    flags.add(t, "sweep", "--plots")
+    flags.add_groups(parser, "sweep", flags.INPUT, flags.TOPOLOGY, flags.SCHEDULE, flags.COST)
+    flags.add(parser, "sweep", "--seed", "--disable-tqdm", "--json")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -108,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         return _tradeoff(args)
     if not 0.0 < args.target <= 1.0:
         raise ValueError(f"--target must lie in (0, 1], got {args.target}")
-    spec = RunSpec.parse(args.algorithm, args.ep_dispatch_algorithm)
+    spec = RunSpec.parse(args.algorithm, effective_dispatch(args.ep_dispatch_algorithm))
     if spec.algorithm == "none":
         raise ValueError("--algorithm none never rebalances: sweep a planner (deepseek, scipy, auto)")
     trace = load_input(args, quiet=args.disable_tqdm)
@@ -184,8 +171,9 @@ def _tradeoff(args: argparse.Namespace) -> int:
     from eplb.simulate.tradeoff import default_settings, tradeoff, tradeoff_table
 
     check_output_folder(args.plots)
-    periodic = RunSpec.parse(args.periodic_algorithm, args.ep_dispatch_algorithm)
-    continuous = RunSpec.parse(args.algorithm, args.ep_dispatch_algorithm)
+    dispatch = effective_dispatch(args.ep_dispatch_algorithm)
+    periodic = RunSpec.parse(args.periodic_algorithm, dispatch)
+    continuous = RunSpec.parse(args.algorithm, dispatch)
     if "none" in (periodic.algorithm, continuous.algorithm):
         raise ValueError("--tradeoff compares planners: none never rebalances")
     trace = load_input(args, quiet=args.disable_tqdm)

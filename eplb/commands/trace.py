@@ -10,7 +10,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from eplb.commands.common import add_json_out, add_progress, check_outputs, emit, progress_callback
+from eplb.commands import flags
+from eplb.commands.common import check_outputs, emit, progress_callback
 
 HELP = "describe a load trace or convert it (eplb safetensors/npz, SGLang dumps, OpenEvolve JSON)"
 
@@ -23,8 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=FORMATS, default="auto", help="input format (default: detect)")
     parser.add_argument("--out", type=Path, default=None, help="convert: output file")
     parser.add_argument("--to", choices=("eplb", "openevolve"), default="eplb", help="convert: output format")
-    add_progress(parser)
-    add_json_out(parser)
+    flags.add(parser, "trace", "--disable-tqdm", "--json")
 
 
 def describe(trace: Any) -> dict[str, Any]:

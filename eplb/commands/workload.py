@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from eplb.commands import flags
 from eplb.commands.common import (
-    add_json_out,
-    add_progress,
-    add_seed,
     check_outputs,
     emit,
     json_to_stdout,
@@ -26,32 +24,16 @@ IMBALANCE_KEY = "imbalance_without_balancing"
 """The calibration figure's key: max / mean GPU load with experts in identity order (the inverse
 of balancedness, per layer and prefill step, averaged; ``eplb.workloads.unbalanced_imbalance``)."""
 
-DEFAULT_EP_SIZE = 32
-"""EP size of the reported imbalance: DeepSeek-V3's EP32, or less for presets with fewer experts."""
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from eplb.workloads import PRESETS
-
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="deepseek-v3", help="model shape")
-    parser.add_argument("--steps", type=int, default=4000, help="forward passes (default: %(default)s)")
-    parser.add_argument("--prefill-fraction", type=float, default=None, help="share of prefill passes")
-    parser.add_argument(
-        "--ep-size",
-        type=int,
-        default=None,
-        help=f"EP size for the reported imbalance (default: {DEFAULT_EP_SIZE}, or the largest divisor "
-        "of the preset's expert count below it)",
-    )
+    flags.add(parser, "workload", "--preset", "--steps", "--prefill-fraction", "--ep-size")
     parser.add_argument("--out", type=Path, default=None, help="write the trace here (.safetensors or .npz)")
-    add_seed(parser)
-    add_progress(parser)
-    add_json_out(parser)
+    flags.add(parser, "workload", "--seed", "--disable-tqdm", "--json")
 
 
 def default_ep_size(num_experts: int) -> int:
-    """The largest divisor of ``num_experts`` up to DEFAULT_EP_SIZE."""
-    return max(d for d in range(1, min(num_experts, DEFAULT_EP_SIZE) + 1) if num_experts % d == 0)
+    """The largest divisor of ``num_experts`` up to ``eplb.commands.flags.WORKLOAD_EP_SIZE``."""
+    return max(d for d in range(1, min(num_experts, flags.WORKLOAD_EP_SIZE) + 1) if num_experts % d == 0)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -19,16 +19,26 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from eplb.config import CONTINUOUS_BUFFER_SIZE, MAX_WINDOW_PASSES, REBALANCE_MODES, ConfigError, EplbConfig
+from eplb.config import (
+    CONTINUOUS_BUFFER_SIZE,
+    MAX_WINDOW_PASSES,
+    REBALANCE_MODES,
+    SERVER_FLAG,
+    SERVER_FLAGS,
+    ConfigError,
+    EplbConfig,
+    even_nodes,
+    flag_env,
+)
 from eplb.metrics import names
 
-MODE_ENV = "EPLB_REBALANCE_MODE"
-"""``periodic`` (default: plan at the engine's cadence, as before) or ``continuous``."""
-MAX_MOVED_ENV = "EPLB_MAX_MOVED_EXPERTS"
+MODE_ENV = flag_env("--eplb-rebalance-mode")
+"""``periodic`` (default: plan at the engine's cadence) or ``continuous``."""
+MAX_MOVED_ENV = flag_env("--eplb-max-moved-experts")
 """Cross-GPU expert copies per rebalance, on average (continuous default: eplb.config's 160)."""
-SHIFT_BURST_ENV = "EPLB_SHIFT_BURST"
+SHIFT_BURST_ENV = flag_env("--eplb-shift-burst")
 """Continuous mode: a plan on a domain shift may spend up to this many budgets (default 8)."""
-INITIAL_FULL_PLAN_ENV = "EPLB_INITIAL_FULL_PLAN"
+INITIAL_FULL_PLAN_ENV = flag_env("--eplb-initial-full-plan")
 """Continuous mode: ``0`` budgets the first plan too (default ``1``: it moves without the budget)."""
 WINDOW_PASSES_ENV = "EPLB_WINDOW_PASSES"
 """Continuous mode under SGLang: passes of load the adapter plans from, its own history of the
@@ -66,11 +76,8 @@ OTHER_EPLB_ENV = ("EPLB_ENGINES_DIR", "EPLB_DASHBOARDS_DIR")
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
-_FLAG_TO_ENV = {
-    "--eplb-rebalance-mode": MODE_ENV,
-    "--eplb-max-moved-experts": MAX_MOVED_ENV,
-    "--eplb-shift-burst": SHIFT_BURST_ENV,
-}
+_FLAG_TO_ENV = {flag.name: flag.env for flag in SERVER_FLAGS if flag.env is not None}
+"""The variable of each flag the adapters mirror (eplb.config.SERVER_FLAGS), to name in errors."""
 
 _LOG = logging.getLogger(__name__)
 
@@ -130,13 +137,13 @@ def solver_options_from_env(
 class EngineEnv:
     """The shared adapter settings, as the environment gave them (checked)."""
 
-    mode: str = "periodic"
+    mode: str = SERVER_FLAG["--eplb-rebalance-mode"].default
     """``periodic`` or ``continuous`` (eplb.config.REBALANCE_MODES)."""
     max_moved_experts: int | None = None
     """``EPLB_MAX_MOVED_EXPERTS``; None: the mode's default (eplb.config)."""
     shift_burst: int | None = None
     """``EPLB_SHIFT_BURST``; None: eplb.config's default."""
-    initial_full_plan: bool = True
+    initial_full_plan: bool = SERVER_FLAG["--eplb-initial-full-plan"].default
     """``EPLB_INITIAL_FULL_PLAN``."""
     window_passes: int = CONTINUOUS_BUFFER_SIZE
     """``EPLB_WINDOW_PASSES``: continuous mode's history under SGLang, in passes."""
@@ -158,13 +165,13 @@ class EngineEnv:
     def decision_config(self, *, num_gpus: int, num_nodes: int, interval: int) -> EplbConfig:
         """The flags a :class:`~eplb.policy.decision.Decider` of ``num_gpus`` EP ranks on
         ``num_nodes`` nodes decides by, rebalancing every ``interval`` counted passes (nodes that do
-        not divide the GPUs count as one, as the engines do)."""
+        not divide the GPUs count as one: eplb.config.even_nodes)."""
         kwargs: dict[str, Any] = {}
         if self.shift_burst is not None:
             kwargs["eplb_shift_burst"] = self.shift_burst
         return EplbConfig(
             ep_size=max(num_gpus, 1),
-            nnodes=num_nodes if num_nodes >= 1 and num_gpus % num_nodes == 0 else 1,
+            nnodes=even_nodes(num_gpus, num_nodes),
             eplb_rebalance_mode=self.mode,
             eplb_rebalance_num_iterations=min(max(interval, 1), MAX_WINDOW_PASSES),
             eplb_max_moved_experts=self.max_moved_experts,
@@ -180,7 +187,7 @@ def read_engine_env(environ: Mapping[str, str] | None = None, *, known: tuple[st
     from eplb.solver.types import SolveOptions  # SciPy's package only where an adapter runs
 
     env = os.environ if environ is None else environ
-    mode = env.get(MODE_ENV, "").strip().lower() or "periodic"
+    mode = env.get(MODE_ENV, "").strip().lower() or EngineEnv.mode
     if mode not in REBALANCE_MODES:
         raise ValueError(f"{MODE_ENV} must be one of {REBALANCE_MODES}, got {env[MODE_ENV]!r}")
     options = solver_options_from_env(environ=env)
@@ -192,7 +199,7 @@ def read_engine_env(environ: Mapping[str, str] | None = None, *, known: tuple[st
         mode=mode,
         max_moved_experts=env_int(env, MAX_MOVED_ENV, low=0),
         shift_burst=env_int(env, SHIFT_BURST_ENV, low=1),
-        initial_full_plan=env_flag(env, INITIAL_FULL_PLAN_ENV, True),
+        initial_full_plan=env_flag(env, INITIAL_FULL_PLAN_ENV, EngineEnv.initial_full_plan),
         window_passes=env_int(env, WINDOW_PASSES_ENV, low=1, high=MAX_WINDOW_PASSES)
         or CONTINUOUS_BUFFER_SIZE,
         solver_options=options,

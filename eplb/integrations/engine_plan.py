@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from eplb.config import even_nodes
 from eplb.integrations.engine_env import SOLVER_OPTIONS_ENV, EngineEnv, solver_options_from_env
 from eplb.integrations.engine_metrics import EngineMetrics, RebalanceReport
 from eplb.placement.balance import model_balancedness
@@ -304,13 +305,8 @@ class EngineDecisions:
         return plan
 
 
-def _nodes(num_gpus: int, num_nodes: int) -> int:
-    """Nodes that do not divide the GPUs count as one node (vLLM does the same)."""
-    return num_nodes if num_nodes >= 1 and num_gpus % num_nodes == 0 else 1
-
-
 def _trivial(L: int, E: int, num_gpus: int, num_physical: int, num_nodes: int) -> Placement:
-    return Placement.trivial(L, E, num_gpus, num_physical - E, _nodes(num_gpus, num_nodes))
+    return Placement.trivial(L, E, num_gpus, num_physical - E, even_nodes(num_gpus, num_nodes))
 
 
 def plan_for_engine(
@@ -337,7 +333,7 @@ def plan_for_engine(
     """
     window_WLE = as_load_array(window)
     W, L, E = window_WLE.shape
-    nodes = _nodes(num_gpus, num_nodes)
+    nodes = even_nodes(num_gpus, num_nodes)
     groups = num_groups if num_groups is not None and num_groups >= 1 else 1
     if current is not None and (current.num_physical, current.num_gpus, current.num_nodes) != (
         num_physical,

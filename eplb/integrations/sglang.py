@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eplb.config import even_nodes
 from eplb.integrations.engine_env import (
     SGLANG_LP_ENV,
     EngineEnv,
@@ -207,7 +208,7 @@ def rebalance_with_eplb(
             f"{num_physical_experts} physical experts do not split into {num_local_physical_experts} per GPU"
         )
     num_gpus = num_physical_experts // num_local_physical_experts
-    nodes = num_nodes if num_nodes >= 1 and num_gpus % num_nodes == 0 else 1
+    nodes = even_nodes(num_gpus, num_nodes)
     live = live_phy2log() if current_phy2log is None else current_phy2log
     current: Placement | None = None
     if live is not None:

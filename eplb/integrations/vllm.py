@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
+from eplb.config import even_nodes
 from eplb.integrations.engine_env import METRICS_PORT_ENV as METRICS_ENV
 from eplb.integrations.engine_env import MODE_ENV, EngineEnv, env_int, read_engine_env
 from eplb.integrations.engine_metrics import EngineMetrics
@@ -186,7 +187,7 @@ class EplbVllmPolicy:
                     history_rows=cls.history_windows,
                     metrics=cls.metrics,
                 )
-        nodes = num_nodes if num_nodes >= 1 and num_ranks % num_nodes == 0 else 1
+        nodes = even_nodes(num_ranks, num_nodes)
         current, alive = None, None
         if old_global_expert_indices is not None:
             # The live map's empty slots are filled from the newest window's load.
@@ -250,8 +251,7 @@ def elastic_current(
     if width % S:
         return None, None
     old_ranks = width // S
-    per_node = num_ranks // num_nodes
-    old_nodes = old_ranks // per_node if old_ranks % per_node == 0 else 1
+    old_nodes = even_nodes(old_ranks, gpus_per_node=num_ranks // num_nodes)
     current = engine_placement(old_LP, load_LE, old_ranks, old_nodes)
     return (None, None) if current is None else (current, np.arange(old_ranks) < num_ranks)
 

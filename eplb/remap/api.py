@@ -48,7 +48,7 @@ tensor *objects* builds a :class:`eplb.remap.prepared.PreparedRemap` for them an
 tables (``derived``, per layer: the last argument set and up to three earlier ones); later calls
 find it by the layer, compare the fixed arguments with its own by identity, and go through it
 (it checks the ids and the output; on Triton it launches directly): the cost of ``rec.prepare()``
-plus a dict lookup and seven comparisons. A bad argument raises as before, since a new tensor
+plus a dict lookup and eight comparisons. A bad argument raises as before, since a new tensor
 object is checked in full. A tensor passed here must keep its shape, dtype, device and storage
 while it is used (no ``resize_``/``set_`` on a counts buffer in place), as for a prepared call;
 an argument that is a new object on every call (a fresh view, a new ``num_valid_tokens`` per pass)
@@ -68,6 +68,7 @@ from eplb.remap.backends import RemapBackend, available_backends, get_backend
 from eplb.remap.call import (
     MAX_COUNT_ROWS,
     MODES,
+    RemapArgs,
     RemapCall,
     check_remap_args,
     check_tensor,
@@ -84,20 +85,20 @@ if TYPE_CHECKING:
 _BY_DEVICE: dict[tuple[str, torch.device, bool], RemapBackend] = {}
 
 # The per-layer cache of prepared calls, kept in each tables' ``derived``: under _KEPT, {layer:
-# the PreparedRemap of the argument set prepared last there}; under _OTHERS, {layer: those of up to
-# _OTHERS_PER_LAYER earlier sets} (an engine may call one layer with two sets, SGLang's adapter
-# does). A call finds its entry with one attribute read and two dict lookups, and compares its
-# five optional arguments with the kept ones by identity (``is``: the entry holds them, so no id
-# can be reused) and its mode and backend by equality: that is all a cached call pays above a
-# prepared one (an earlier set: one function call and those lookups more).
+# the PreparedRemap of the argument set prepared last there}, which links (``earlier``) to those
+# of up to _EARLIER_PER_LAYER earlier sets (an engine may call one layer with two sets, SGLang's
+# adapter does). A call finds its entry with one attribute read and two dict lookups, and
+# compares its six optional arguments with the kept ones by identity (``is``: the entry holds
+# them, so no id can be reused) and its mode and backend by equality: that is all a cached call
+# pays above a prepared one (an earlier set: those comparisons once more per entry before it).
+# Any other call builds its RemapArgs.
 _KEPT = "remap_and_record:prepared"
-_OTHERS = "remap_and_record:others"
-_OTHERS_PER_LAYER = 3
+_EARLIER_PER_LAYER = 3
 _KEPT_IN: weakref.WeakSet[DispatchTables] = weakref.WeakSet()  # tables holding such entries
 
-# (ids of the fixed arguments, layer, mode, backend) -> the PreparedRemap for them, or, after their
-# first call, a tuple holding the objects (a marker: prepare on the second call, so a caller that
-# passes a fresh view every call pays no preparation). Consulted only when no layer entry matches:
+# (id of the tables, layer, the fixed arguments' RemapArgs.key) -> the PreparedRemap for them, or,
+# after their first call, a tuple holding the tables and the RemapArgs (a marker: prepare on the
+# second call, so a caller that passes a fresh view every call pays no preparation). Consulted only when no layer entry matches:
 # first calls, fresh objects, or more argument sets on one layer than the entries hold (a set
 # found here is kept again, without the checks). Each value holds its key's objects, so no id in
 # a live key can be reused by another object. Bounded: a caller of fresh views fills it, and it is
@@ -111,7 +112,6 @@ def clear_prepared_cache() -> None:
     _PREPARED.clear()
     for tables in list(_KEPT_IN):
         tables.derived.pop(_KEPT, None)
-        tables.derived.pop(_OTHERS, None)
     _KEPT_IN.clear()
 
 
@@ -145,152 +145,94 @@ def remap_and_record(
         kept: PreparedRemap | None = tables.derived[_KEPT][layer]
     except (AttributeError, KeyError, TypeError):  # none kept yet, or not tables: checked below
         kept = None
-    if (
-        kept is not None
-        and kept.counts_P is counts_P
-        and kept.record is record
-        and kept.num_valid_tokens is num_valid_tokens
-        and kept.logical_counts_E is logical_counts_E
-        and kept.lp is lp
-        and kept.map_padded_rows is map_padded_rows
-        and kept.mode == mode
-        and kept.backend == backend
-    ):
-        # PreparedRemap.takes, inlined; the call checks the ids and the output, as below.
-        return kept.__call__(topk_ids_TK, out_TK)
-    return _call_uncached(
-        topk_ids_TK,
-        tables,
-        layer,
-        mode,
-        counts_P,
-        logical_counts_E,
-        num_valid_tokens,
-        record,
-        out_TK,
-        backend,
-        lp,
-        map_padded_rows,
+    while kept is not None:  # the layer's kept preparations, the last one first
+        if (
+            kept.counts_P is counts_P
+            and kept.record is record
+            and kept.num_valid_tokens is num_valid_tokens
+            and kept.logical_counts_E is logical_counts_E
+            and kept.lp is lp
+            and kept.map_padded_rows is map_padded_rows
+            and kept.mode == mode
+            and kept.backend == backend
+        ):
+            # RemapArgs.key's comparison, inlined on the keywords (building the record costs
+            # more); the call checks the ids and the output, as below.
+            return kept.__call__(topk_ids_TK, out_TK)
+        kept = kept.earlier
+    args = RemapArgs(
+        mode=mode,
+        counts_P=counts_P,
+        logical_counts_E=logical_counts_E,
+        num_valid_tokens=num_valid_tokens,
+        record=record,
+        backend=backend,
+        lp=lp,
+        map_padded_rows=map_padded_rows,
     )
+    return _call_uncached(topk_ids_TK, tables, layer, out_TK, args)
 
 
 def _call_uncached(
     topk_ids_TK: torch.Tensor,
     tables: DispatchTables,
     layer: int,
-    mode: str,
-    counts_P: torch.Tensor | None,
-    logical_counts_E: torch.Tensor | None,
-    num_valid_tokens: torch.Tensor | None,
-    record: torch.Tensor | None,
     out_TK: torch.Tensor | None,
-    backend: str,
-    lp: LpExchange | None,
-    map_padded_rows: bool,
+    args: RemapArgs,
 ) -> torch.Tensor:
-    """:func:`remap_and_record` where the layer's last entry does not match: an earlier entry's
-    call, or every argument checked (prepared, and kept, on the second call with the same objects)."""
-    try:
-        others: tuple[PreparedRemap, ...] = tables.derived[_OTHERS][layer]
-    except (AttributeError, KeyError, TypeError):
-        others = ()
-    for kept in others:
-        if kept.takes(
-            mode, counts_P, logical_counts_E, num_valid_tokens, record, backend, lp, map_padded_rows
-        ):
-            return kept(topk_ids_TK, out_TK)
-    key = (
-        id(tables),
-        layer,
-        mode,
-        backend,
-        id(counts_P),
-        id(logical_counts_E),
-        id(num_valid_tokens),
-        id(record),
-        id(lp),
-        map_padded_rows,
-    )
+    """:func:`remap_and_record` where none of the layer's kept preparations matches: one found in
+    the global table, or every argument checked (prepared, and kept, on the second call with the
+    same objects)."""
+    key = (id(tables), layer, *args.key())
     try:
         found, cacheable = _PREPARED.get(key), True
     except TypeError:  # an unhashable layer or mode: the checks below say what is wrong
         found, cacheable = None, False
     if found is not None and found.__class__ is not tuple:  # prepared (so checked) before
         return _keep(tables, layer, found)(topk_ids_TK, out_TK)
-    device = check_remap_args(
-        topk_ids_TK,
-        tables,
-        layer,
-        mode,
-        counts_P,
-        logical_counts_E,
-        num_valid_tokens,
-        record,
-        map_padded_rows,
-    )
+    device = check_remap_args(topk_ids_TK, tables, layer, args)
     if cacheable:
         if len(_PREPARED) >= _PREPARED_MAX:
             _PREPARED.clear()
         if found is None:  # first call with these objects: keep them, prepare on the next one
-            _PREPARED[key] = (tables, counts_P, logical_counts_E, num_valid_tokens, record, lp)
+            _PREPARED[key] = (tables, args)
         else:
-            prepared = _PREPARED[key] = PreparedRemap(
-                tables,
-                layer,
-                mode=mode,
-                counts_P=counts_P,
-                logical_counts_E=logical_counts_E,
-                num_valid_tokens=num_valid_tokens,
-                record=record,
-                backend=backend,
-                lp=lp,
-                map_padded_rows=map_padded_rows,
-            )
+            prepared = _PREPARED[key] = PreparedRemap.of(tables, layer, args)
             return _keep(tables, layer, prepared)(topk_ids_TK, out_TK)
     if out_TK is None:
         out_TK = torch.empty_like(topk_ids_TK)  # int32 and contiguous, as checked; the fastest allocator call
     else:
         check_tensor("out_TK", out_TK, topk_ids_TK.shape, device)
     exchange = None
-    if mode == "lp":
+    if args.mode == "lp":
         from eplb.remap.exchange import exchange_for
 
-        exchange = exchange_for(tables, lp)
+        exchange = exchange_for(tables, args.lp)
     if topk_ids_TK.numel() == 0:
         if exchange is not None:
             exchange.idle()  # the other ranks wait for this rank's counts
         return out_TK
-    fn_key = (backend, device, mode == "lp")
+    fn_key = (args.backend, device, args.mode == "lp")
     fn = _BY_DEVICE.get(fn_key)
     if fn is None:
-        fn = _BY_DEVICE[fn_key] = get_backend(backend, device, mode)
-    fn(
-        RemapCall(
-            topk_ids_TK=topk_ids_TK,
-            tables=tables,
-            layer=layer,
-            mode=mode,
-            out_TK=out_TK,
-            counts_P=counts_P,
-            logical_counts_E=logical_counts_E,
-            num_valid_tokens=num_valid_tokens,
-            record=record,
-            lp=exchange,
-            map_padded_rows=map_padded_rows,
-        )
-    )
+        fn = _BY_DEVICE[fn_key] = get_backend(args.backend, device, args.mode)
+    fn(args.remap_call(topk_ids_TK, tables, layer, out_TK, exchange))
     return out_TK
 
 
 def _keep(tables: DispatchTables, layer: int, prepared: PreparedRemap) -> PreparedRemap:
-    """Make ``prepared`` the layer's last entry, the one before it an earlier one; returns it."""
+    """Make ``prepared`` the layer's last entry, the ones kept before it its earlier ones (at most
+    ``_EARLIER_PER_LAYER``); returns it."""
     last = tables.derived.setdefault(_KEPT, {})
-    before = last.get(layer)
+    chain = [prepared]
+    node = last.get(layer)
+    while node is not None and len(chain) <= _EARLIER_PER_LAYER:
+        if node is not prepared:
+            chain.append(node)
+        node = node.earlier
+    for entry, earlier in zip(chain, [*chain[1:], None], strict=True):
+        entry.earlier = earlier
     last[layer] = prepared
-    if before is not None:
-        others = tables.derived.setdefault(_OTHERS, {})
-        kept = tuple(p for p in others.get(layer, ()) if p is not prepared)
-        others[layer] = (*kept, before)[-_OTHERS_PER_LAYER:]
     _KEPT_IN.add(tables)
     return prepared
 

@@ -6,15 +6,19 @@ Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, 
 given, and builds one :class:`RemapCall`; each backend (torch, the Triton launcher and its direct
 path, aiter) then reads the fields it needs instead of taking nine positional arguments in an
 order each of them restated. The record lives here, beside the tables and away from the backend
-registry, so ``eplb.kernels`` can import it without importing the registry back. The argument
-checks live here too, so the public function and eplb.remap.prepared share one definition of a
-valid call.
+registry, so ``eplb.kernels`` can import it without importing the registry back.
+
+:class:`RemapArgs` is the record of a call's fixed arguments (everything but the tables, the layer,
+the ids and the output): the public function builds it once from its keywords where its per-layer
+cache misses, and its cache, its checks (:func:`check_remap_args`), the :class:`RemapCall` it
+builds and eplb.remap.prepared's ``PreparedRemap`` (a ``RemapArgs`` with what was prepared from
+it) all read that one record, so the argument list is written once.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -77,6 +81,81 @@ class RemapCall:
         return counts.shape[0] if counts is not None and counts.dim() == 2 else 1
 
 
+# Slotted and not frozen, as RemapCall (eplb.remap.prepared subclasses it, and the public
+# function's cached path reads its fields as plain slots). Treat it as read-only.
+@dataclass(slots=True, kw_only=True, eq=False)
+class RemapArgs:
+    """The fixed arguments of one layer's remap calls, as ``remap_and_record`` takes them (its
+    keywords but ``out_TK``; semantics: eplb.remap.api). Two calls have the same fixed arguments
+    when they pass the same tensor and exchange objects and equal mode and backend (:meth:`key`)."""
+
+    mode: str = "static"
+    """Dispatch mode, one of :data:`MODES` (checked by :func:`check_remap_args`)."""
+    counts_P: torch.Tensor | None = None
+    """int32 [P] or count rows [C, P], added to; None: not counted."""
+    logical_counts_E: torch.Tensor | None = None
+    """int32 [E], added to; None: not counted."""
+    num_valid_tokens: torch.Tensor | None = None
+    """int32 [1] on the device: rows at or past it are padding; None: every row is valid."""
+    record: torch.Tensor | None = None
+    """int32 [1] on the device: count only while nonzero; None: always count."""
+    backend: str = "auto"
+    """Backend name (eplb.remap.backends)."""
+    lp: LpExchange | None = None
+    """``lp`` mode: the rank's counts exchange as given (None: the tables' own)."""
+    map_padded_rows: bool = False
+    """Map the padded rows too (still not counted); not in ``lp`` mode."""
+
+    def key(self) -> tuple[Any, ...]:
+        """What two calls must share to be one call: the objects by identity (their ids: whoever
+        keeps a key must keep the objects, so that no id is reused while it is kept), the mode and
+        backend by equality. ``map_padded_rows`` by identity too, so that only a bool matches."""
+        return (
+            self.mode,
+            self.backend,
+            id(self.counts_P),
+            id(self.logical_counts_E),
+            id(self.num_valid_tokens),
+            id(self.record),
+            id(self.lp),
+            id(self.map_padded_rows),
+        )
+
+    def remap_call(
+        self,
+        topk_ids_TK: torch.Tensor,
+        tables: DispatchTables,
+        layer: int,
+        out_TK: torch.Tensor,
+        lp: LpExchange | None,
+    ) -> RemapCall:
+        """The backend's record of one call with these fixed arguments (``lp``: the exchange the
+        argument resolved to, eplb.remap.exchange.exchange_for).
+
+        Built on every call of every layer that the Triton direct path does not launch: the slots
+        are set here directly, since RemapCall's generated ``__init__`` parsing eleven keywords costs
+        about 2.5 times as much. Every field is set (tests/test_remap_args.py compares the result
+        with the constructor's, field by field)."""
+        call = _new(RemapCall)
+        call.topk_ids_TK = topk_ids_TK
+        call.tables = tables
+        call.layer = layer
+        call.mode = self.mode
+        call.out_TK = out_TK
+        call.counts_P = self.counts_P
+        call.logical_counts_E = self.logical_counts_E
+        call.num_valid_tokens = self.num_valid_tokens
+        call.record = self.record
+        call.lp = lp
+        call.map_padded_rows = self.map_padded_rows
+        return call
+
+
+ARG_NAMES = tuple(f.name for f in fields(RemapArgs))
+"""The fixed arguments' names, in order: the keywords of ``remap_and_record`` but ``out_TK``."""
+_new = object.__new__
+
+
 # Every check below runs on every call of every MoE layer, mostly eagerly (prefill): attribute
 # reads and comparisons only, nothing that allocates, synchronises or formats a string unless
 # it is about to raise.
@@ -84,20 +163,15 @@ _INT32 = torch.int32
 
 
 def check_remap_args(
-    topk_ids_TK: torch.Tensor,
-    tables: DispatchTables,
-    layer: int,
-    mode: str,
-    counts_P: torch.Tensor | None,
-    logical_counts_E: torch.Tensor | None,
-    num_valid_tokens: torch.Tensor | None,
-    record: torch.Tensor | None,
-    map_padded_rows: bool = False,
+    topk_ids_TK: torch.Tensor, tables: DispatchTables, layer: int, args: RemapArgs
 ) -> torch.device:
-    """Validate every argument of eplb.remap.api.remap_and_record; TypeError for dtypes, ValueError otherwise.
+    """Validate every argument of eplb.remap.api.remap_and_record but the output (the ids, the
+    tables, the layer and the fixed ``args``); TypeError for dtypes, ValueError otherwise.
 
-    Returns the ids' device.
+    Returns the ids' device. The backend name is checked where it is resolved (eplb.remap.backends).
     """
+    mode, map_padded_rows = args.mode, args.map_padded_rows
+    counts_P, logical_counts_E = args.counts_P, args.logical_counts_E
     check_ids(topk_ids_TK)
     if mode not in MODES:
         raise ValueError(f"unknown dispatch mode {mode!r}; choose from {MODES}")
@@ -117,10 +191,10 @@ def check_remap_args(
         check_tensor("counts_P", counts_P, (*rows, tables.num_physical), device)
     if logical_counts_E is not None:
         check_tensor("logical_counts_E", logical_counts_E, (tables.num_logical,), device)
-    if num_valid_tokens is not None:
-        check_tensor("num_valid_tokens", num_valid_tokens, None, device)
-    if record is not None:
-        check_tensor("record", record, None, device)
+    if args.num_valid_tokens is not None:
+        check_tensor("num_valid_tokens", args.num_valid_tokens, None, device)
+    if args.record is not None:
+        check_tensor("record", args.record, None, device)
     return device
 
 
@@ -166,8 +240,10 @@ def check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...] | None, devi
 
 
 __all__ = [
+    "ARG_NAMES",
     "MAX_COUNT_ROWS",
     "MODES",
+    "RemapArgs",
     "RemapCall",
     "check_ids",
     "check_remap_args",
