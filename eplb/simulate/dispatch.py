@@ -21,7 +21,7 @@ import numpy as np
 
 from eplb.config import DISPATCH_ALGORITHMS
 from eplb.placement.balance import balancedness, expert_gpu_share, slot_share_LP
-from eplb.placement.dispatch_map import static_dispatch_maps
+from eplb.placement.dispatch_map import static_ranks_LER
 from eplb.placement.model import Placement
 from eplb.simulate.dispatch_lp import lp_matrices_parts
 
@@ -68,13 +68,10 @@ def dispatch_matrices(
 
 def static_weights(placement: Placement) -> np.ndarray:
     """float64 [L, E, R]: fraction of the ranks whose static map sends an expert to each replica."""
-    maps_GLE = static_dispatch_maps(placement).astype(np.int64)
-    L, P, G = placement.num_layers, placement.num_physical, placement.num_gpus
-    flat = (maps_GLE + np.arange(L, dtype=np.int64)[None, :, None] * P).ravel()
-    ranks_LP = np.bincount(flat, minlength=L * P).reshape(L, P) / G
-    l2p_LER = placement.log2phy_LER
-    layer_LER = np.broadcast_to(np.arange(L)[:, None, None], l2p_LER.shape)
-    return np.where(l2p_LER >= 0, ranks_LP[layer_LER, np.maximum(l2p_LER, 0)], 0.0)
+    ranks_LER = static_ranks_LER(placement)
+    out_LER = np.zeros(placement.log2phy_LER.shape)
+    out_LER[:, :, : ranks_LER.shape[2]] = ranks_LER / placement.num_gpus
+    return out_LER
 
 
 def fake_gpu_load(

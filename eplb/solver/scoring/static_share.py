@@ -4,20 +4,22 @@ Shape legend: L layers, l layers (computed), E logical experts, P physical slots
 nodes, X replicated experts ((layer, expert) pairs), R max replicas (of the most replicated pair).
 
 With static dispatch (SGLang's with EPLB on) every rank sends all its tokens of an expert to the
-one replica its static map picks (``eplb.placement.dispatch_map``: a replica on its own GPU, else
-on its node, else any, ranks spread round-robin). Tokens come from every rank alike, so a
-replica receives the fraction of ranks mapped to it, which is not ``1 / count``: an expert with
-two replicas on one node and one elsewhere gives the lone one the ranks of its node and a third
-of the rest. A plan scored with an even split misjudges exactly the hot, replicated experts, so
-the solver scores with these shares when the server dispatches statically. The rule is the one
-``static_dispatch_maps`` applies, computed per replicated expert (single replicas receive
-everything) so that one layer can be recomputed after each move of the budgeted search.
+one replica its static map picks (the rule, eplb.placement.dispatch_map.static_choice_XG). Tokens
+come from every rank alike, so a replica receives the fraction of ranks mapped to it, which is not
+``1 / count``: an expert with two replicas on one node and one elsewhere gives the lone one the
+ranks of its node and a third of the rest. A plan scored with an even split misjudges exactly the
+hot, replicated experts, so the solver scores with these shares when the server dispatches
+statically. They are the maps' own counts, for the replicated experts only (single replicas
+receive everything), from phy2log alone (each expert's slots ascending, the order
+``Placement.from_phy2log`` gives log2phy), so that one layer or one expert can be recomputed after
+each move of the budgeted search.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from eplb.placement.dispatch_map import static_ranks_XR
 from eplb.placement.model import expert_order_LP
 
 
@@ -57,8 +59,7 @@ def _static_share(
     layer_l = np.arange(phy2log_LP.shape[0]) if layers is None else np.asarray(layers, dtype=np.int64)
     p2l_lP = phy2log_LP[layer_l].astype(np.int64)
     nl, P = p2l_lP.shape
-    E, G, N = num_logical, num_gpus, num_nodes
-    S, gpn = P // G, G // N
+    E, G = num_logical, num_gpus
     share_lP = np.ones((nl, P))
     rows = np.arange(nl)[:, None]
     cnt_lE = np.bincount((rows * E + p2l_lP).ravel(), minlength=nl * E).reshape(nl, E)
@@ -74,41 +75,10 @@ def _static_share(
     valid_XR = k_R[None, :] < cnt_X[:, None]
     pos_XR = np.where(valid_XR, first_lE[row_X, expert_X][:, None] + k_R[None, :], 0)
     slot_XR = np.where(valid_XR, order_lP[row_X[:, None], pos_XR], -1)
-    gpu_XR = np.where(valid_XR, slot_XR // S, -1)
-    node_XR = np.where(valid_XR, gpu_XR // gpn, -1)
     offset_X = layer_l[row_X] * E + expert_X
-    # A GPU's own first replica takes that rank.
-    first_on_gpu_XR = valid_XR & ~(
-        (gpu_XR[:, :, None] == gpu_XR[:, None, :]) & (k_R[None, None, :] < k_R[None, :, None])
-    ).any(axis=2)
-    ranks_XR = first_on_gpu_XR.astype(np.int64)
-    on_node_XNR = node_XR[:, None, :] == np.arange(N)[None, :, None]
-    reps_XN = on_node_XNR.sum(axis=2)
-    gpus_XN = (on_node_XNR & first_on_gpu_XR[:, None, :]).sum(axis=2)
-    # Ranks of nodes without a replica: round-robin over all replicas from the expert's offset.
-    anywhere_X = gpn * (reps_XN == 0).sum(axis=1)
-    ranks_XR += _round_robin(anywhere_X[:, None], cnt_X[:, None], offset_X[:, None], k_R[None, :])
-    ranks_XR = np.where(valid_XR, ranks_XR, 0)
-    # The other ranks of a node with replicas: round-robin over the node's, after the anywhere
-    # ranks when the node holds every replica.
-    rest_XN = np.where(reps_XN > 0, gpn - gpus_XN, 0)
-    base_XN = np.where(reps_XN == cnt_X[:, None], anywhere_X[:, None], 0)
-    index_XNR = np.cumsum(on_node_XNR, axis=2) - 1  # a replica's position among its node's
-    extra_XNR = _round_robin(
-        rest_XN[..., None],
-        np.maximum(reps_XN, 1)[..., None],
-        (base_XN + offset_X[:, None])[..., None],
-        index_XNR,
-    )
-    ranks_XR += (extra_XNR * on_node_XNR).sum(axis=1)
+    ranks_XR = static_ranks_XR(slot_XR // (P // G), cnt_X, offset_X, G, num_nodes)
     share_lP[row_X[:, None].repeat(R, axis=1)[valid_XR], slot_XR[valid_XR]] = ranks_XR[valid_XR] / G
     return share_lP
-
-
-def _round_robin(count: np.ndarray, pool: np.ndarray, start: np.ndarray, index: np.ndarray) -> np.ndarray:
-    """Of ``count`` ranks dealt round-robin over ``pool`` candidates (the j-th to candidate
-    ``(j + start) mod pool``), how many candidate ``index`` gets."""
-    return count // pool + (np.mod(index - start, pool) < count % pool)
 
 
 def expert_static_shares(
@@ -116,30 +86,10 @@ def expert_static_shares(
 ) -> list[float]:
     """The shares of one expert's replicas at ``slots`` (ascending) under static dispatch.
 
-    The rule of :func:`static_share_LP` for one expert, in plain Python: the budgeted search
-    recomputes one or two experts after each move, where array set-up would cost more than this.
     ``offset`` is the maps' rotation of the expert, ``layer * num_logical + expert``.
     """
-    c = len(slots)
-    if c == 1:
+    if len(slots) == 1:
         return [1.0]
-    gpn = num_gpus // num_nodes
-    gpus = [s // slots_per_gpu for s in slots]
-    ranks = [0] * c
-    by_node: dict[int, list[int]] = {}
-    seen: set[int] = set()
-    for i, g in enumerate(gpus):
-        by_node.setdefault(g // gpn, []).append(i)
-        if g not in seen:  # a GPU's own first replica takes that rank
-            seen.add(g)
-            ranks[i] += 1
-    anywhere = gpn * (num_nodes - len(by_node))
-    for i in range(c):  # ranks of nodes without a replica, round-robin over all of them
-        ranks[i] += anywhere // c + ((i - offset) % c < anywhere % c)
-    for members in by_node.values():
-        n = len(members)
-        rest = gpn - len({gpus[i] for i in members})
-        start = offset + (anywhere if n == c else 0)
-        for q, i in enumerate(members):
-            ranks[i] += rest // n + ((q - start) % n < rest % n)
-    return [r / num_gpus for r in ranks]
+    gpu_XR = np.asarray([slots]) // slots_per_gpu
+    ranks_R = static_ranks_XR(gpu_XR, np.asarray([len(slots)]), np.asarray([offset]), num_gpus, num_nodes)[0]
+    return (ranks_R / num_gpus).tolist()
