@@ -11,7 +11,7 @@ share and the choice is a pure function of the placement (every rank computes th
 When every replica sits on one node, that node's remote ranks continue the count of the ranks of
 the other nodes (one pool). What a replica receives under these maps, the fraction of ranks
 mapped to it (:func:`static_ranks_XR`), is what every share of static dispatch derives from
-(eplb.solver.scoring.dispatch).
+(eplb.placement.share).
 """
 
 from __future__ import annotations
