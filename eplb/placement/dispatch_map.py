@@ -35,31 +35,33 @@ def static_choice_XG(
     G, N = num_gpus, num_nodes
     gpn = G // N
     rows_X1 = np.arange(X)[:, None]
-    valid_XR = np.arange(R)[None, :] < count_X[:, None]
-    gpu_XR = np.where(valid_XR, gpu_XR, G)  # padding: past the last GPU, on no node
-    node_XR = np.where(valid_XR, gpu_XR // gpn, N)
+    # Padding: GPU G, on node N (past the last of each). Array methods, not np functions: the
+    # search asks for one or two experts after each move, where call overhead is the cost.
+    gpu_XR = np.where(np.arange(R) < count_X[:, None], gpu_XR, G)
+    node_XR = gpu_XR // gpn
     # Own GPU: the first of its replicas there (the first of each GPU's run in a stable sort).
-    by_gpu_XR = np.argsort(gpu_XR, axis=1, kind="stable")
-    sorted_XR = np.take_along_axis(gpu_XR, by_gpu_XR, axis=1)
+    by_gpu_XR = gpu_XR.argsort(axis=1, kind="stable")
+    sorted_XR = gpu_XR[rows_X1, by_gpu_XR]
     first_XR = sorted_XR < G
     first_XR[:, 1:] &= sorted_XR[:, 1:] != sorted_XR[:, :-1]
     own_XG = np.full((X, G), -1, dtype=np.int64)
-    at_x, at_r = np.nonzero(first_XR)
+    at_x, at_r = first_XR.nonzero()
     own_XG[at_x, sorted_XR[at_x, at_r]] = by_gpu_XR[at_x, at_r]
     local_XG = own_XG >= 0
     # Own node: its replicas in the maps' order, dealt to the node's ranks without a local one.
     node_cnt_XN = np.bincount((rows_X1 * (N + 1) + node_XR).ravel(), minlength=X * (N + 1)).reshape(X, N + 1)
-    node_first_XN = np.cumsum(node_cnt_XN, axis=1) - node_cnt_XN
-    by_node_XR = np.argsort(node_XR, axis=1, kind="stable")
+    node_first_XN = node_cnt_XN.cumsum(axis=1) - node_cnt_XN
+    by_node_XR = node_XR.argsort(axis=1, kind="stable")
     node_G = np.arange(G) // gpn
     at_node_XG = node_cnt_XN[:, node_G]
-    same_node_XG = ~local_XG & (at_node_XG > 0)
-    anywhere_XG = ~local_XG & (at_node_XG == 0)
+    remote_XG = ~local_XG
+    same_node_XG = remote_XG & (at_node_XG > 0)
+    anywhere_XG = remote_XG ^ same_node_XG
     # j: the rank's position among the ranks of its pool.
-    anywhere_j_XG = np.cumsum(anywhere_XG, axis=1) - 1
-    same_node_j_XG = np.cumsum(same_node_XG.reshape(X, N, gpn), axis=2).reshape(X, G) - 1
+    anywhere_j_XG = anywhere_XG.cumsum(axis=1) - 1
+    same_node_j_XG = same_node_XG.reshape(X, N, gpn).cumsum(axis=2).reshape(X, G) - 1
     whole_pool_XG = at_node_XG == count_X[:, None]
-    same_node_j_XG += np.where(whole_pool_XG, anywhere_XG.sum(axis=1, keepdims=True), 0)
+    same_node_j_XG += whole_pool_XG * anywhere_XG.sum(axis=1, keepdims=True)
     offset_X1 = np.asarray(offset_X, dtype=np.int64)[:, None]
     k_node_XG = (same_node_j_XG + offset_X1) % np.maximum(at_node_XG, 1)
     node_pick_XG = by_node_XR[rows_X1, np.minimum(node_first_XN[:, node_G] + k_node_XG, R - 1)]

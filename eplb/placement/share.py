@@ -111,19 +111,31 @@ class ShareModel:
     def expert_shares(
         self, slots_X: Sequence[Sequence[int]], offset_X: Sequence[int], num_gpus: int, slots_per_gpu: int
     ) -> list[np.ndarray]:
-        """float64 [count] per expert: the mean shares of the replicas of experts at ``slots_X``
-        (each ascending); ``offset_X``: the static maps' rotation of each, ``layer * num_logical +
-        expert``. Several experts at once: the search recomputes the one or two a move touched."""
-        count_X = [len(slots) for slots in slots_X]
+        """float64 [count] per expert (read-only): the mean shares of the replicas of experts at
+        ``slots_X`` (each ascending); ``offset_X``: the static maps' rotation of each, ``layer *
+        num_logical + expert``. Several experts at once: the search recomputes the one or two a
+        move touched."""
         if not self.static:
-            return [np.full(count, 1.0 / count) for count in count_X]
-        slot_XR = np.zeros((len(count_X), max(count_X)), dtype=np.int64)
-        for x, slots in enumerate(slots_X):
-            slot_XR[x, : len(slots)] = slots
-        ranks_XR = static_ranks_XR(
-            slot_XR // slots_per_gpu, np.asarray(count_X), np.asarray(offset_X), num_gpus, self.num_nodes
-        )
-        return [ranks_R[:count] / num_gpus for ranks_R, count in zip(ranks_XR, count_X, strict=True)]
+            return [np.full(len(slots), 1.0 / len(slots)) for slots in slots_X]
+        # A pure function of the replicas' GPUs and the rotation: the search meets the same
+        # experts again (a move undone, a replica moved back), and one call costs tens of numpy ops.
+        keys = [
+            (num_gpus, self.num_nodes, offset, tuple(p // slots_per_gpu for p in slots))
+            for slots, offset in zip(slots_X, offset_X, strict=True)
+        ]
+        missing = [key for key in keys if key not in _EXPERT]
+        if missing:
+            count_X = np.asarray([len(key[3]) for key in missing])
+            R = int(count_X.max())
+            gpu_XR = np.asarray([key[3] + (0,) * (R - len(key[3])) for key in missing])
+            offset_X1 = np.asarray([key[2] for key in missing])
+            shares_XR = static_ranks_XR(gpu_XR, count_X, offset_X1, num_gpus, self.num_nodes) / num_gpus
+            shares_XR.setflags(write=False)
+            for row, key in enumerate(missing):
+                _EXPERT[key] = shares_XR[row, : len(key[3])]
+            while len(_EXPERT) > _EXPERT_SIZE:
+                _EXPERT.pop(next(iter(_EXPERT)))
+        return [_EXPERT[key] for key in keys]
 
     def max_share_R(self, max_replicas: int, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
         """float64 [max_replicas + 1]: the largest share of its expert's tokens one of R replicas
@@ -222,6 +234,8 @@ def _static_share_lP(
 
 _WHOLE_SIZE = 4
 _WHOLE: dict[tuple[object, ...], np.ndarray] = {}
+_EXPERT_SIZE = 1 << 14
+_EXPERT: dict[tuple[int, int, int, tuple[int, ...]], np.ndarray] = {}
 
 
 def _static_share(
