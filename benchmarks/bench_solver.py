@@ -49,8 +49,8 @@ from eplb.config import EplbConfig
 from eplb.placement.balance import model_balancedness
 from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
+from eplb.placement.share import static_weights
 from eplb.policy.decision import Decider
-from eplb.simulate.dispatch import static_weights
 from eplb.solver import Plan, SolveOptions, SolverPlanner, Topology, solve
 from eplb.workloads import PRESETS, WorkloadConfig, generate
 

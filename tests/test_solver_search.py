@@ -159,3 +159,66 @@ def test_forecasts() -> None:
     plain = predict(load, SolveOptions(), "sum")
     np.testing.assert_allclose(plain.point_LE, load.sum(axis=0))
     assert plain.scenarios_ZLE.shape == (1, 3, 16)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_swap_step_against_brute_force(seed: int) -> None:
+    """The step every search shares (eplb.solver.search.swap): the hot GPU credited the most
+    urgency, the lightest partners, every candidate swap's slots, loads and delta, and the swap."""
+    from eplb.solver.search.swap import SwapCandidates, critical_gpu, lightest_partners, pair_peak, swap_slots
+
+    rng = np.random.default_rng(seed)
+    Z, L, G, S, E = 3, 4, 6, 3, 10
+    P = G * S
+    phy2log_LP = random_phy2log(rng, L, E, P).astype(np.int64)
+    item_ZLP = rng.lognormal(0.0, 1.0, size=(Z, L, P))
+    gpu_ZLG = item_ZLP.reshape(Z, L, G, S).sum(axis=-1)
+    gpu_ZLG[:, 1, 2] = gpu_ZLG[:, 1].max(axis=-1) + 1.0  # one GPU busiest in every scenario
+    weights_Z = np.array([0.5, 0.3, 0.2])
+    mean_ZL = gpu_ZLG.mean(axis=-1)
+    for power in (0, 2):
+        hot_L = critical_gpu(gpu_ZLG, mean_ZL, weights_Z, power)
+        for layer in range(L):
+            urgency = [0.0] * G
+            for z in range(Z):
+                g = int(np.argmax(gpu_ZLG[z, layer]))
+                urgency[g] += weights_Z[z] * (mean_ZL[z, layer] / gpu_ZLG[z, layer, g]) ** power
+            assert hot_L[layer] == int(np.argmax(urgency))
+    assert hot_L[1] == 2
+    expected_LG = rng.random((L, G))
+    expected_LG[0, :] = 0.5  # ties: the lower id
+    partners_LB = lightest_partners(expected_LG, hot_L, 3)
+    for layer in range(L):
+        order = sorted((v, g) for g, v in enumerate(expected_LG[layer]) if g != hot_L[layer])
+        assert partners_LB[layer].tolist() == [g for _, g in order[:3]]
+    layers = np.array([3, 0, 2])
+    cand = SwapCandidates.of(item_ZLP, phy2log_LP, layers, hot_L[layers], partners_LB[layers], S)
+    delta_ZlSQ = cand.delta_ZlSQ()
+    for i, layer in enumerate(layers.tolist()):
+        hot = int(hot_L[layer])
+        pairs = [
+            (a, b)
+            for a in range(hot * S, (hot + 1) * S)
+            for g in partners_LB[layer]
+            for b in range(g * S, (g + 1) * S)
+        ]
+        for flat, (a, b) in enumerate(pairs):
+            s, q = divmod(flat, cand.num_partner_slots)
+            got_a, got_b = cand.slots(np.array([flat] * layers.size))
+            assert (got_a[i], got_b[i]) == (a, b)
+            assert cand.gpu_lQ[i, q] == b // S
+            np.testing.assert_array_equal(
+                delta_ZlSQ[:, i, s, q], item_ZLP[:, layer, b] - item_ZLP[:, layer, a]
+            )
+            assert cand.distinct_lSQ()[i, s, q] == (phy2log_LP[layer, a] != phy2log_LP[layer, b])
+            x_hot, x_b = gpu_ZLG[0, layer, hot], gpu_ZLG[0, layer, b // S]
+            d = item_ZLP[0, layer, b] - item_ZLP[0, layer, a]
+            assert pair_peak(x_hot, x_b, d) == max(x_hot + d, x_b - d)
+    # The swap: experts, loads and part counts trade places.
+    row_P, items_ZP = phy2log_LP[0].copy(), item_ZLP[:, 0].copy()
+    holds_GE = holds_per_gpu(row_P[None], G, E)[0]
+    a, b = 1, P - 1
+    ea, eb = swap_slots(row_P, items_ZP, holds_GE, a, b, a // S, b // S)
+    assert (ea, eb) == (phy2log_LP[0, a], phy2log_LP[0, b]) and (row_P[a], row_P[b]) == (eb, ea)
+    np.testing.assert_array_equal(items_ZP[:, [a, b]], item_ZLP[:, 0, [b, a]])
+    np.testing.assert_array_equal(holds_GE, holds_per_gpu(row_P[None], G, E)[0])

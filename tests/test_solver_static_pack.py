@@ -9,19 +9,14 @@ import pytest
 
 from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
+from eplb.placement.share import ShareModel, canonical_slots
 from eplb.solver import SolveOptions, Topology, solve
 from eplb.solver.planner import SolverPlanner
 from eplb.solver.policies.deepseek import deepseek_rebalance
 from eplb.solver.scoring.dispatch import Dispatch
-from eplb.solver.scoring.static_share import static_share_LP
 from eplb.solver.search.budget import budget_of, budgeted_phy2log
 from eplb.solver.search.migration import relabel
-from eplb.solver.search.static_pack import (
-    canonical_slots,
-    max_share_table,
-    static_fresh_phy2log,
-    static_replica_counts,
-)
+from eplb.solver.search.static_pack import static_fresh_phy2log, static_replica_counts
 from tests.helpers.placements import maps_share_LP
 
 # (G, N, E, P): one node, several, one GPU per node, and DeepSeek-V3's EP32 and EP64 shapes.
@@ -33,6 +28,14 @@ SHAPES = [
     (32, 4, 256, 288),
     (64, 8, 256, 320),
 ]
+
+
+def static_share_LP(
+    phy2log_LP: np.ndarray, E: int, G: int, N: int, layers: np.ndarray | None = None
+) -> np.ndarray:
+    """The share model's static shares of phy2log rows (counts from the rows themselves)."""
+    cnt_LE = np.stack([np.bincount(row, minlength=E) for row in phy2log_LP])
+    return ShareModel("static", N).share_LP(phy2log_LP, cnt_LE, G, layers)
 
 
 def _maps_gpu_load_LG(placement: Placement, load_LE: np.ndarray) -> np.ndarray:
@@ -50,7 +53,7 @@ def test_max_share_table_is_the_maps_largest_share() -> None:
     """Brute force: place one expert's R replicas on the canonical spread, ask the maps."""
     G, N, E, P = 16, 4, 8, 32
     S = P // G
-    table = max_share_table(P - E + 1, G, N, S)
+    table = ShareModel("static", N).max_share_R(P - E + 1, G, S)
     for count in range(1, P - E + 2):
         slots = canonical_slots(count, G, N, S)
         assert len(set(s // S for s in slots)) == min(count, G)  # distinct GPUs while there are any

@@ -1,4 +1,4 @@
-"""Static dispatch's replica shares in the solver (eplb.solver.scoring.static_share) against the ranks'
+"""Static dispatch's replica shares in the share model (eplb.placement.share) against the ranks'
 maps."""
 
 from __future__ import annotations
@@ -8,14 +8,22 @@ import pytest
 
 from eplb.placement.dispatch_map import static_dispatch_maps
 from eplb.placement.model import Placement
+from eplb.placement.share import ShareModel
 from eplb.policy.dispatch import dispatch_mode_names
 from eplb.solver import SolveOptions, Topology, solve
 from eplb.solver.scoring.dispatch import Dispatch
-from eplb.solver.scoring.static_share import expert_static_shares, static_share_LP
 from tests.helpers.placements import maps_share_LP, random_phy2log
 
 # (G, N, E, P): one node, several, one GPU per node, and DeepSeek-V3's EP32 shape.
 SHAPES = [(4, 1, 16, 24), (8, 2, 16, 24), (8, 8, 16, 32), (16, 4, 32, 64), (32, 4, 256, 288)]
+
+
+def static_share_LP(
+    phy2log_LP: np.ndarray, E: int, G: int, N: int, layers: np.ndarray | None = None
+) -> np.ndarray:
+    """The share model's static shares of phy2log rows (counts from the rows themselves)."""
+    cnt_LE = np.stack([np.bincount(row, minlength=E) for row in phy2log_LP])
+    return ShareModel("static", N).share_LP(phy2log_LP, cnt_LE, G, layers)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -43,7 +51,7 @@ def test_shares_are_the_fraction_of_ranks_the_maps_send_to_each_replica(
     for layer in range(L):
         for e in range(E):
             slots = np.flatnonzero(placement.phy2log_LP[layer] == e)
-            got = expert_static_shares(slots.tolist(), layer * E + e, G, S, N)
+            (got,) = ShareModel("static", N).expert_shares([slots.tolist()], [layer * E + e], G, S)
             np.testing.assert_allclose(got, want_LP[layer, slots])
 
 
@@ -109,7 +117,7 @@ def test_the_search_state_keeps_exact_static_loads_through_swaps_and_replica_cha
     scenarios_ZLE = rng.lognormal(0.0, 1.0, size=(1, L, E))
     cost_LGE = np.ones((L, G, E))
     state = moves.make_move_state(
-        scenarios_ZLE, current.phy2log_LP, current.logcnt_LE, G, cost_LGE, None, Dispatch("static", N)
+        scenarios_ZLE, current.phy2log_LP, current.logcnt_LE, cost_LGE, None, Dispatch("static", N)
     )
     for _ in range(300):
         layer = int(rng.integers(L))

@@ -13,25 +13,20 @@ from __future__ import annotations
 import numpy as np
 
 from eplb.placement.model import Placement
+from eplb.placement.share import ShareModel, gpu_share_LEG
 
 
 def slot_share_LP(placement: Placement, weights_LER: np.ndarray | None = None) -> np.ndarray:
     """float64 [L, P]: fraction of its logical expert's tokens that each slot receives.
 
-    Without weights the load splits evenly over replicas (what dynamic and static dispatch give
-    on average); with per-replica weights [L, E, R] (sum 1 per expert) it follows them.
+    Without weights the load splits evenly over replicas (what dynamic dispatch gives on
+    average); with per-replica weights [L, E, R] (sum 1 per expert) it follows them. Other
+    splits (static maps, ``lp``): eplb.placement.share.ShareModel, whose even split this is.
     """
-    p2l_LP = placement.phy2log_LP
-    layer_LP = np.arange(placement.num_layers)[:, None]
-    if weights_LER is None:
-        return 1.0 / placement.logcnt_LE[layer_LP, p2l_LP].astype(np.float64)
-    if weights_LER.shape != placement.log2phy_LER.shape:
-        raise ValueError(f"weights shape {weights_LER.shape} != log2phy shape {placement.log2phy_LER.shape}")
-    share_LP = np.zeros(p2l_LP.shape, dtype=np.float64)
-    used = placement.log2phy_LER >= 0
-    layer_LER = np.broadcast_to(np.arange(placement.num_layers)[:, None, None], used.shape)
-    share_LP[layer_LER[used], placement.log2phy_LER[used]] = weights_LER[used]
-    return share_LP
+    return _EVEN.placement_share_LP(placement, weights_LER)
+
+
+_EVEN = ShareModel("dynamic")
 
 
 def gpu_load(load_xLE: np.ndarray, placement: Placement, weights_LER: np.ndarray | None = None) -> np.ndarray:
@@ -54,12 +49,7 @@ def expert_gpu_share(placement: Placement, weights_LER: np.ndarray | None = None
     ``load_xLE @ share_LEG`` (per layer) equals :func:`gpu_load`; a matrix product is what makes
     long traces cheap to evaluate (the simulator uses it).
     """
-    L, E, G = placement.num_layers, placement.num_logical, placement.num_gpus
-    share_LEG = np.zeros((L, E, G), dtype=np.float64)
-    layer_LP = np.broadcast_to(np.arange(L)[:, None], placement.phy2log_LP.shape)
-    gpu_LP = np.broadcast_to(placement.gpu_of_slot()[None, :], placement.phy2log_LP.shape)
-    np.add.at(share_LEG, (layer_LP, placement.phy2log_LP, gpu_LP), slot_share_LP(placement, weights_LER))
-    return share_LEG
+    return gpu_share_LEG(placement, slot_share_LP(placement, weights_LER))
 
 
 def balancedness(gpu_load_xG: np.ndarray) -> np.ndarray:

@@ -3,11 +3,13 @@
 Shape legend: F steps, L layers, E logical experts, P physical slots, R max replicas, G GPUs, S
 slots per GPU.
 
+Each mode's share model (eplb.placement.share) gives the matrices:
+
 - dynamic: each expert's tokens split evenly over its replicas (a uniform pick per token).
 - weighted: the solver's per-replica weights [L, E, R]; an even split when it gave none.
 - static: tokens originate evenly from all ranks and each rank sends an expert's tokens to the
   one replica its static map picks (eplb.placement.dispatch_map), so a replica's share is the fraction of
-  ranks mapped to it.
+  ranks mapped to it (eplb.placement.share.static_weights).
 - fake: uniformly random routing over all slots, independent of the trace (SGLang's benchmark
   mode); see :func:`fake_gpu_load`.
 - lp: each batch's tokens of a replicated expert water-filled over its GPUs (eplb.simulate.dispatch_lp).
@@ -20,9 +22,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.config import DISPATCH_ALGORITHMS
-from eplb.placement.balance import balancedness, expert_gpu_share, slot_share_LP
-from eplb.placement.dispatch_map import static_dispatch_maps
+from eplb.placement.balance import balancedness
 from eplb.placement.model import Placement
+from eplb.placement.share import ShareModel, gpu_share_LEG
 from eplb.simulate.dispatch_lp import lp_matrices_parts
 
 
@@ -46,35 +48,23 @@ class DispatchMatrices:
 def dispatch_matrices(
     placement: Placement, mode: str, weights_LER: np.ndarray | None = None
 ) -> DispatchMatrices:
-    """The share and active-replica matrices of ``placement`` under a dispatch ``mode``."""
+    """The share and active-replica matrices of ``placement`` under a dispatch ``mode`` (its share
+    model, eplb.placement.share; ``weights_LER`` are read where the mode reads weights)."""
     if mode not in DISPATCH_ALGORITHMS:  # the simulator models the modes offered as flags
         raise ValueError(f"unknown dispatch mode {mode!r}; choose from {DISPATCH_ALGORITHMS}")
-    if mode == "lp":
+    model = ShareModel(mode, placement.num_nodes)
+    if model.per_batch:
         return DispatchMatrices(*lp_matrices_parts(placement))
-    if mode == "static":
-        weights_LER = static_weights(placement)
-    elif mode != "weighted":
-        weights_LER = None
-    share_LEG = expert_gpu_share(placement, weights_LER)
+    share_LP = model.placement_share_LP(placement, weights_LER if model.weighted else None)
+    share_LEG = gpu_share_LEG(placement, share_LP)
     # A replica that gets no share (static maps may skip one) never becomes an active expert.
-    receives_LP = slot_share_LP(placement, weights_LER) > 0
+    receives_LP = share_LP > 0
     L, E, G = share_LEG.shape
     replicas_LEG = np.zeros((L, E, G), dtype=np.float32)
     layer_LP = np.broadcast_to(np.arange(L)[:, None], receives_LP.shape)
     gpu_LP = np.broadcast_to(placement.gpu_of_slot()[None, :], receives_LP.shape)
     np.add.at(replicas_LEG, (layer_LP, placement.phy2log_LP, gpu_LP), receives_LP)
     return DispatchMatrices(share_LEG.astype(np.float32), replicas_LEG)
-
-
-def static_weights(placement: Placement) -> np.ndarray:
-    """float64 [L, E, R]: fraction of the ranks whose static map sends an expert to each replica."""
-    maps_GLE = static_dispatch_maps(placement).astype(np.int64)
-    L, P, G = placement.num_layers, placement.num_physical, placement.num_gpus
-    flat = (maps_GLE + np.arange(L, dtype=np.int64)[None, :, None] * P).ravel()
-    ranks_LP = np.bincount(flat, minlength=L * P).reshape(L, P) / G
-    l2p_LER = placement.log2phy_LER
-    layer_LER = np.broadcast_to(np.arange(L)[:, None, None], l2p_LER.shape)
-    return np.where(l2p_LER >= 0, ranks_LP[layer_LER, np.maximum(l2p_LER, 0)], 0.0)
 
 
 def fake_gpu_load(

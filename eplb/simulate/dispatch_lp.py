@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
-from eplb.placement.balance import expert_gpu_share
 from eplb.placement.model import Placement
-from eplb.remap.lp_rule import LpTables, lp_quotas, lp_tables
+from eplb.placement.share import ShareModel, lp_gpu_load
+from eplb.remap.lp_rule import LpTables, lp_tables
 
 
 class PerBatchShare(np.ndarray):
@@ -28,7 +28,8 @@ class PerBatchShare(np.ndarray):
     lp: LpTables | None
 
     def __new__(cls, placement: Placement) -> PerBatchShare:
-        share = np.asarray(expert_gpu_share(placement, None), dtype=np.float32).view(cls)
+        model = ShareModel("lp", placement.num_nodes)
+        share = np.asarray(model.gpu_share_LEG(placement), dtype=np.float32).view(cls)
         share.lp = lp_tables(placement)
         return share
 
@@ -39,18 +40,12 @@ class PerBatchShare(np.ndarray):
         if ufunc is np.matmul and method == "__call__" and len(inputs) == 2 and inputs[1] is self:
             if self.lp is None or kwargs:
                 raise TypeError("an lp share multiplies a load [L, n, E] only, without out= or axes=")
-            return gpu_load(np.asarray(inputs[0]), self.lp)
+            load_LnE = np.asarray(inputs[0])
+            if load_LnE.ndim != 3:
+                raise ValueError(f"lp dispatch needs a load [L, n, E], got shape {load_LnE.shape}")
+            return lp_gpu_load(load_LnE, self.lp)
         plain = [np.asarray(x).view(np.ndarray) if isinstance(x, PerBatchShare) else x for x in inputs]
         return getattr(ufunc, method)(*plain, **kwargs)
-
-
-def gpu_load(load_LnE: np.ndarray, tables: LpTables) -> np.ndarray:
-    """float32 [L, n, G]: GPU tokens of global expert loads [L, n, E] under the ``lp`` rule."""
-    if load_LnE.ndim != 3:
-        raise ValueError(f"lp dispatch needs a load [L, n, E], got shape {load_LnE.shape}")
-    counts = np.rint(load_LnE).astype(np.int64)
-    _, loads_LnG = lp_quotas(counts, tables)
-    return loads_LnG.astype(np.float32)
 
 
 def lp_matrices_parts(placement: Placement) -> tuple[PerBatchShare, np.ndarray]:
@@ -64,4 +59,4 @@ def lp_matrices_parts(placement: Placement) -> tuple[PerBatchShare, np.ndarray]:
     return share, replicas_LEG
 
 
-__all__ = ["PerBatchShare", "gpu_load", "lp_matrices_parts"]
+__all__ = ["PerBatchShare", "lp_matrices_parts"]

@@ -34,7 +34,7 @@ class PlacementRequest:
     """Numbers about the solve that the policy may add to (Plan.stats)."""
     current_share_LP: np.ndarray | None = None
     """float64 [L, P]: the live placement's slot shares as the dispatch splits tokens
-    (eplb.solver.scoring.dispatch.Dispatch.share_LP), where the caller has them: a search from
+    (eplb.placement.share.ShareModel.share_LP), where the caller has them: a search from
     the live placement starts from them instead of computing them again."""
 
 

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.placement.model import Placement
+from eplb.placement.share import ShareModel
 from eplb.solver.policies.deepseek import deepseek_rebalance
 from eplb.solver.policies.protocol import PlacementRequest
 from eplb.solver.predict import Prediction
-from eplb.solver.scoring.dispatch import Dispatch
 from eplb.solver.scoring.served import layer_scores
 from eplb.solver.search import local_search as ls
 from eplb.solver.search.budget import budget_of, budgeted_phy2log
@@ -79,7 +79,7 @@ def scipy_phy2log(
     ``current_share_LP``: ``current``'s slot shares under ``options.dispatch``, if the caller has them.
     """
     G, N = topology.num_gpus, topology.num_nodes
-    dispatch = Dispatch(options.dispatch, N)
+    dispatch = ShareModel(options.dispatch, N)
     scenarios_ZLE, weights_Z = prediction.scenarios_ZLE, prediction.scenario_weights_Z
     budget = budget_of(options)
     if current is not None and options.incremental and options.budgeted:
@@ -89,7 +89,7 @@ def scipy_phy2log(
     fresh_LP = _fresh_phy2log(prediction, topology, options, dispatch, stats)
     if current is None:
         return fresh_LP
-    fresh_LP = relabel(fresh_LP, current.phy2log_LP, G, N, keep_nodes=dispatch.static)
+    fresh_LP = relabel(fresh_LP, current.phy2log_LP, G, N, keep_nodes=dispatch.follows_nodes)
     value_fresh_L = layer_scores(fresh_LP, scenarios_ZLE, weights_Z, G, dispatch)
     origin_LGE = current.gpu_has_expert()
     if not options.incremental:
@@ -135,13 +135,13 @@ def _fresh_phy2log(
     prediction: Prediction,
     topology: Topology,
     options: SolveOptions,
-    dispatch: Dispatch,
+    dispatch: ShareModel,
     stats: dict[str, float],
 ) -> np.ndarray:
     """int64 [L, P]: a fresh placement of the forecast (module docstring), before relabelling."""
     G, N, P = topology.num_gpus, topology.num_nodes, topology.num_physical
     point_LE = prediction.point_LE
-    if dispatch.static:
+    if dispatch.follows_nodes:
         # The even-split polish (swaps, MILP) moves replicas one at a time between nodes, which
         # breaks the spread the static maps need: the static packing stands as it is.
         return static_fresh_phy2log(point_LE, P, G, N)[0]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.solver.scoring.dispatch import Dispatch
+from eplb.placement.share import ShareModel
 from eplb.solver.scoring.served import Scored
 from eplb.solver.types import LoadWindow
 
@@ -49,7 +49,7 @@ MIN_CALIBRATION = 4
 class PassScores:
     """A window's passes, ready to score placements pass by pass as the server dispatches."""
 
-    def __init__(self, load: np.ndarray | LoadWindow, dispatch: Dispatch, num_gpus: int) -> None:
+    def __init__(self, load: np.ndarray | LoadWindow, dispatch: ShareModel, num_gpus: int) -> None:
         """``load``: the checked window, float64 [W, L, E], or a solve's :class:`LoadWindow` of it
         (whose float32 copy and pass totals the solve's other steps share)."""
         window = load if isinstance(load, LoadWindow) else LoadWindow(load)
@@ -79,7 +79,7 @@ class PassScores:
         rows_nLE = self.load_WLE[start:stop]
         if layers.size != rows_nLE.shape[1] or (layers != np.arange(layers.size)).any():
             rows_nLE = rows_nLE[:, layers]
-        gpu_lnG = self.dispatch.gpu_load(
+        gpu_lnG = self.dispatch.pass_gpu_load(
             rows_nLE.transpose(1, 0, 2),
             scored.phy2log_LP[layers],
             scored.share_LP[layers],

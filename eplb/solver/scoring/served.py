@@ -2,8 +2,8 @@
 
 Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, R max replicas.
 
-A slot carries its expert's load times its *share* (eplb.solver.scoring.dispatch: static maps'
-shares, weights, or an even split); GPU loads, and so balancedness, follow. The solver scores
+A slot carries its expert's load times its *share* (eplb.placement.share: static maps' shares,
+weights, or an even split); GPU loads, and so balancedness, follow. The solver scores
 plans with these, and the manager and ``eplb solve`` report before and after with
 :func:`served_balancedness`.
 """
@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from eplb.placement.balance import balancedness, slot_share_LP
+from eplb.placement.balance import balancedness
 from eplb.placement.model import Placement
-from eplb.solver.scoring.dispatch import Dispatch
+from eplb.placement.share import ShareModel
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Scored:
 def scored_placement(
     placement: Placement,
     weights_LER: np.ndarray | None,
-    dispatch: Dispatch,
+    dispatch: ShareModel,
     base: Scored | None = None,
 ) -> Scored:
     """``placement`` with the share of its expert's tokens each slot gets as the server dispatches.
@@ -41,7 +41,7 @@ def scored_placement(
     differ from it.
     """
     if weights_LER is not None:
-        return Scored(placement.phy2log_LP, slot_share_LP(placement, weights_LER))
+        return Scored(placement.phy2log_LP, dispatch.placement_share_LP(placement, weights_LER))
     p2l_LP, cnt_LE, G = placement.phy2log_LP, placement.logcnt_LE, placement.num_gpus
     if base is None:
         return Scored(p2l_LP, dispatch.share_LP(p2l_LP, cnt_LE, G))
@@ -61,7 +61,7 @@ def served_balancedness(
     """Model balancedness of logical load [L, E] on ``placement`` as the server splits an expert's
     tokens (``dispatch``, a dispatch mode name; ``weights_LER`` where given): the score the
     solver's plans are made for; the manager reports its before/after with it."""
-    scored = scored_placement(placement, weights_LER, Dispatch(dispatch, placement.num_nodes))
+    scored = scored_placement(placement, weights_LER, ShareModel(dispatch, placement.num_nodes))
     return scored_balancedness(np.asarray(load_LE, dtype=np.float64), scored, placement.num_gpus)
 
 
@@ -85,7 +85,7 @@ def layer_scores(
     scenarios_ZLE: np.ndarray,
     weights_Z: np.ndarray,
     num_gpus: int,
-    dispatch: Dispatch,
+    dispatch: ShareModel,
 ) -> np.ndarray:
     """float64 [L]: expected balancedness of each layer over the scenarios, each slot carrying its
     expert's load times its share as ``dispatch`` splits it."""

@@ -1,6 +1,7 @@
 """How the solver finds placements: the searches and packings the policies compose.
 
 - ``copies``: what each GPU holds and what an expert copy arriving there costs (one ledger);
+- ``swap``: the swap step every search takes (the hot GPU, its partners, the candidate swaps);
 - ``moves`` and ``budget``: the budgeted search from the live placement (swaps and replica
   changes that buy the most balance per copy, within a move budget);
 - ``local_search`` and ``milp``: the swap polish and the exact MILP repacking of a fresh plan;

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from eplb.placement.model import Placement
-from eplb.solver.scoring.dispatch import Dispatch
+from eplb.placement.share import ShareModel
 from eplb.solver.search import moves
 from eplb.solver.search.copies import arrival_costs, holds_per_gpu
 from eplb.solver.types import SolveOptions
@@ -94,15 +94,15 @@ def budgeted_phy2log(
     current: Placement,
     budget: Budget,
     stats: dict[str, float],
-    dispatch: Dispatch | None = None,
+    dispatch: ShareModel | None = None,
     start_LP: np.ndarray | None = None,
     *,
     current_share_LP: np.ndarray | None = None,
 ) -> np.ndarray:
     """int64 [L, P]: ``current`` changed by the best-paying moves within ``budget``; fills ``stats``.
 
-    ``dispatch``: how the server splits an expert's tokens (static: the static maps' shares,
-    eplb.solver.scoring.static_share, every move checked exactly); None: an even split over replicas.
+    ``dispatch``: how the server splits an expert's tokens (eplb.placement.share; where shares
+    follow the replicas' nodes, static maps, every move is checked exactly); None: an even split.
     ``start_LP``: search from this placement instead (its copies from ``current`` priced like
     the search's own; only without a budget, which would not count them).
     ``current_share_LP``: ``current``'s slot shares under ``dispatch`` (float64 [L, P]), where the
@@ -125,7 +125,6 @@ def budgeted_phy2log(
         scenarios_ZLE,
         start,
         cnt_LE,
-        current.num_gpus,
         weighted_LGE,
         plain_LGE if separate_plain else None,
         dispatch,
@@ -141,7 +140,7 @@ def budgeted_phy2log(
     slot_a_L, slot_b_L, expert_L = (np.zeros(L, dtype=np.int64) for _ in range(3))
     left_w, left_p = budget.weighted, budget.plain
     counts = {"swaps": 0, "replica_changes": 0, "rounds": 0, "undone": 0}
-    checked = state.dispatch.static
+    checked = state.dispatch.follows_nodes
     # Static dispatch: layers whose replica change failed its check search swaps only from then on.
     swaps_only_L = np.zeros(L, dtype=bool)
     # Static dispatch: each layer's exact soft balancedness, to check every move against.

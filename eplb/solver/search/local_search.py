@@ -8,10 +8,12 @@ the scenarios (eplb.solver.scoring.served.layer_scores; one scenario: the plain 
 polish (:func:`swap_search`) improves a fresh placement, where moves cost nothing: replica counts
 are fixed, so an item's load (expert load / replicas) is fixed and a move exchanges the contents of
 two slots on different GPUs. Each round, every layer takes its best swap between its critical GPU
-(the one that is the busiest in the most weight of scenarios) and any slot of a lighter GPU.
-Rounds are numpy operations over all layers; a layer leaves the search when no swap gains. Plans
-from a live placement, where copies cost, are searched by eplb.solver.search.budget (one copy
-ledger, eplb.solver.search.copies).
+(the one that is the busiest in the most weight of scenarios) and any slot of a lighter GPU: the
+swap step every search takes (eplb.solver.search.swap), scored here by the exact expected
+balancedness with nothing to pay. Rounds are numpy operations over all layers; a layer leaves the
+search when no swap gains. Plans from a live placement, where copies cost, are searched by
+eplb.solver.search.budget (the same step scored by soft balancedness per copy, one copy ledger,
+eplb.solver.search.copies).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from eplb.solver.scoring.served import expectation
 from eplb.solver.search.copies import holds_per_gpu
+from eplb.solver.search.swap import SwapCandidates, critical_gpu, lightest_partners, pair_peak, swap_slots
 
 _TOL = 1e-12
 
@@ -73,7 +76,15 @@ def swap_search(
         found, slot_a, slot_b = _best_swaps(state, layers, weights_Z, G, S, min_gain)
         active[layers[~found]] = False
         for layer, a, b in zip(layers[found], slot_a[found], slot_b[found], strict=True):
-            swap_slots(state.phy2log_LP[layer], state.item_ZLP[:, layer], state.holds_LGE[layer], a, b, S)
+            swap_slots(
+                state.phy2log_LP[layer],
+                state.item_ZLP[:, layer],
+                state.holds_LGE[layer],
+                a,
+                b,
+                a // S,
+                b // S,
+            )
             swaps += 1
     return swaps
 
@@ -99,52 +110,27 @@ def _best_swaps(
         return np.zeros(nl, dtype=bool), nothing, nothing
     gpu_ZlG = item.reshape(Z, nl, G, S).sum(axis=-1)
     mean_Zl = np.maximum(gpu_ZlG.mean(axis=-1), 1e-300)
-    hot_l = _critical_gpu(gpu_ZlG, mean_Zl, weights_Z)
+    hot_l = critical_gpu(gpu_ZlG, mean_Zl, weights_Z)
     expected_lG = expectation(weights_Z, gpu_ZlG / mean_Zl[..., None])
-    expected_lG[rows, hot_l] = np.inf
     num_partners = max(1, min(G - 1, max(4, G // 2)))
-    partner_gpu_lB = np.argsort(expected_lG, axis=1, kind="stable")[:, :num_partners]
-    partner_lQ = (partner_gpu_lB[:, :, None] * S + np.arange(S)).reshape(nl, -1)
-    gpu_lQ = partner_lQ // S
-    Q = partner_lQ.shape[1]
-
-    hot_slots_lS = hot_l[:, None] * S + np.arange(S)
-    a_ZlS = np.take_along_axis(item, np.broadcast_to(hot_slots_lS, (Z, nl, S)), axis=-1)
-    b_ZlQ = np.take_along_axis(item, np.broadcast_to(partner_lQ, (Z, nl, Q)), axis=-1)
-    hot_load_Zl = gpu_ZlG[:, rows, hot_l]
-    other_load_ZlQ = np.take_along_axis(gpu_ZlG, np.broadcast_to(gpu_lQ, (Z, nl, Q)), axis=-1)
-    new_hot = hot_load_Zl[:, :, None, None] - a_ZlS[..., None] + b_ZlQ[:, :, None, :]
-    new_other = other_load_ZlQ[:, :, None, :] - b_ZlQ[:, :, None, :] + a_ZlS[..., None]
-    gain_lSQ = _peak_gain(gpu_ZlG, mean_Zl, hot_l, gpu_lQ, new_hot, new_other, weights_Z)
-
-    p2l = state.phy2log_LP[layers]
-    expert_a_lS = np.take_along_axis(p2l, hot_slots_lS, axis=1)
-    expert_b_lQ = np.take_along_axis(p2l, partner_lQ, axis=1)
-    invalid = expert_a_lS[:, :, None] == expert_b_lQ[:, None, :]
-    net = np.where(invalid, -np.inf, gain_lSQ)
-    flat = net.reshape(nl, -1).argmax(axis=1)
-    best = net.reshape(nl, -1)[rows, flat]
-    s_idx, q_idx = np.divmod(flat, Q)
-    found = best > max(min_gain, _TOL)
-    return found, hot_slots_lS[rows, s_idx], partner_lQ[rows, q_idx]
-
-
-def _critical_gpu(gpu_ZlG: np.ndarray, mean_Zl: np.ndarray, weights_Z: np.ndarray) -> np.ndarray:
-    """int [l]: the GPU whose reduction gains the most expected balancedness to first order.
-
-    d(mean/peak)/d(peak) = -mean/peak**2; scaled by the mean (scenarios share one total per layer)
-    that is (mean/peak)**2, credited to each scenario's busiest GPU.
-    """
-    Z, nl, G = gpu_ZlG.shape
-    peak_Zl = gpu_ZlG.max(axis=-1)
-    ratio_Zl = np.where(peak_Zl > 0, mean_Zl / np.where(peak_Zl > 0, peak_Zl, 1.0), 0.0)
-    urgency_lG = np.zeros((nl, G))
-    np.add.at(
-        urgency_lG,
-        (np.broadcast_to(np.arange(nl), (Z, nl)), gpu_ZlG.argmax(axis=-1)),
-        weights_Z[:, None] * ratio_Zl**2,
+    cand = SwapCandidates.of(
+        state.item_ZLP,
+        state.phy2log_LP,
+        layers,
+        hot_l,
+        lightest_partners(expected_lG, hot_l, num_partners),
+        S,
     )
-    return np.asarray(urgency_lG.argmax(axis=1))
+    Q = cand.num_partner_slots
+    hot_load_Zl = gpu_ZlG[:, rows, hot_l]
+    other_load_ZlQ = np.take_along_axis(gpu_ZlG, np.broadcast_to(cand.gpu_lQ, (Z, nl, Q)), axis=-1)
+    peak_ZlSQ = pair_peak(hot_load_Zl[:, :, None, None], other_load_ZlQ[:, :, None, :], cand.delta_ZlSQ())
+    gain_lSQ = _peak_gain(gpu_ZlG, mean_Zl, hot_l, cand.gpu_lQ, peak_ZlSQ, weights_Z)
+    net = np.where(cand.distinct_lSQ(), gain_lSQ, -np.inf).reshape(nl, -1)
+    flat = net.argmax(axis=1)
+    found = net[rows, flat] > max(min_gain, _TOL)
+    slot_a, slot_b = cand.slots(flat)
+    return found, slot_a, slot_b
 
 
 def _peak_gain(
@@ -152,18 +138,18 @@ def _peak_gain(
     mean_Zl: np.ndarray,
     hot_l: np.ndarray,
     gpu_lQ: np.ndarray,
-    new_hot: np.ndarray,
-    new_other: np.ndarray,
+    pair_peak_ZlSQ: np.ndarray,
     weights_Z: np.ndarray,
 ) -> np.ndarray:
-    """float64 [l, S, Q]: change in expected balancedness of each candidate swap."""
+    """float64 [l, S, Q]: change in expected balancedness of each candidate swap, from the higher
+    of its two GPUs' new loads."""
     G = gpu_ZlG.shape[-1]
     order = np.argsort(-gpu_ZlG, axis=-1)[..., : min(3, G)]
     top_val = np.take_along_axis(gpu_ZlG, order, axis=-1)
     peak_Zl = top_val[..., 0]
     # Busiest GPU other than the hot one and the partner's GPU, per partner slot.
     other_max_ZlQ = _max_excluding(top_val, order, hot_l, gpu_lQ)
-    new_peak = np.maximum(np.maximum(new_hot, new_other), other_max_ZlQ[:, :, None, :])
+    new_peak = np.maximum(pair_peak_ZlSQ, other_max_ZlQ[:, :, None, :])
     ratio_new = np.where(new_peak > 0, mean_Zl[..., None, None] / np.where(new_peak > 0, new_peak, 1.0), 1.0)
     ratio_old = np.where(peak_Zl > 0, mean_Zl / np.where(peak_Zl > 0, peak_Zl, 1.0), 1.0)
     return expectation(weights_Z, ratio_new - ratio_old[..., None, None])
@@ -183,21 +169,3 @@ def _max_excluding(
         result = np.where(ok, top_val[..., t][..., None], result)
         done |= ok
     return result
-
-
-def swap_slots(
-    phy2log_P: np.ndarray, item_ZP: np.ndarray, holds_GE: np.ndarray, a: int, b: int, S: int
-) -> tuple[int, int, int, int]:
-    """Slots ``a`` and ``b`` of one layer trade experts, loads and GPU counts (in place).
-
-    Returns (expert that was in a, expert that was in b, a's GPU, b's GPU).
-    """
-    ea, eb = int(phy2log_P[a]), int(phy2log_P[b])
-    ga, gb = a // S, b // S
-    phy2log_P[a], phy2log_P[b] = eb, ea
-    item_ZP[:, [a, b]] = item_ZP[:, [b, a]]
-    holds_GE[ga, ea] -= 1
-    holds_GE[ga, eb] += 1
-    holds_GE[gb, eb] -= 1
-    holds_GE[gb, ea] += 1
-    return ea, eb, ga, gb

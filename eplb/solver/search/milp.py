@@ -4,7 +4,8 @@ Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs
 items to pack (the replicas on the bins), B bins (the chosen GPUs).
 
 Single swaps (local_search) stop at a local optimum; a MILP over the items of the critical GPU and
-the least loaded GPUs finds exchanges of several items at once. Per subproblem: binary x[i, b]
+the least loaded GPUs (chosen as every swap search chooses them, eplb.solver.search.swap) finds
+exchanges of several items at once: another algorithm than a swap search, not a second one. Per subproblem: binary x[i, b]
 (item i on chosen GPU b), every item on one GPU, S items per GPU, and z_k >= load of every chosen
 GPU in scenario k (z_k is bounded below by the busiest unchosen GPU). The objective is
 sum_k pi_k z_k / mean_k, the busiest GPU in balancedness units. HiGHS has no warm start here, so a
@@ -24,6 +25,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 
 from eplb.solver.predict import Prediction
 from eplb.solver.scoring.served import expected_balancedness
+from eplb.solver.search.swap import critical_gpu, lightest_partners
 
 NODE_LIMIT = 50
 """HiGHS branch-and-bound nodes per subproblem (its best solution so far is used past that)."""
@@ -91,12 +93,9 @@ def milp_polish(
 
 def _choose_gpus(gpu_ZG: np.ndarray, weights_Z: np.ndarray, count: int) -> np.ndarray:
     """int [B]: the critical GPU (busiest in the most scenario weight) and the least loaded others."""
-    urgency_G = np.zeros(gpu_ZG.shape[1])
-    np.add.at(urgency_G, gpu_ZG.argmax(axis=1), weights_Z)
-    hot = int(urgency_G.argmax())
-    expected_G = weights_Z @ gpu_ZG
-    others = [g for g in np.argsort(expected_G, kind="stable") if g != hot][: count - 1]
-    return np.array([hot, *others], dtype=np.int64)
+    hot_1 = critical_gpu(gpu_ZG[:, None, :], gpu_ZG.mean(axis=1)[:, None], weights_Z, power=0)
+    others_1B = lightest_partners((weights_Z @ gpu_ZG)[None], hot_1, count - 1)
+    return np.concatenate([hot_1, others_1B[0]]).astype(np.int64)
 
 
 def _solve_subproblem(

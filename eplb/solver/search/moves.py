@@ -4,6 +4,12 @@ Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs
 layers (being searched), B bins (the partner GPUs of the hot one), Q partner slots, J giver slots, e
 experts (receiving a replica), c candidate moves.
 
+A swap is the step every search takes (eplb.solver.search.swap: partners, candidates, the swap
+itself); what is this search's own is its objective, soft balancedness, whose hot GPU is the one
+with the largest expected share of the soft maximum, and the replica changes and copy prices.
+Budgeted plans from the live placement, periodic, continuous and degraded alike, all run it
+(eplb.solver.search.budget).
+
 Loads are in units of the layer's mean GPU load (per scenario), so a layer's soft maximum
 ``smax = (sum_g x_g**32)**(1/32)`` is at least 1 and its soft balancedness is ``1 / smax``.
 Copies are priced exactly with two arrays kept up to date: what expert e arriving at GPU g would
@@ -11,9 +17,9 @@ cost (0 if g holds it now or held it before the plan) and what e leaving g would
 arrival cost, if it is g's last replica). The power 32 and its root are five squarings and five
 square roots: several times faster than ``np.power`` on these arrays.
 
-A slot carries its expert's load times its share: ``1 / count`` (an even split), or under static
-dispatch the share the static maps give (eplb.solver.scoring.static_share), recomputed for a layer after
-each move there. A proposal's gain assumes the shares of an even split (a swap carries the slots'
+A slot carries its expert's load times its share (eplb.placement.share): ``1 / count`` (an even
+split), or where the share model follows the replicas' nodes (static maps) the share it gives,
+recomputed for the moved experts after each move. A proposal's gain assumes the shares of an even split (a swap carries the slots'
 loads as they are); the state after the move is exact, so the next proposals start from the truth.
 """
 
@@ -24,11 +30,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from eplb.solver.scoring.dispatch import Dispatch
+from eplb.placement.share import ShareModel
 from eplb.solver.scoring.served import expectation
-from eplb.solver.scoring.static_share import expert_static_shares
 from eplb.solver.search.copies import holds_per_gpu
-from eplb.solver.search.local_search import swap_slots
+from eplb.solver.search.swap import SwapCandidates, lightest_partners, swap_slots
 
 GIVER_SLOTS = 8
 """Replica changes: candidate slots to take from, per layer (light GPUs, cheap givers first)."""
@@ -88,11 +93,11 @@ class MoveState:
     plain: CopyPrices | None
     """Plain copies; None when only the weighted count is limited (or they coincide)."""
     num_gpus: int
-    dispatch: Dispatch = field(default_factory=lambda: Dispatch("dynamic"))
-    """How the server splits an expert's tokens: static maps' shares (recomputed after each move
-    of a replicated expert) or an even split."""
+    dispatch: ShareModel = field(default_factory=lambda: ShareModel("dynamic"))
+    """How the server splits an expert's tokens: shares that follow the replicas' nodes (static
+    maps, recomputed after each move of a replicated expert) or an even split."""
     node_has_LNE: np.ndarray | None = None
-    """bool [L, N, E]: whether node n holds a replica of e; kept only under static dispatch,
+    """bool [L, N, E]: whether node n holds a replica of e; kept only where shares follow nodes,
     where every swap proposal asks it (deriving it from ``holds_LGE`` each time
     copied [l, G, E] per proposal: a sixth of the search)."""
 
@@ -105,15 +110,15 @@ def make_move_state(
     scenarios_ZLE: np.ndarray,
     phy2log_LP: np.ndarray,
     cnt_LE: np.ndarray,
-    num_gpus: int,
     weighted_LGE: np.ndarray,
     plain_LGE: np.ndarray | None,
-    dispatch: Dispatch | None = None,
+    dispatch: ShareModel | None = None,
     *,
     at_origin: bool = False,
     share_LP: np.ndarray | None = None,
 ) -> MoveState:
-    """The search state of placement ``phy2log_LP`` with arrival costs from the plan's start.
+    """The search state of placement ``phy2log_LP`` with arrival costs from the plan's start
+    (``weighted_LGE``, ``plain_LGE``: float64 [L, G, E], eplb.solver.search.copies.arrival_costs).
 
     ``dispatch``: how the server splits an expert's tokens (None: evenly over its replicas).
     ``at_origin``: ``phy2log_LP`` is the placement the costs count from (the costs are 0 wherever
@@ -121,14 +126,14 @@ def make_move_state(
     ``share_LP``: the slot shares of ``phy2log_LP`` under ``dispatch`` (float64 [L, P]), where the
     caller has them (else computed here).
     """
-    G = num_gpus
+    G = weighted_LGE.shape[1]
     p2l = phy2log_LP.astype(np.int64)
     cnt = cnt_LE.astype(np.int64)
     mean_ZL = scenarios_ZLE.sum(axis=-1) / G
     norm_ZLE = scenarios_ZLE / np.where(mean_ZL > 0, mean_ZL, 1.0)[..., None]
     L, P = p2l.shape
     layer = np.arange(L)[:, None]
-    dispatch = dispatch or Dispatch("dynamic")
+    dispatch = dispatch or ShareModel("dynamic")
     if share_LP is None:
         share_LP = dispatch.share_LP(p2l, cnt, G)
     assert share_LP.shape == p2l.shape, "one share per slot"
@@ -144,7 +149,7 @@ def make_move_state(
 
     plain = None if plain_LGE is None else prices(plain_LGE)
     N = dispatch.num_nodes
-    node_has = np.asarray(holds.reshape(L, N, G // N, -1).any(axis=2)) if dispatch.static else None
+    node_has = np.asarray(holds.reshape(L, N, G // N, -1).any(axis=2)) if dispatch.follows_nodes else None
     return MoveState(
         p2l,
         cnt,
@@ -218,11 +223,9 @@ def propose(
     base_Zl = _inv_root32(U_Kl.copy())
     # Hot GPU: the largest expected share of the soft maximum; partners: the lightest GPUs.
     hot_l = expectation(weights_Z, xp_ZlG / U_Kl[..., None]).argmax(axis=1)
-    light_lG = expectation(weights_Z, x_ZlG).copy()
-    light_lG[rows, hot_l] = np.inf
     num_partners = max(1, min(G - 1, max(4, G // 4)))
-    partners_lB = np.argsort(light_lG, axis=1, kind="stable")[:, :num_partners]
-    if state.dispatch.static and state.dispatch.num_nodes > 1:
+    partners_lB = lightest_partners(expectation(weights_Z, x_ZlG), hot_l, num_partners)
+    if state.dispatch.follows_nodes and state.dispatch.num_nodes > 1:
         # Replicated experts move only within their node here (_keeps_static_shares): add the
         # hot GPU's node's other GPUs, which need not be among the lightest of all.
         gpn = G // state.dispatch.num_nodes
@@ -316,17 +319,13 @@ def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> MoveProposal:
     S = st.slots_per_gpu
     nl = rows.size
     lay_l1, hot_l1 = ctx.layers[:, None], hot_l[:, None]
-    hot_slots_lS = hot_l1 * S + np.arange(S)
-    gpu_lQ = np.repeat(partners_lB, S, axis=1)
-    partner_lQ = (partners_lB[:, :, None] * S + np.arange(S)).reshape(nl, -1)
-    Q = partner_lQ.shape[1]
-    a_ZlS = st.item_ZLP[:, lay_l1, hot_slots_lS]
-    b_ZlQ = st.item_ZLP[:, lay_l1, partner_lQ]
+    cand = SwapCandidates.of(st.item_ZLP, st.phy2log_LP, ctx.layers, hot_l, partners_lB, S)
+    gpu_lQ = cand.gpu_lQ
     xh_Zl = ctx.x_ZlG[:, rows, hot_l]
     xg_ZlQ = ctx.x_ZlG[:, rows[:, None], gpu_lQ]
     # The rest of the sum of powers, without the two GPUs that change.
     rest_ZlQ = (ctx.U_Kl - ctx.xp_ZlG[:, rows, hot_l])[..., None] - ctx.xp_ZlG[:, rows[:, None], gpu_lQ]
-    d_ZlSQ = b_ZlQ[:, :, None, :] - a_ZlS[..., None]
+    d_ZlSQ = cand.delta_ZlSQ()
     U_new = _pow32(d_ZlSQ + xh_Zl[..., None, None])
     np.subtract(xg_ZlQ[:, :, None, :], d_ZlSQ, out=d_ZlSQ)
     U_new += _pow32(d_ZlSQ)
@@ -334,8 +333,7 @@ def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> MoveProposal:
     np.maximum(U_new, 1.0, out=U_new)  # loads in units of the mean: the sum of powers is >= 1
     gain_lc = expectation(ctx.weights_Z, _soft_gain(U_new, ctx.base_Zl)).reshape(nl, -1)
 
-    ea_lS = st.phy2log_LP[lay_l1, hot_slots_lS]
-    eb_lQ = st.phy2log_LP[lay_l1, partner_lQ]
+    ea_lS, eb_lQ = cand.expert_a_lS, cand.expert_b_lQ
     # Flat indices into the [L, G, E] arrays (a 1-D take is several times faster than indexing
     # with three broadcast arrays).
     E = st.holds_LGE.shape[2]
@@ -345,14 +343,13 @@ def _best_swap(ctx: _Context, partners_lB: np.ndarray) -> MoveProposal:
     where = (flat_lSQ, hot_row_l1 + eb_lQ, partner_row_lQ + eb_lQ, hot_row_l1 + ea_lS)
     weighted_lc = _copy_terms(st.weighted, *where).reshape(nl, -1)
     plain_lc = weighted_lc if st.plain is None else _copy_terms(st.plain, *where).reshape(nl, -1)
-    ok_lSQ = ea_lS[:, :, None] != eb_lQ[:, None, :]
-    if st.dispatch.static:
+    ok_lSQ = cand.distinct_lSQ()
+    if st.dispatch.follows_nodes:
         ok_lSQ &= _keeps_static_shares(st, lay_l1, hot_l1, ea_lS, eb_lQ, gpu_lQ, flat_lSQ, where[1])
     ok_lc = ok_lSQ.reshape(nl, -1)
 
     def moves_of(best_l: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        # candidate c = s * Q + q: hot slot s, partner slot q
-        return hot_slots_lS[rows, best_l // Q], partner_lQ[rows, best_l % Q], np.zeros(nl, np.int64)
+        return (*cand.slots(best_l), np.zeros(nl, np.int64))
 
     return ctx.best(gain_lc, weighted_lc, plain_lc, ok_lc, moves_of, False)
 
@@ -372,7 +369,7 @@ def _keeps_static_shares(
     ``flat_lSQ`` and ``hot_b_lQ`` as for :func:`_copy_terms`.
 
     Its node's ranks still reach it there; across nodes its share would follow the new node set
-    (eplb.solver.scoring.static_share), which the proposal does not price. Single replicas move freely.
+    (eplb.placement.share), which the proposal does not price. Single replicas move freely.
     """
     N = st.dispatch.num_nodes
     gpn = st.num_gpus // N
@@ -469,10 +466,9 @@ def _best_replica_change(ctx: _Context) -> MoveProposal:
 def apply_swap(state: MoveState, layer: int, a: int, b: int) -> None:
     """Slots ``a`` and ``b`` of ``layer`` trade experts."""
     items = state.item_ZLP[:, layer]
-    ea, eb, ga, gb = swap_slots(
-        state.phy2log_LP[layer], items, state.holds_LGE[layer], a, b, state.slots_per_gpu
-    )
-    if state.dispatch.static and max(state.cnt_LE[layer, ea], state.cnt_LE[layer, eb]) > 1:
+    ga, gb = a // state.slots_per_gpu, b // state.slots_per_gpu
+    ea, eb = swap_slots(state.phy2log_LP[layer], items, state.holds_LGE[layer], a, b, ga, gb)
+    if state.dispatch.follows_nodes and max(state.cnt_LE[layer, ea], state.cnt_LE[layer, eb]) > 1:
         _reshare(state, layer, (ea, eb))  # a replicated expert moved: its shares follow its replicas
     else:  # single replicas take all their expert's tokens wherever they sit
         delta_Z = items[:, a] - items[:, b]
@@ -490,7 +486,7 @@ def apply_replica_change(state: MoveState, layer: int, slot: int, expert: int) -
     cnt = state.cnt_LE[layer]
     cnt[expert] += 1
     cnt[giver] -= 1
-    if state.dispatch.static:
+    if state.dispatch.follows_nodes:
         _reshare(state, layer, (giver, expert))
     else:
         touched = np.flatnonzero((p2l == expert) | (p2l == giver))
@@ -509,17 +505,23 @@ def soft_balancedness(state: MoveState, layer: int, weights_Z: np.ndarray) -> fl
 
 
 def _reshare(state: MoveState, layer: int, experts: tuple[int, int]) -> None:
-    """Static dispatch: recompute the shares of ``experts`` in ``layer``, their slots' and GPUs' loads."""
-    assert state.dispatch.static
+    """Shares that follow nodes: recompute those of ``experts`` in ``layer``, their slots' and GPUs' loads."""
+    assert state.dispatch.follows_nodes
     p2l = state.phy2log_LP[layer]
     E, G, S = state.cnt_LE.shape[1], state.num_gpus, state.slots_per_gpu
+    replicated: list[tuple[int, np.ndarray]] = []
     for e in set(experts):
         slots = np.flatnonzero(p2l == e)
         if slots.size == 1:  # a single replica takes all its expert's tokens
             state.item_ZLP[:, layer, slots[0]] = state.norm_ZLE[:, layer, e]
-            continue
-        shares = expert_static_shares(slots.tolist(), layer * E + e, G, S, state.dispatch.num_nodes)
-        state.item_ZLP[:, layer, slots] = state.norm_ZLE[:, layer, e, None] * np.asarray(shares)
+        else:
+            replicated.append((e, slots))
+    if replicated:
+        shares = state.dispatch.expert_shares(
+            [slots.tolist() for _, slots in replicated], [layer * E + e for e, _ in replicated], G, S
+        )
+        for (e, slots), share in zip(replicated, shares, strict=True):
+            state.item_ZLP[:, layer, slots] = state.norm_ZLE[:, layer, e, None] * share
     state.gpu_ZLG[:, layer] = state.item_ZLP[:, layer].reshape(-1, G, S).sum(axis=-1)
 
 

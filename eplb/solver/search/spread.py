@@ -11,7 +11,7 @@ layer, all deterministic (ties to the lower id):
 1. **Cover** (:func:`cover_counts`): replicas move, one at a time, from experts that can spare
    one to the hottest experts with one replica, in the same slots. The donor is the expert whose
    replicas then carry least of its load each (times the largest share one replica gets:
-   ``max_share_table`` under static dispatch, ``1 / count`` otherwise), and it gives only while
+   the share model's ``max_share_R``: ``1 / count`` for an even split), and it gives only while
    that stays within :data:`COVER_CAP` times a GPU's mean load, so no replica outweighs a GPU.
    The placement is rewritten in the fewest slots (eplb.solver.search.migration.retarget_replicas).
 2. **Spread**: while an expert has two replicas more in one domain than in another (hottest
@@ -26,7 +26,9 @@ layer, all deterministic (ties to the lower id):
    under quota, of an expert that stays in two domains, the pair whose two GPUs then peak lowest.
 4. **Polish**: while the busiest GPU peaks above the placement given (an even split over
    replicas), it swaps one of its slots with another GPU's where both then peak lower, keeping
-   every domain's lost experts, each expert's spread over domains and over nodes.
+   every domain's lost experts, each expert's spread over domains and over nodes: the swap step
+   every search takes (eplb.solver.search.swap), scored by the pair's new peak, with those
+   constraints.
 
 A row repaired in place keeps its copies but packs the covered counts worse than a fresh packing
 does; :func:`failure_aware_phy2log` (what ``solve`` runs with ``failure_domain``) therefore takes,
@@ -41,16 +43,18 @@ allow), at about the same balancedness.
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from eplb.placement.balance import balancedness
-from eplb.solver.scoring.dispatch import Dispatch
+from eplb.placement.share import ShareModel
 from eplb.solver.scoring.served import layer_scores
 from eplb.solver.search.copies import arrivals_L, holds_per_gpu
 from eplb.solver.search.migration import relabel, retarget_replicas
-from eplb.solver.search.static_pack import max_share_table, static_spread_phy2log
+from eplb.solver.search.static_pack import static_spread_phy2log
+from eplb.solver.search.swap import SwapCandidates, critical_gpu, pair_peak, swap_slots, trade_counts
 
 if TYPE_CHECKING:
     from eplb.placement.model import Placement
@@ -86,29 +90,23 @@ def failure_aware_phy2log(
     """
     G, N, P = topology.num_gpus, topology.num_nodes, topology.num_physical
     point_LE = prediction.point_LE
-    L, E = point_LE.shape
+    E = point_LE.shape[1]
     policy_LP = np.asarray(phy2log_LP, dtype=np.int64)
     domain_P, D = _domains(P, G, N, options.failure_domain)
     if D < 2:  # one domain: nothing survives its loss, so nothing to spread
-        _record(stats, policy_LP, policy_LP, point_LE, G, domain_P, D, 0, np.zeros(L), 0.0)
+        _record(stats, policy_LP, policy_LP, _Scores(point_LE, G, domain_P, D), 0, 0.0, 0.0)
         stats["spread_fresh_layers"] = 0.0
         return policy_LP
-    dispatch = Dispatch(options.dispatch, N)
-    repaired_LP, repaired_L, covered = _spread(
-        policy_LP, point_LE, G, N, options.failure_domain, dispatch.static
-    )
+    share = ShareModel(options.dispatch, N)
+    repaired_LP, repaired_L, covered = _spread(policy_LP, point_LE, G, options.failure_domain, share)
     count_LE = holds_per_gpu(repaired_LP, G, E).sum(axis=1)
-    fresh_LP = static_spread_phy2log(
-        point_LE, count_LE, _share_table(P - E + 1, G, N, P // G, dispatch.static), G, N
-    )
+    fresh_LP = static_spread_phy2log(point_LE, count_LE, share.max_share_R(P - E + 1, G, P // G), G, N)
     if current is not None:
-        fresh_LP = relabel(fresh_LP, current.phy2log_LP, G, N, keep_nodes=dispatch.static)
-    fresh_LP, fresh_L, _ = _spread(fresh_LP, point_LE, G, N, options.failure_domain, dispatch.static)
+        fresh_LP = relabel(fresh_LP, current.phy2log_LP, G, N, keep_nodes=share.follows_nodes)
+    fresh_LP, fresh_L, _ = _spread(fresh_LP, point_LE, G, options.failure_domain, share)
 
     def score_L(candidate_LP: np.ndarray) -> np.ndarray:
-        return layer_scores(
-            candidate_LP, prediction.scenarios_ZLE, prediction.scenario_weights_Z, G, dispatch
-        )
+        return layer_scores(candidate_LP, prediction.scenarios_ZLE, prediction.scenario_weights_Z, G, share)
 
     def value_L(candidate_LP: np.ndarray) -> np.ndarray:
         if current is None:
@@ -118,10 +116,10 @@ def failure_aware_phy2log(
 
     take_fresh_L = value_L(fresh_LP) > value_L(repaired_LP) + 1e-12
     chosen_LP = np.where(take_fresh_L[:, None], fresh_LP, repaired_LP)
-    out, final_L, _ = _spread(chosen_LP, point_LE, G, N, options.failure_domain, dispatch.static)
+    out, final_L, _ = _spread(chosen_LP, point_LE, G, options.failure_domain, share)
     trades_L = np.where(take_fresh_L, fresh_L, repaired_L) + final_L
     cost = float(score_L(policy_LP).mean() - score_L(out).mean())
-    _record(stats, policy_LP, out, point_LE, G, domain_P, D, covered, trades_L, cost)
+    _record(stats, policy_LP, out, _Scores(point_LE, G, domain_P, D), covered, float(np.sum(trades_L)), cost)
     stats["spread_fresh_layers"] = float(take_fresh_L.sum())
     return out
 
@@ -134,20 +132,21 @@ def spread_replicas(
     domain: str,
     stats: dict[str, float],
     *,
-    static: bool = False,
+    share: ShareModel | None = None,
 ) -> np.ndarray:
     """int64 [L, P]: ``phy2log_LP`` repaired in place by the steps of the module docstring, for
-    ``domain`` (gpu | node) and the forecast ``load_LE``; ``static``: replicas' largest shares follow
-    the static maps (the cover's cap). ``spread_cost`` in ``stats``: forecast balancedness under an
-    even split over replicas, before minus after."""
+    ``domain`` (gpu | node) and the forecast ``load_LE``; ``share``: how the server splits an
+    expert's tokens (the largest share one replica gets caps the cover; default an even split).
+    ``spread_cost`` in ``stats``: forecast balancedness under an even split over replicas, before
+    minus after."""
     before_LP = np.asarray(phy2log_LP, dtype=np.int64)
-    out, trades_L, covered = _spread(before_LP, load_LE, num_gpus, num_nodes, domain, static)
+    share = share or ShareModel("dynamic", num_nodes)
+    assert share.num_nodes == num_nodes, "the share model's nodes are the topology's"
+    out, trades_L, covered = _spread(before_LP, load_LE, num_gpus, domain, share)
     domain_P, D = _domains(before_LP.shape[1], num_gpus, num_nodes, domain)
-    cost = (
-        _scores(before_LP, load_LE, num_gpus, domain_P, D)[0]
-        - _scores(out, load_LE, num_gpus, domain_P, D)[0]
-    )
-    _record(stats, before_LP, out, load_LE, num_gpus, domain_P, D, covered, trades_L, cost)
+    scores = _Scores(load_LE, num_gpus, domain_P, D)
+    cost = scores.of(before_LP)[0] - scores.of(out)[0]
+    _record(stats, before_LP, out, scores, covered, float(np.sum(trades_L)), cost)
     return out
 
 
@@ -161,47 +160,36 @@ def _record(
     stats: dict[str, float],
     before_LP: np.ndarray,
     after_LP: np.ndarray,
-    load_LE: np.ndarray,
-    G: int,
-    domain_P: np.ndarray,
-    D: int,
+    scores: _Scores,
     covered: int,
-    trades_L: np.ndarray,
+    swaps: float,
     cost: float,
 ) -> None:
     """The stats of one failure-aware rewrite (Plan.stats documents the keys)."""
-    before, after = _scores(before_LP, load_LE, G, domain_P, D), _scores(after_LP, load_LE, G, domain_P, D)
+    before, after = scores.of(before_LP), scores.of(after_LP)
     stats["spread_covered"] = float(covered)
-    stats["spread_swaps"] = float(np.sum(trades_L))
+    stats["spread_swaps"] = swaps
     stats["spread_changed_slots"] = float((before_LP != after_LP).sum())
     stats["spread_cost"] = float(cost)
     stats["lost_load_before"], stats["lost_load_after"] = before[1], after[1]
     stats["lost_experts_before"], stats["lost_experts_after"] = before[2], after[2]
 
 
-def _share_table(
-    max_replicas: int, num_gpus: int, num_nodes: int, slots_per_gpu: int, static: bool
-) -> np.ndarray:
-    """float64 [R + 1]: the largest share of its expert's load one of R replicas gets (entry 0 unused)."""
-    if static:
-        return max_share_table(max_replicas, num_gpus, num_nodes, slots_per_gpu)
-    return 1.0 / np.maximum(np.arange(max_replicas + 1), 1)
-
-
 def _spread(
-    phy2log_LP: np.ndarray, load_LE: np.ndarray, num_gpus: int, num_nodes: int, domain: str, static: bool
+    phy2log_LP: np.ndarray, load_LE: np.ndarray, num_gpus: int, domain: str, share: ShareModel
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """(int64 [L, P] the rows rewritten, int64 [L] the trades of each layer, replicas moved by the cover)."""
     out = np.asarray(phy2log_LP, dtype=np.int64).copy()
     L, P = out.shape
     E = load_LE.shape[1]
     G, S = num_gpus, P // num_gpus
+    num_nodes = share.num_nodes
     domain_P, D = _domains(P, G, num_nodes, domain)
     trades_L = np.zeros(L, dtype=np.int64)
     if D < 2:
         return out, trades_L, 0
     count_LE = holds_per_gpu(out, G, E).sum(axis=1)
-    target_LE = cover_counts(count_LE, load_LE, _share_table(P - E + 1, G, num_nodes, S, static), G)
+    target_LE = cover_counts(count_LE, load_LE, share.max_share_R(P - E + 1, G, S), G)
     covered = int(np.maximum(target_LE - count_LE, 0).sum())
     # The polish brings each layer's busiest GPU back down to where the rows given peaked.
     layer_LP = np.arange(L)[:, None]
@@ -332,7 +320,7 @@ def _even_layer(
         if single_a.size == 0 or cand_c.size == 0:
             break
         delta_ac = item_P[cand_c][None, :] - item_P[single_a][:, None]
-        peak_ac = np.maximum(gpu_G[single_a // S][:, None] + delta_ac, gpu_G[cand_c // S][None, :] - delta_ac)
+        peak_ac = pair_peak(gpu_G[single_a // S][:, None], gpu_G[cand_c // S][None, :], delta_ac)
         best = int(np.argmin(peak_ac))  # row-major: the lowest single, then the lowest partner
         slot_a, slot_b = int(single_a[best // cand_c.size]), int(cand_c[best % cand_c.size])
         _trade(row_P, item_P, gpu_G, held_DE, domain_P, S, slot_a, slot_b)
@@ -355,20 +343,26 @@ def _polish_layer(
     """Step 4 on one layer's row, in place: swaps off the busiest GPU while it peaks above ``target``."""
     count_E, item_P, gpu_G = _loads(row_P, load_E, G, S, E)
     gpu_P = np.arange(row_P.size) // S
+    others_G = np.delete(np.tile(np.arange(G), (G, 1)), np.arange(G) * (G + 1)).reshape(G, 1, G - 1)
     holds_GE, held_DE, node_NE = (_holds(part_P, row_P, E) for part_P in (gpu_P, domain_P, node_P))
     single_P = count_E[row_P] == 1
     swaps = 0
+    one = np.ones(1)
     for _ in range(MAX_POLISH_SWAPS):
-        g = int(np.argmax(gpu_G))
+        hot_1 = critical_gpu(gpu_G[None, None], gpu_G.mean(keepdims=True)[None], one)
+        g = int(hot_1[0])
         peak = float(gpu_G[g])
         if peak <= target * (1 + 1e-9):
             break
-        a_s = np.arange(g * S, (g + 1) * S)
-        b_c = np.flatnonzero(gpu_P != g)
-        ea, eb = row_P[a_s][:, None], row_P[b_c][None, :]
-        delta = item_P[b_c][None, :] - item_P[a_s][:, None]
-        new_peak = np.maximum(peak + delta, gpu_G[gpu_P[b_c]][None, :] - delta)
-        ok = (ea != eb) & (holds_GE[gpu_P[b_c][None, :], ea] == 0) & (holds_GE[g, eb] == 0)
+        # Partners: every other GPU, in order.
+        cand = SwapCandidates.of(
+            item_P[None, None], row_P[None], np.zeros(1, np.int64), hot_1, others_G[g], S
+        )
+        a_s, b_c = cand.hot_slots_lS[0], cand.partner_lQ[0]
+        ea, eb = cand.expert_a_lS[0][:, None], cand.expert_b_lQ[0][None, :]
+        delta = cand.delta_ZlSQ()[0, 0]
+        new_peak = pair_peak(np.float64(peak), gpu_G[gpu_P[b_c]][None, :], delta)
+        ok = cand.distinct_lSQ()[0] & (holds_GE[gpu_P[b_c][None, :], ea] == 0) & (holds_GE[g, eb] == 0)
         cross = domain_P[a_s][:, None] != domain_P[b_c][None, :]
         ok &= ~cross | (single_P[a_s][:, None] == single_P[b_c][None, :])
         ok &= _keeps_spread(held_DE, count_E, ea, eb, domain_P[a_s][:, None], domain_P[b_c][None, :])
@@ -380,10 +374,7 @@ def _polish_layer(
         slot_a, slot_b = int(a_s[flat // b_c.size]), int(b_c[flat % b_c.size])
         xa, xb = int(row_P[slot_a]), int(row_P[slot_b])
         for arr, idx in ((holds_GE, gpu_P), (node_NE, node_P)):
-            arr[idx[slot_a], xa] -= 1
-            arr[idx[slot_b], xa] += 1
-            arr[idx[slot_b], xb] -= 1
-            arr[idx[slot_a], xb] += 1
+            trade_counts(arr, int(idx[slot_a]), int(idx[slot_b]), xa, xb)
         _trade(row_P, item_P, gpu_G, held_DE, domain_P, S, slot_a, slot_b)
         single_P[slot_a], single_P[slot_b] = single_P[slot_b], single_P[slot_a]
         swaps += 1
@@ -420,8 +411,7 @@ def _holds(part_P: np.ndarray, row_P: np.ndarray, E: int) -> np.ndarray:
 
 def _peaks(gpu_G: np.ndarray, item_P: np.ndarray, slot_a: int, cand_c: np.ndarray, S: int) -> np.ndarray:
     """float64 [c]: the higher of the two GPUs' loads after ``slot_a`` trades with each candidate."""
-    delta_c = item_P[cand_c] - item_P[slot_a]
-    return np.maximum(gpu_G[slot_a // S] + delta_c, gpu_G[cand_c // S] - delta_c)
+    return pair_peak(gpu_G[slot_a // S], gpu_G[cand_c // S], item_P[cand_c] - item_P[slot_a])
 
 
 def _trade(
@@ -435,31 +425,34 @@ def _trade(
     slot_b: int,
 ) -> None:
     """Swap the experts of two slots, and the loads and domain counts that follow them."""
-    expert, partner = int(row_P[slot_a]), int(row_P[slot_b])
-    gpu_G[slot_a // S] += item_P[slot_b] - item_P[slot_a]
-    gpu_G[slot_b // S] += item_P[slot_a] - item_P[slot_b]
-    held_DE[domain_P[slot_a], expert] -= 1
-    held_DE[domain_P[slot_b], expert] += 1
-    held_DE[domain_P[slot_b], partner] -= 1
-    held_DE[domain_P[slot_a], partner] += 1
-    row_P[slot_a], row_P[slot_b] = partner, expert
-    item_P[slot_a], item_P[slot_b] = item_P[slot_b], item_P[slot_a]
+    delta = item_P[slot_b] - item_P[slot_a]
+    gpu_G[slot_a // S] += delta
+    gpu_G[slot_b // S] -= delta
+    swap_slots(row_P, item_P, held_DE, slot_a, slot_b, int(domain_P[slot_a]), int(domain_P[slot_b]))
 
 
-def _scores(
-    phy2log_LP: np.ndarray, load_LE: np.ndarray, G: int, domain_P: np.ndarray, D: int
-) -> tuple[float, float, float]:
-    """(balancedness of ``load_LE`` under an even split, the mean over layers of the largest share of
-    a layer's load whose every replica lies in one domain, the largest number of (layer, expert)
-    pairs one domain's loss leaves with no replica, over the model)."""
-    L, E = load_LE.shape
-    count_LE = holds_per_gpu(phy2log_LP, G, E).sum(axis=1)
-    layer_LP = np.arange(L)[:, None]
-    item_LP = load_LE[layer_LP, phy2log_LP] / count_LE[layer_LP, phy2log_LP]
-    balance = float(balancedness(item_LP.reshape(L, G, -1).sum(axis=2)).mean())
-    held_LDE = np.zeros((L, D, E), dtype=np.int64)
-    np.add.at(held_LDE, (np.broadcast_to(layer_LP, phy2log_LP.shape), domain_P[None, :], phy2log_LP), 1)
-    only_LDE = held_LDE == count_LE[:, None, :]
-    total_L = np.maximum(load_LE.sum(axis=1), 1e-300)
-    lost_LD = (only_LDE * load_LE[:, None, :]).sum(axis=2) / total_L[:, None]
-    return balance, float(lost_LD.max(axis=1).mean()), float(only_LDE.sum(axis=(0, 2)).max())
+@dataclass(frozen=True)
+class _Scores:
+    """What a failure-aware rewrite reports, for the forecast ``load_LE`` and the slots' domains."""
+
+    load_LE: np.ndarray
+    num_gpus: int
+    domain_P: np.ndarray
+    num_domains: int
+
+    def of(self, phy2log_LP: np.ndarray) -> tuple[float, float, float]:
+        """(balancedness of the load under an even split, the mean over layers of the largest
+        share of a layer's load whose every replica lies in one domain, the largest number of
+        (layer, expert) pairs one domain's loss leaves with no replica, over the model)."""
+        load_LE, G, domain_P, D = self.load_LE, self.num_gpus, self.domain_P, self.num_domains
+        L, E = load_LE.shape
+        count_LE = holds_per_gpu(phy2log_LP, G, E).sum(axis=1)
+        layer_LP = np.arange(L)[:, None]
+        item_LP = load_LE[layer_LP, phy2log_LP] / count_LE[layer_LP, phy2log_LP]
+        balance = float(balancedness(item_LP.reshape(L, G, -1).sum(axis=2)).mean())
+        held_LDE = np.zeros((L, D, E), dtype=np.int64)
+        np.add.at(held_LDE, (np.broadcast_to(layer_LP, phy2log_LP.shape), domain_P[None, :], phy2log_LP), 1)
+        only_LDE = held_LDE == count_LE[:, None, :]
+        total_L = np.maximum(load_LE.sum(axis=1), 1e-300)
+        lost_LD = (only_LDE * load_LE[:, None, :]).sum(axis=2) / total_L[:, None]
+        return balance, float(lost_LD.max(axis=1).mean()), float(only_LDE.sum(axis=(0, 2)).max())

@@ -4,7 +4,7 @@ Shape legend: L layers, E logical experts, P physical slots, G GPUs, N nodes, S 
 replicas (tables over replica counts), U items to pack (a layer's replicas).
 
 Under static dispatch a replica receives the fraction of ranks mapped to it
-(eplb.solver.scoring.static_share), and that fraction depends on how the expert's replicas sit on nodes:
+(eplb.placement.share), and that fraction depends on how the expert's replicas sit on nodes:
 on R distinct nodes, or k on each of several nodes, the ranks split (nearly) evenly; five replicas
 on four nodes give two of them an eighth of the ranks and three a quarter. A plan packed for an
 even split over replicas (DeepSeek's counts and packing) therefore lands up to 2.5 times an
@@ -12,7 +12,7 @@ expert's intended share on one GPU: on the deepseek-v3 preset at EP32 such a pla
 forecast to 0.997 under an even split and to 0.89 under the static maps' shares. Here:
 
 - counts: DeepSeek's largest-load-per-replica greedy, with the largest share a replica can get
-  (``max_share_table``, from the maps' own rule on the canonical spread) in place of ``1 / R``: a
+  (the share model's ``max_share_R``, the maps' own rule on the canonical spread) in place of ``1 / R``: a
   count is raised to the next count that lowers that share, so counts that the maps split unevenly
   (5, 6, 7 on four nodes) are skipped;
 - packing: replicas heaviest first (load times that share) onto the lightest node that holds fewer
@@ -25,35 +25,9 @@ On the deepseek-v3 preset at EP32 the plan scores 0.993 on its forecast under st
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 
-from eplb.solver.scoring.static_share import expert_static_shares
-
-
-def canonical_slots(count: int, num_gpus: int, num_nodes: int, slots_per_gpu: int) -> list[int]:
-    """Slots (ascending) of ``count`` replicas dealt round-robin over nodes, then over each node's GPUs."""
-    gpn = num_gpus // num_nodes
-    return sorted(
-        ((i % num_nodes) * gpn + (i // num_nodes) % gpn) * slots_per_gpu + i // (num_nodes * gpn)
-        for i in range(count)
-    )
-
-
-@lru_cache(maxsize=64)
-def max_share_table(max_replicas: int, num_gpus: int, num_nodes: int, slots_per_gpu: int) -> np.ndarray:
-    """float64 [max_replicas + 1]: the largest share of its expert's tokens one of R replicas gets
-    under static dispatch on the canonical spread (entry 0 unused), over every rotation of the maps."""
-    table = np.ones(max_replicas + 1)
-    for count in range(2, max_replicas + 1):
-        slots = canonical_slots(count, num_gpus, num_nodes, slots_per_gpu)
-        table[count] = max(
-            max(expert_static_shares(slots, offset, num_gpus, slots_per_gpu, num_nodes))
-            for offset in range(count)
-        )
-    table.setflags(write=False)
-    return table
+from eplb.placement.share import ShareModel
 
 
 def static_replica_counts(
@@ -62,7 +36,7 @@ def static_replica_counts(
     """(counts int64 [L, E] summing to P per layer, max_share float64 [R + 1]): the greedy above."""
     L, E = load_LE.shape
     max_replicas = num_physical - E + 1
-    share_R = max_share_table(max_replicas, num_gpus, num_nodes, num_physical // num_gpus)
+    share_R = ShareModel("static", num_nodes).max_share_R(max_replicas, num_gpus, num_physical // num_gpus)
     # The next count that lowers the largest share (beyond max_replicas where none does).
     next_R = np.full(max_replicas + 1, 2 * num_physical, dtype=np.int64)
     for count in range(1, max_replicas + 1):
