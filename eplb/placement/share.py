@@ -133,9 +133,10 @@ class ShareModel:
             shares_XR.setflags(write=False)
             for row, key in enumerate(missing):
                 _EXPERT[key] = shares_XR[row, : len(key[3])]
-            while len(_EXPERT) > _EXPERT_SIZE:
-                _EXPERT.pop(next(iter(_EXPERT)))
-        return [_EXPERT[key] for key in keys]
+        out = [_EXPERT[key] for key in keys]
+        while len(_EXPERT) > _EXPERT_SIZE:  # oldest first; after the lookup, which may want them
+            _EXPERT.pop(next(iter(_EXPERT)))
+        return out
 
     def max_share_R(self, max_replicas: int, num_gpus: int, slots_per_gpu: int) -> np.ndarray:
         """float64 [max_replicas + 1]: the largest share of its expert's tokens one of R replicas

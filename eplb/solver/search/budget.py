@@ -169,6 +169,10 @@ def budgeted_phy2log(
         ratio_l = np.where(cost_l > _TOL, gain_L[layers] / np.maximum(cost_l, _TOL), np.inf)
         round_cap = left_w / 2
         spent = 0.0
+        if checked:
+            moves.warm_shares(
+                state, layers, replica_L[layers], slot_a_L[layers], slot_b_L[layers], expert_L[layers]
+            )
         for layer in layers[np.lexsort((layers, -ratio_l))].tolist():
             cw, cp = float(weighted_L[layer]), float(plain_L[layer])
             if cw > left_w + _TOL or cp > left_p + _TOL:

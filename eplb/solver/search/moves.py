@@ -2,7 +2,8 @@
 
 Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU, l
 layers (being searched), B bins (the partner GPUs of the hot one), Q partner slots, J giver slots, e
-experts (receiving a replica), c candidate moves.
+experts (receiving a replica), c candidate moves, k the experts a move touches, before and after it
+(four per layer).
 
 A swap is the step every search takes (eplb.solver.search.swap: partners, candidates, the swap
 itself); what is this search's own is its objective, soft balancedness, whose hot GPU is the one
@@ -25,6 +26,7 @@ loads as they are); the state after the move is exact, so the next proposals sta
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -523,6 +525,50 @@ def _reshare(state: MoveState, layer: int, experts: tuple[int, int]) -> None:
         for (e, slots), share in zip(replicated, shares, strict=True):
             state.item_ZLP[:, layer, slots] = state.norm_ZLE[:, layer, e, None] * share
     state.gpu_ZLG[:, layer] = state.item_ZLP[:, layer].reshape(-1, G, S).sum(axis=-1)
+
+
+def warm_shares(
+    state: MoveState,
+    layer_l: np.ndarray,
+    replica_l: np.ndarray,
+    slot_a_l: np.ndarray,
+    slot_b_l: np.ndarray,
+    expert_l: np.ndarray,
+) -> None:
+    """Shares that follow nodes: ask the share model, in one call, for the shares of the
+    replicated experts that each layer's proposed move (arrays as :class:`MoveProposal`'s)
+    touches, before and after it. It memoises them, so applying a move and undoing it find
+    them: one call per move costs tens of numpy ops on tiny arrays, one call per round a few more."""
+    assert state.dispatch.follows_nodes
+    n = layer_l.size
+    if n == 0:
+        return
+    rows = np.arange(n)
+    before_lP = state.phy2log_LP[layer_l]
+    after_lP = before_lP.copy()
+    # The move puts x at slot b, whose expert y leaves it (a swap puts y at slot a).
+    y_l = before_lP[rows, slot_b_l]
+    x_l = np.where(replica_l, expert_l, before_lP[rows, slot_a_l])
+    after_lP[rows, slot_b_l] = x_l
+    swap_l = ~replica_l
+    after_lP[rows[swap_l], slot_a_l[swap_l]] = y_l[swap_l]
+    p2l_kP = np.concatenate([before_lP, before_lP, after_lP, after_lP])
+    expert_k = np.concatenate([x_l, y_l, x_l, y_l])
+    at_kP = p2l_kP == expert_k[:, None]
+    count_k = np.count_nonzero(at_kP, axis=1)
+    replicated_k = count_k >= 2
+    if not replicated_k.any():
+        return
+    slots = np.nonzero(at_kP[replicated_k])[1].tolist()
+    bounds = [0, *np.cumsum(count_k[replicated_k]).tolist()]
+    E = state.cnt_LE.shape[1]
+    offset_k = np.tile(layer_l, 4) * E + expert_k
+    state.dispatch.expert_shares(
+        [slots[lo:hi] for lo, hi in itertools.pairwise(bounds)],
+        offset_k[replicated_k].tolist(),
+        state.num_gpus,
+        state.slots_per_gpu,
+    )
 
 
 def _update_prices(state: MoveState, layer: int, gpus: list[int], experts: list[int]) -> None:
