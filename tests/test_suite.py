@@ -78,12 +78,14 @@ def test_every_name_in_the_slow_lists_marks_a_test(probes: dict[str, dict[str, A
     assert set(probes["default"]["listed"]) <= set(probes["slow"]["selected"])
 
 
-def test_slow_reason_matches_files_tests_their_parametrisations_and_fixtures(
+def test_slow_reason_matches_files_tests_patterns_parametrisations_and_fixtures(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(suite, "SLOW_FILES", {"tests/test_a.py": "why"})
     monkeypatch.setattr(
-        suite, "SLOW_TESTS", {"tests/test_b.py::test_x": "why", "tests/test_b.py::test_y[1]": "w"}
+        suite,
+        "SLOW_TESTS",
+        {"tests/test_b.py::test_x": "why", "tests/test_b.py::test_y[1]": "w", "tests/test_d.py::*[4r*]": "w"},
     )
     monkeypatch.setattr(suite, "SLOW_FIXTURES", {"big": "why"})
     cases = {
@@ -96,6 +98,10 @@ def test_slow_reason_matches_files_tests_their_parametrisations_and_fixtures(
         ("tests/test_c.py::test_z", ("tmp_path", "big")): "fixture big",
         ("tests/test_c.py::test_z", ("tmp_path",)): None,
         ("tests/test_a.pyx::test_q", ()): None,
+        ("tests/test_d.py::test_p[4ranks]", ()): "tests/test_d.py::*[4r*]",
+        ("tests/test_d.py::test_p[2ranks]", ()): None,
+        ("tests/test_d.py::test_p", ()): None,
+        ("tests/test_e.py::test_p[4ranks]", ()): None,
     }
     for (nodeid, fixtures), reason in cases.items():
         assert suite.slow_reason(nodeid, fixtures) == reason, nodeid
