@@ -5,7 +5,8 @@ and SGLang's own loaders from PyPI, in the slow set; here the quick representati
 vLLM's ``EplbVllmPolicy.rebalance_experts`` and SGLang's ``rebalance_with_eplb`` on a skewed load,
 judged in plain numpy: every expert placed, SGLang's three maps consistent with each other, the
 same answer when asked again, and the busiest GPU lighter than under the trivial placement; with
-a rank lost, SGLang's maps send no token to it and still serve every expert.
+a rank lost, SGLang's maps send no token to it and still serve every expert, and vLLM's scale-down
+plans every expert onto the ranks it keeps.
 Shape legend: W window passes, L layers, E logical experts, P physical slots, G GPUs, R max replicas.
 """
 
@@ -127,3 +128,21 @@ def test_sglang_with_a_rank_lost_sends_it_nothing_and_serves_every_expert() -> N
     phy2log_LP, log2phy_LER, logcnt_LE = (m.numpy() for m in maps)
     check_sglang_maps(phy2log_LP, log2phy_LER, logcnt_LE, dead_gpu=dead)
     assert (phy2log_LP[:, dead * (P // G) : (dead + 1) * (P // G)] == 0).all()  # SGLang's filler
+
+
+@pytest.mark.usefixtures("fresh_adapters")
+def test_vllm_scale_down_plans_over_the_kept_ranks_only() -> None:
+    # vLLM's elastic scale-down: the old map of G ranks with the new sizes (the last rank leaving).
+    load_LE = skewed_load_WLE(4).sum(axis=0)
+    kept, slots = G - 1, P // G
+    got = EplbVllmPolicy.rebalance_experts(
+        torch.from_numpy(load_LE),
+        kept * slots,
+        1,
+        1,
+        kept,
+        old_global_expert_indices=torch.from_numpy(trivial_LP()),
+    ).numpy()
+    assert got.shape == (L, kept * slots)
+    for row in got:
+        assert set(row.tolist()) == set(range(E))
