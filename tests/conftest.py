@@ -1,4 +1,4 @@
-"""Shared test setup: Triton's interpreter on CPU-only machines, the slow, gpu and interpreter markers, fixtures."""
+"""Shared test setup: Triton's interpreter on CPU-only machines, the slow/gpu/interpreter marks, fixtures."""
 
 from __future__ import annotations
 

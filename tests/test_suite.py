@@ -32,8 +32,10 @@ SETS = {"default": (), "slow": ("-m", "slow")}
 def _collect(tmp: Path, name: str, args: tuple[str, ...]) -> dict[str, Any]:
     out = tmp / f"{name}.json"
     argv = [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "tests.helpers.suite_probe", *args]
+    # CI's environment: no options of this run's caller (PYTEST_ADDOPTS) in the collections
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
     done = subprocess.run(
-        argv, cwd=ROOT, env={**os.environ, PROBE_ENV: str(out)}, capture_output=True, text=True, check=False
+        argv, cwd=ROOT, env={**env, PROBE_ENV: str(out)}, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, (
         f"{' '.join(argv)} exits {done.returncode}\n{done.stdout[-3000:]}{done.stderr}"
