@@ -22,7 +22,11 @@ SLOW_FIXTURES: dict[str, str] = {
 }
 """Fixture name -> why every test that uses it is slow."""
 
-SLOW_FILES: dict[str, str] = {}
+SLOW_FILES: dict[str, str] = {
+    "tests/test_lp_dist.py": (
+        "Gloo ranks in processes; the same rule on real Gloo ranks runs by default in tests/test_sglang_lp.py"
+    ),
+}
 """Test file (from the repository root) -> why all of it is slow."""
 
 
@@ -33,10 +37,8 @@ def _each(file: str, why: str, *tests: str) -> dict[str, str]:
 SLOW_TESTS: dict[str, str] = {
     **_each(
         "test_docs_examples.py",
-        "examples that run simulations and sweeps, draw and convert workloads; the other documents' run",
-        "test_examples_run_as_written[README.md]",
-        "test_examples_run_as_written[docs/simulate.md]",
-        "test_examples_run_as_written[docs/traces.md]",
+        "every block in a fresh interpreter, simulations among them; the blocks' own checks run by default",
+        "test_examples_run_as_written",
     ),
     # Triton's interpreter
     **_each(
@@ -66,9 +68,9 @@ SLOW_TESTS: dict[str, str] = {
     },
     **_each("test_manager_recovery.py", "four Gloo ranks in processes; two by default", "*[4ranks]"),
     **_each(
-        "test_lp_dist.py",
-        "four Gloo ranks in processes; two by default",
-        "test_ranks_split_replicated_experts_by_the_global_counts[4]",
+        "test_manager_recovery.py",
+        "ranks in processes waiting out a hung solve and transfer; the one-rank watchdog runs by default",
+        "test_the_watchdog_ends_a_hung_solve_and_a_hung_transfer_on_every_rank",
     ),
     **_each(
         "test_manager_rank_loss.py",
@@ -77,8 +79,10 @@ SLOW_TESTS: dict[str, str] = {
     ),
     **_each(
         "test_demo_signals.py",
-        "a demo served until signalled; the signals while it starts run by default",
+        "a demo in processes signalled; one signal to the process and one to the group run by default",
         "test_a_signal_ends_the_demo_and_every_rank_at_once[*serving*]",
+        "test_a_signal_ends_the_demo_and_every_rank_at_once[process-starting-SIGINT]",
+        "test_a_signal_ends_the_demo_and_every_rank_at_once[group-starting-SIGTERM]",
     ),
     **_each(
         "test_manager_demo.py",
@@ -99,9 +103,10 @@ SLOW_TESTS: dict[str, str] = {
     ),
     **_each(
         "test_decisions_agree.py",
-        "thousands of passes through the manager and the simulator; the two short cases run by default",
+        "thousands of passes through the manager and the simulator; the idle-passes case runs by default",
         "test_the_manager_and_the_simulator_take_the_same_decisions[periodic]",
         "test_the_manager_and_the_simulator_take_the_same_decisions[continuous]",
+        "test_the_manager_and_the_simulator_take_the_same_decisions[continuous-prefill-only]",
     ),
     # simulations and solves over long or many workloads
     **_each(
