@@ -23,6 +23,9 @@ SLOW_FIXTURES: dict[str, str] = {
 """Fixture name -> why every test that uses it is slow."""
 
 SLOW_FILES: dict[str, str] = {
+    "tests/test_hotswap_serving.py": (
+        "Gloo ranks in processes; a swap group given up, the manager on: test_manager_recovery's two ranks"
+    ),
     "tests/test_lp_dist.py": (
         "Gloo ranks in processes; the same rule on real Gloo ranks runs by default in tests/test_sglang_lp.py"
     ),
@@ -64,8 +67,13 @@ SLOW_TESTS: dict[str, str] = {
     # ranks in processes: the two-rank or shorter run of each check runs by default
     **{
         f"tests/{file}::*[4ranks]": "four Gloo ranks in processes; two run the same checks by default"
-        for file in ("test_hotswap_faults.py", "test_hotswap_dist.py", "test_hotswap_serving.py")
+        for file in ("test_hotswap_faults.py", "test_hotswap_dist.py")
     },
+    **_each(
+        "test_hotswap_faults.py",
+        "ranks in processes, one killed; test_hotswap_faults_manager's lost peer runs by default",
+        "test_a_peer_that_dies_leaves_every_survivor_consistent",
+    ),
     **_each("test_manager_recovery.py", "four Gloo ranks in processes; two by default", "*[4ranks]"),
     **_each(
         "test_manager_recovery.py",
@@ -92,8 +100,8 @@ SLOW_TESTS: dict[str, str] = {
     ),
     **_each(
         "test_manager_continuous.py",
-        "ranks in processes; seed 0 and the first plan's budget in process run by default",
-        "test_real_solver_keeps_every_rebalance_within_the_budget[1]",
+        "ranks in processes; the budgets in process and the paced ranks run by default",
+        "test_real_solver_keeps_every_rebalance_within_the_budget",
         "test_with_the_initial_full_plan_only_the_first_plan_may_exceed_the_budget",
     ),
     **_each(
