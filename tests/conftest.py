@@ -1,4 +1,4 @@
-"""Shared test setup: Triton's interpreter on CPU-only machines, the gpu and interpreter markers, fixtures."""
+"""Shared test setup: Triton's interpreter on CPU-only machines, the slow/gpu/interpreter marks, fixtures."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.suite import slow_reason
 
 try:
     import torch
@@ -21,14 +23,20 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+# First among the implementations: the slow marks must be on before ``-m`` deselects by them.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip ``gpu`` tests without CUDA, and ``interpreter`` tests where kernels are compiled."""
+    """Mark what tests/suite.py lists as ``slow``; skip ``gpu`` tests without CUDA, and ``interpreter``
+    tests where kernels are compiled."""
+    slow = pytest.mark.slow
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     # Interpreter-only tests pass CPU tensors or stand-ins for compiled kernels, which a compiled
     # kernel cannot take; their compiled counterparts are gpu tests.
     skip_interpreter = pytest.mark.skip(reason="needs Triton's interpreter (TRITON_INTERPRET=1)")
     interpreting = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "y", "yes")
     for item in items:
+        if slow_reason(item.nodeid, getattr(item, "fixturenames", ())) is not None:
+            item.add_marker(slow)
         if not _HAS_CUDA and item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
         if not interpreting and item.get_closest_marker("interpreter") is not None:
