@@ -1,7 +1,7 @@
 """The manager's side of surviving a lost rank: what this rank brings to the survivors, their world
 taken over once they regrouped, the move to the degraded plan, and the recovery's records.
 
-Shape legend: W window (passes), F the passes the recorder holds, L layers, E logical experts,
+Shape legend: W window (passes), F steps (the passes the recorder holds), L layers, E logical experts,
 P physical slots, G GPUs (ranks), R max replicas.
 
 :meth:`LostRank.serve_on_without` runs on every survivor at the same point: it publishes this

@@ -1,7 +1,7 @@
 """Per-rank static dispatch maps: which replica each rank sends a logical expert's tokens to.
 
-Shape legend: L layers, E logical experts, R max replicas, G GPUs (EP ranks), N nodes, X (layer,
-expert) pairs.
+Shape legend: L layers, E logical experts, R max replicas, G GPUs (EP ranks), N nodes, X replicated
+experts ((layer, expert) pairs).
 
 The rule, written once here (:func:`static_choice_XG`): rank r sends expert e's tokens to a
 replica on r's own GPU (its first there); else to one on r's node; else to any. The ranks that

@@ -1,7 +1,8 @@
 """How a server splits a logical expert's tokens over its replicas: the share model of a dispatch mode.
 
 Shape legend: L layers, l layers (some of them), n passes, E logical experts, P physical slots, G
-GPUs, N nodes, R max replicas, X replicated (layer, expert) pairs.
+GPUs, N nodes, R max replicas, X replicated experts ((layer, expert)
+pairs).
 
 A slot carries its expert's load times its *share*; GPU loads, and so balancedness, follow.
 :class:`ShareModel` is built from a ``--ep-dispatch-algorithm`` name (eplb.policy.dispatch) and the

@@ -2,8 +2,8 @@
 
 Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU, l
 layers (being searched), B bins (the partner GPUs of the hot one), Q partner slots, J giver slots, e
-experts (receiving a replica), c candidate moves, k the experts a move touches, before and after it
-(four per layer).
+experts (receiving a replica), c candidate moves, k touched experts (those a move touches,
+before and after it: four per layer).
 
 A swap is the step every search takes (eplb.solver.search.swap: partners, candidates, the swap
 itself); what is this search's own is its objective, soft balancedness, whose hot GPU is the one

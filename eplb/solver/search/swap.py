@@ -1,7 +1,8 @@
 """The swap step every local search takes: the hot GPU, its partners, the candidate swaps, the swap.
 
 Shape legend: Z scenarios, l layers (being searched), G GPUs, S slots per GPU, P physical slots, B
-partner GPUs, Q partner slots, E logical experts, X parts (GPUs, nodes or failure domains).
+bins (partner GPUs, or the parts replicas are counted in: GPUs, nodes or failure domains), Q
+partner slots, E logical experts.
 
 A layer improves by trading the contents of two slots: one of its *hot* GPU's and one of a
 *partner* GPU's. Every search here takes that step with these functions, and differs only in what
@@ -126,23 +127,23 @@ def pair_peak(hot_x: np.ndarray, partner_x: np.ndarray, delta_x: np.ndarray) -> 
 
 
 def swap_slots(
-    phy2log_P: np.ndarray, item_xP: np.ndarray, holds_XE: np.ndarray, a: int, b: int, part_a: int, part_b: int
+    phy2log_P: np.ndarray, item_xP: np.ndarray, holds_BE: np.ndarray, a: int, b: int, part_a: int, part_b: int
 ) -> tuple[int, int]:
     """Slots ``a`` and ``b`` of one layer trade experts, loads (``item_xP`` [..., P]) and the
-    replica counts of the parts they lie in (``holds_XE``: GPUs, nodes or domains), in place.
+    replica counts of the parts they lie in (``holds_BE``: GPUs, nodes or domains), in place.
 
     Returns (the expert that was in a, the expert that was in b).
     """
     ea, eb = int(phy2log_P[a]), int(phy2log_P[b])
     phy2log_P[a], phy2log_P[b] = eb, ea
     item_xP[..., [a, b]] = item_xP[..., [b, a]]
-    trade_counts(holds_XE, part_a, part_b, ea, eb)
+    trade_counts(holds_BE, part_a, part_b, ea, eb)
     return ea, eb
 
 
-def trade_counts(holds_XE: np.ndarray, part_a: int, part_b: int, ea: int, eb: int) -> None:
-    """Expert ``ea`` moves from part ``part_a`` to ``part_b`` and ``eb`` back, in the counts ``holds_XE``."""
-    holds_XE[part_a, ea] -= 1
-    holds_XE[part_a, eb] += 1
-    holds_XE[part_b, eb] -= 1
-    holds_XE[part_b, ea] += 1
+def trade_counts(holds_BE: np.ndarray, part_a: int, part_b: int, ea: int, eb: int) -> None:
+    """Expert ``ea`` moves from part ``part_a`` to ``part_b`` and ``eb`` back, in the counts ``holds_BE``."""
+    holds_BE[part_a, ea] -= 1
+    holds_BE[part_a, eb] += 1
+    holds_BE[part_b, eb] -= 1
+    holds_BE[part_b, ea] += 1
