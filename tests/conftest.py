@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,12 @@ except ImportError:  # pragma: no cover - torch is a hard dependency
 # Kernel modules read TRITON_INTERPRET when they are imported, so it is set before any test runs.
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# A runner started in the background (no job control) hands its children SIGINT ignored, and the
+# processes the signal tests start would inherit that and never see the Ctrl-C they are sent.
+# A Python handler is reset to the default at exec, so they start with SIGINT as a terminal gives it.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 # First among the implementations: the slow marks must be on before ``-m`` deselects by them.
