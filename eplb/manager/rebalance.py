@@ -22,8 +22,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from eplb.hotswap.control import Cause
 from eplb.manager.context import Live, Setup, log
 from eplb.manager.lost_rank import LostRank
+from eplb.manager.plan_check import ShapeChecked
 from eplb.manager.recovery import RecoveryRecord
 from eplb.manager.schedule import SwapScheduler
 from eplb.manager.types import RebalanceRecord, SwapJob, share_plan
@@ -49,6 +51,8 @@ class Rebalancer:
         self.setup, self.live, self.swapper, self.lost = setup, live, swapper, lost
         self._watchdog = live.watchdog
         self._planner = planner
+        self._checked = ShapeChecked(planner)
+        """The planner as rebalances call it: every plan checked against the model (eplb.manager.plan_check)."""
         config = setup.config
         self._decider = Decider(config, fitted=config.init_expert_location != "trivial")
         """Every rebalance decision, as the simulator takes them (eplb.policy.decision)."""
@@ -119,7 +123,7 @@ class Rebalancer:
             return
         self._load_LE, self._before = load_LE, before
         if live.world.rank == 0:
-            request = Request(window_WLE=load_WLE, current=live.placement, planner=self._planner)
+            request = Request(window_WLE=load_WLE, current=live.placement, planner=self._checked)
             self._future = solve_in_background(lambda: rebalance.plan(request))
         self._watchdog.doing = "solve"
         self._watchdog.begin()
@@ -142,7 +146,9 @@ class Rebalancer:
         self._future = None
         reason, predicted, solve_s = shared.reason, shared.predicted, shared.solve_seconds
         if shared.target is None:
-            self._finish(shared.outcome, reason, self._before, self._before, predicted, solve_s)
+            self._finish(
+                shared.outcome, reason, self._before, self._before, predicted, solve_s, cause=shared.cause
+            )
             return
         self.swapper.adopt(shared)
         self._apply_due(seconds)
@@ -158,9 +164,9 @@ class Rebalancer:
             after = self.setup.served(self._load_LE, self.live.placement, self.live.weights_LER)
             self._finish("applied", job.reason, self._before, after, job.predicted, job.solve_seconds, job)
             return
-        self._fail_job(job, ended.failure)
+        self._fail_job(job, ended.failure, ended.cause)
 
-    def _fail_job(self, job: SwapJob, reason: str) -> None:
+    def _fail_job(self, job: SwapJob, reason: str, cause: Cause | None = None) -> None:
         """The rebalance failed (its undo done, eplb.manager.schedule): when its swap lost a peer the
         survivors serve on without it, else the reason says what the swap group's state is."""
         live = self.live
@@ -175,7 +181,9 @@ class Rebalancer:
             )
         elif not live.swaps.usable:
             reason += live.swaps.note(job.done)
-        self._finish("failed", reason, self._before, self._before, job.predicted, job.solve_seconds, job)
+        self._finish(
+            "failed", reason, self._before, self._before, job.predicted, job.solve_seconds, job, cause=cause
+        )
         if recovered is not None:
             self.lost.report(recovered)  # after the failed swap's record
         elif not live.swaps.running:
@@ -197,7 +205,9 @@ class Rebalancer:
                 reason = f"peer lost: {why}{live.swaps.note([])}"
             else:
                 reason = f"peer lost: {why}; ranks {list(record.ranks)} serve on without rank(s) {list(record.lost)}"
-            self._finish("failed", reason, self._before, self._before, None, 0.0, interrupted)
+            self._finish(
+                "failed", reason, self._before, self._before, None, 0.0, interrupted, cause="peer lost"
+            )
         if record is None:
             if job is None:
                 live.stop()
@@ -240,6 +250,8 @@ class Rebalancer:
         predicted: float | None,
         solve_seconds: float,
         job: SwapJob | None = None,
+        *,
+        cause: Cause | None = None,
     ) -> None:
         record = RebalanceRecord(
             at_pass=self.live.passes,
@@ -252,6 +264,7 @@ class Rebalancer:
             transfer_seconds=0.0 if job is None else job.transfer_seconds,
             experts_moved=0 if job is None else job.experts_moved,
             bytes_moved=0 if job is None else job.bytes_moved,
+            cause=cause if outcome == "failed" else None,
         )
         self.live.history.append(record)
         assert self._rebalance is not None, "a rebalance ends after it began"
