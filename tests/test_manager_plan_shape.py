@@ -2,7 +2,7 @@
 fault harness runs the same on real Gloo ranks): a plan of more slots, of fewer experts, of
 another GPU count or with dispatch weights of other sizes, applied or not, fails its rebalance
 with cause ``shape``, nothing moves, serving goes on, the failed-rebalance metric counts it, and
-the next plan applies. The planners a rebalance derives from the caller's are checked too."""
+the next plan applies; a planner's own error stays the planner's."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from eplb.config import EplbConfig
-from eplb.hotswap import HotSwapShapeError
 from eplb.manager.manager import EplbManager
-from eplb.manager.plan_check import ShapeChecked
+from eplb.manager.plan_check import plan_problems
 from eplb.metrics import names
 from eplb.metrics.prometheus import PrometheusSink
 from eplb.moe.reference import reference_forward
@@ -51,9 +50,9 @@ def weights_of(*shape: int) -> Any:
 L, E, P = CFG.num_layers, CFG.num_experts, CFG.num_experts + 4
 R = P - E + 1
 WRONG = {
-    "more_slots": (more_slots, "[L, P]"),
-    "an_expert_missing": (an_expert_missing, "logical experts"),
-    "two_gpus": (two_gpus, "GPUs"),
+    "more_slots": (more_slots, "13"),
+    "an_expert_missing": (an_expert_missing, "7"),
+    "two_gpus": (two_gpus, "2 GPUs"),
     "weights_more_replicas": (weights_of(L, E, R + 1), "dispatch weights"),
     "weights_more_experts": (weights_of(L, E + 1, R), "dispatch weights"),
     "weights_flat": (weights_of(L, E * R), "dispatch weights"),
@@ -85,7 +84,9 @@ def test_a_plan_of_the_wrong_shape_fails_its_rebalance_and_the_next_applies(kind
     until_idle(manager, model)
     (record,) = manager.state().history
     assert (record.outcome, record.cause) == ("failed", "shape"), record
-    assert record.reason.startswith("shape: rank 0's plan does not fit the model") and named in record.reason
+    assert (
+        record.reason.startswith("shape: rank 0's plan does not fit the model") and named in record.reason
+    ), record.reason
     assert manager.placement is placement  # nothing moved, and serving goes on
     x = torch.randn(5, CFG.hidden, generator=torch.Generator().manual_seed(1))
     assert torch.allclose(model(x), reference_forward(CFG, w, x), atol=1e-5)
@@ -105,40 +106,32 @@ def test_a_plan_of_the_wrong_shape_fails_its_rebalance_and_the_next_applies(kind
     manager.close()
 
 
-class Derived:
-    """A planner whose rebalance-time variants (budget, pricing, fresh) plan ``plan``."""
+def test_a_planners_own_error_stays_the_planners_even_in_the_diffs_words() -> None:
+    model, placement, _ = make()
 
-    def __init__(self, plan: Any, made: list[str] | None = None) -> None:
-        self.plan, self.made, self.options = plan, made if made is not None else [], "its options"
+    def planner(load: np.ndarray, cur: Placement) -> FakePlan:
+        raise ValueError("placements differ in shape: the planner's own words")
 
-    def __call__(self, load: np.ndarray, cur: Placement) -> Any:
-        return self.plan(cur)
-
-    def with_move_budget(self, *budgets: Any) -> Derived:
-        self.made.append("with_move_budget")
-        return Derived(self.plan, self.made)
-
-    def with_pricing(self, pricing: Any) -> Derived:
-        self.made.append("with_pricing")
-        return Derived(self.plan, self.made)
-
-    def for_unfitted_placement(self, *, drop_budget: bool) -> Derived:
-        self.made.append("for_unfitted_placement")
-        return Derived(self.plan, self.made)
+    manager = EplbManager(
+        EplbConfig(eplb_rebalance_num_iterations=3), model, placement, device=CPU, planner=planner
+    )
+    model.recorder = manager.recorder
+    run_passes(manager, model, 3)
+    until_idle(manager, model)
+    (record,) = manager.state().history
+    assert (record.outcome, record.cause) == ("failed", None) and record.reason.startswith("planner failed")
+    manager.close()
 
 
-def test_the_planners_a_rebalance_derives_are_checked_too() -> None:
+def test_plan_problems_name_every_size_that_differs() -> None:
     _, placement, _ = make()
-    load = np.ones((2, L, E))
-    checked = ShapeChecked(Derived(more_slots))
-    derived = checked.for_unfitted_placement(drop_budget=True).with_move_budget(3, None).with_pricing(None)
-    with pytest.raises(HotSwapShapeError, match=r"\[L, P\] = \[3, 13\], the model's \[3, 12\]") as got:
-        derived(load, placement)
-    assert (got.value.cause, got.value.rank) == ("shape", 0)
-    assert checked.made == ["for_unfitted_placement", "with_move_budget", "with_pricing"]
-    assert checked.options == "its options"  # other attributes are the planner's
-    fits = ShapeChecked(Derived(lambda cur: FakePlan(other_placement(cur, 2))))
-    assert fits.with_pricing(None)(load, placement).placement.num_physical == P
-    # What a planner lacks, its checked form lacks too (the rebalance then uses it as it is).
-    plain = ShapeChecked(lambda load, cur: FakePlan(cur))
-    assert getattr(plain, "with_move_budget", None) is None and getattr(plain, "options", None) is None
+    wrong = Placement.trivial(L + 1, E - 1, 2, num_redundant=P + 2 - (E - 1))
+    problems = plan_problems(wrong, np.zeros((L, E, R + 1)), placement)
+    assert problems == [
+        f"phy2log [L, P] = [{L + 1}, {P + 2}], the model's [{L}, {P}]",
+        f"E = {E - 1} logical experts, the model's {E}",
+        "G = 2 GPUs, the model's 1",
+        f"dispatch weights [L, E, R] = [{L}, {E}, {R + 1}], the model's [{L}, {E}, <= {R}]",
+    ]
+    assert plan_problems(placement, np.zeros((L, E, 1)), placement) == []
+    assert plan_problems(other_placement(placement, 4), None, placement) == []

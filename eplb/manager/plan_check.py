@@ -6,10 +6,11 @@ A planner (the caller's ``planner=`` may be anyone's) can hand back a plan of an
 slots than the model has, an expert missing, dispatch weights of other sizes. Acted on, such a
 plan raises wherever it first meets the model (the diff, the broadcast's buffers, the swap), on
 rank 0 alone, while the other ranks wait in the plan's broadcast. So rank 0 checks each plan
-where its planner returns it (:class:`ShapeChecked`, around every planner a rebalance uses), and
-again before it broadcasts (eplb.manager.types.share_plan); the broadcast carries the verdict,
-so every rank ends the rebalance failed with cause ``shape`` on the same pass, nothing moved, and
-serving goes on. The error is the hot-swap's own :class:`~eplb.hotswap.check.HotSwapShapeError`
+before it broadcasts it (:func:`check_plan`, in eplb.manager.types.share_plan), and counts the
+planning step's own refusal of one (:func:`refused_by_the_diff`: an applied plan is compared with
+the live placement there, which raises first); the broadcast carries the verdict, and every rank
+checks what it received alike. So every rank ends the rebalance failed with cause ``shape`` on
+the same pass, nothing moved, and serving goes on. The error is the hot-swap's own :class:`~eplb.hotswap.check.HotSwapShapeError`
 (a ``ValueError`` with cause ``shape`` and the rank): the same refusal, found before the swap.
 """
 
@@ -20,13 +21,9 @@ from typing import Any
 import numpy as np
 
 from eplb.hotswap.check import HotSwapShapeError
+from eplb.placement.diff import diff_placements
 from eplb.placement.model import Placement
-from eplb.policy.base import LoadHistory, PlanLike, Planner
-
-_TRANSFORMS = frozenset({"for_unfitted_placement", "with_move_budget", "with_pricing"})
-"""The planner methods that return another planner for a rebalance (eplb.policy.decision's
-``Decider.prepared``): the one they return is checked too. A lost rank's degraded plan spans
-fewer slots by design and is planned apart (eplb.manager.recovery), never through this."""
+from eplb.policy.base import PlanLike
 
 
 def plan_problems(placement: Placement, weights_LER: Any, current: Placement) -> list[str]:
@@ -57,27 +54,20 @@ def check_plan(plan: PlanLike, current: Placement) -> None:
         raise HotSwapShapeError("shape: rank 0's plan does not fit the model: " + "; ".join(problems), rank=0)
 
 
-class ShapeChecked:
-    """``planner``, whose every plan is checked against the placement it was planned from
-    (:func:`check_plan`). Other attributes are ``planner``'s; the planners its transforms return
-    (a move budget, pricing, a fresh plan) are checked too, so the rebalance's prepared planner
-    is."""
+def refused_by_the_diff(exc: BaseException) -> bool:
+    """Whether the planning step (eplb.policy.decision) raised ``exc`` where it compares an applied
+    plan with the live placement (eplb.placement.diff.diff_placements): a plan of another shape or
+    topology than the model's, refused before anything used it.
 
-    def __init__(self, planner: Planner) -> None:
-        self._planner = planner
-
-    def __call__(
-        self, window_WLE: np.ndarray, current: Placement, history: LoadHistory | None = None
-    ) -> PlanLike:
-        if history is None:
-            plan = self._planner(window_WLE, current)
-        else:
-            plan = self._planner(window_WLE, current, history)
-        check_plan(plan, current)
-        return plan
-
-    def __getattr__(self, name: str) -> Any:
-        attr = getattr(self._planner, name)  # AttributeError: the planner has none, nor does this
-        if name in _TRANSFORMS:
-            return lambda *args, **kwargs: ShapeChecked(attr(*args, **kwargs))
-        return attr
+    The planner's own errors stay the planner's: only the diff's refusal counts, told by the
+    frame it was raised in (the innermost of its traceback) and its words, not by its words alone.
+    """
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return (
+        isinstance(exc, ValueError)
+        and tb is not None
+        and tb.tb_frame.f_code is diff_placements.__code__
+        and str(exc).startswith("placements differ in")
+    )

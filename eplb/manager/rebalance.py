@@ -25,7 +25,6 @@ import torch
 from eplb.hotswap.control import Cause
 from eplb.manager.context import Live, Setup, log
 from eplb.manager.lost_rank import LostRank
-from eplb.manager.plan_check import ShapeChecked
 from eplb.manager.recovery import RecoveryRecord
 from eplb.manager.schedule import SwapScheduler
 from eplb.manager.types import RebalanceRecord, SwapJob, share_plan
@@ -51,8 +50,6 @@ class Rebalancer:
         self.setup, self.live, self.swapper, self.lost = setup, live, swapper, lost
         self._watchdog = live.watchdog
         self._planner = planner
-        self._checked = ShapeChecked(planner)
-        """The planner as rebalances call it: every plan checked against the model (eplb.manager.plan_check)."""
         config = setup.config
         self._decider = Decider(config, fitted=config.init_expert_location != "trivial")
         """Every rebalance decision, as the simulator takes them (eplb.policy.decision)."""
@@ -123,7 +120,7 @@ class Rebalancer:
             return
         self._load_LE, self._before = load_LE, before
         if live.world.rank == 0:
-            request = Request(window_WLE=load_WLE, current=live.placement, planner=self._checked)
+            request = Request(window_WLE=load_WLE, current=live.placement, planner=self._planner)
             self._future = solve_in_background(lambda: rebalance.plan(request))
         self._watchdog.doing = "solve"
         self._watchdog.begin()

@@ -20,7 +20,7 @@ from eplb.hotswap.control import Cause
 from eplb.hotswap.swap import PreparedSwap
 from eplb.manager.collectives import RankAgreement
 from eplb.manager.pacing import Pacer
-from eplb.manager.plan_check import check_plan, plan_problems
+from eplb.manager.plan_check import check_plan, plan_problems, refused_by_the_diff
 from eplb.metrics.names import ManagerPhase
 from eplb.metrics.sink import MetricsSink, RebalanceOutcome
 from eplb.placement.model import Placement
@@ -208,9 +208,15 @@ def encode_plan(
         if outcome.plan is not None:
             check_plan(outcome.plan, current)
     except Exception as exc:
-        shape = getattr(exc, "cause", None) == "shape"
-        header[:] = torch.tensor([SHAPE if shape else FAILED, 0.0, float("nan"), 0.0], dtype=torch.float64)
-        return header, phy2log, weights, str(exc) if shape else f"planner failed: {type(exc).__name__}: {exc}"
+        if getattr(exc, "cause", None) == "shape":
+            reason = str(exc)
+        elif refused_by_the_diff(exc):
+            reason = f"shape: rank 0's plan does not fit the model: {exc}"
+        else:
+            header[:] = torch.tensor([FAILED, 0.0, float("nan"), 0.0], dtype=torch.float64)
+            return header, phy2log, weights, f"planner failed: {type(exc).__name__}: {exc}"
+        header[:] = torch.tensor([SHAPE, 0.0, float("nan"), 0.0], dtype=torch.float64)
+        return header, phy2log, weights, reason
     placement = outcome.placement
     assert placement is not None, "a planned rebalance has a plan"
     status = APPLY if outcome.applied else SKIP
