@@ -15,7 +15,7 @@ from tests.helpers.fault_harness import (
     CAUSE,
     FAULTS,
     manager_faults,
-    stall_past_the_serving_timeout,
+    manager_stalled_past_the_serving_timeout,
     swap_group_collective_times_out,
 )
 from tests.helpers.swap_recovery import TIMEOUT_S, run_to_exit
@@ -64,7 +64,7 @@ def test_a_peer_asleep_past_the_serving_timeout_lets_every_process_exit(world: i
     assert swap_group_timeout_s(timeout_s) - timeout_s - serving_timeout_s > EXIT_WITHIN_S
     at = world - 1
     outs = run_to_exit(
-        stall_past_the_serving_timeout,
+        manager_stalled_past_the_serving_timeout,
         world,
         args=(at, stall_s, timeout_s),
         timeout_s=90,

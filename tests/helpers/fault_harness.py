@@ -4,9 +4,10 @@ Gloo ranks that end their processes by themselves (:func:`tests.helpers.swap_rec
 :func:`manager_faults` runs rebalances back and forth between two placements; every odd one
 carries one fault on rank ``at`` (``FAULTS``), every even one none and must apply, on a fresh
 swap group where the fault dropped the last. After each failed rebalance every rank runs an
-all-reduce and an all-to-all on the serving group. :func:`stall_past_the_serving_timeout` has a
-peer asleep in a swap past the serving group's own timeout. :func:`swap_group_collective_times_out`
-shows the swap group's own timeout ending a collective a peer never joins.
+all-reduce and an all-to-all on the serving group.
+:func:`manager_stalled_past_the_serving_timeout` has a peer asleep in a swap past the serving
+group's own timeout. :func:`swap_group_collective_times_out` shows the swap group's own timeout
+ending a collective a peer never joins.
 """
 
 from __future__ import annotations
@@ -134,7 +135,7 @@ def manager_faults(ctx: RankContext, at: int, faults: Sequence[str]) -> dict[str
     return out
 
 
-def stall_past_the_serving_timeout(
+def manager_stalled_past_the_serving_timeout(
     ctx: RankContext, at: int, stall_s: float, timeout_s: float
 ) -> dict[str, Any]:
     """Rank ``at`` sleeps ``stall_s`` (past the swaps' ``timeout_s`` and the serving group's own
