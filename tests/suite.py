@@ -26,6 +26,10 @@ SLOW_FILES: dict[str, str] = {
     "tests/test_hotswap_serving.py": (
         "Gloo ranks in processes; a swap group given up, the manager on: test_manager_recovery's two ranks"
     ),
+    "tests/test_fault_harness.py": (
+        "Gloo ranks in processes, peers asleep past the swaps' and the serving group's timeouts (2-3 min "
+        "in all on 2 cores); the manager's plan shape check runs by default in tests/test_manager_plan_shape.py"
+    ),
     "tests/test_lp_dist.py": (
         "Gloo ranks in processes; the same rule on real Gloo ranks runs by default in tests/test_sglang_lp.py"
     ),

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from eplb.hotswap.control import Cause
 from eplb.manager.context import Live, Setup, log
 from eplb.manager.lost_rank import LostRank
 from eplb.manager.recovery import RecoveryRecord
@@ -142,7 +143,9 @@ class Rebalancer:
         self._future = None
         reason, predicted, solve_s = shared.reason, shared.predicted, shared.solve_seconds
         if shared.target is None:
-            self._finish(shared.outcome, reason, self._before, self._before, predicted, solve_s)
+            self._finish(
+                shared.outcome, reason, self._before, self._before, predicted, solve_s, cause=shared.cause
+            )
             return
         self.swapper.adopt(shared)
         self._apply_due(seconds)
@@ -158,9 +161,9 @@ class Rebalancer:
             after = self.setup.served(self._load_LE, self.live.placement, self.live.weights_LER)
             self._finish("applied", job.reason, self._before, after, job.predicted, job.solve_seconds, job)
             return
-        self._fail_job(job, ended.failure)
+        self._fail_job(job, ended.failure, ended.cause)
 
-    def _fail_job(self, job: SwapJob, reason: str) -> None:
+    def _fail_job(self, job: SwapJob, reason: str, cause: Cause | None = None) -> None:
         """The rebalance failed (its undo done, eplb.manager.schedule): when its swap lost a peer the
         survivors serve on without it, else the reason says what the swap group's state is."""
         live = self.live
@@ -175,7 +178,9 @@ class Rebalancer:
             )
         elif not live.swaps.usable:
             reason += live.swaps.note(job.done)
-        self._finish("failed", reason, self._before, self._before, job.predicted, job.solve_seconds, job)
+        self._finish(
+            "failed", reason, self._before, self._before, job.predicted, job.solve_seconds, job, cause=cause
+        )
         if recovered is not None:
             self.lost.report(recovered)  # after the failed swap's record
         elif not live.swaps.running:
@@ -197,7 +202,9 @@ class Rebalancer:
                 reason = f"peer lost: {why}{live.swaps.note([])}"
             else:
                 reason = f"peer lost: {why}; ranks {list(record.ranks)} serve on without rank(s) {list(record.lost)}"
-            self._finish("failed", reason, self._before, self._before, None, 0.0, interrupted)
+            self._finish(
+                "failed", reason, self._before, self._before, None, 0.0, interrupted, cause="peer lost"
+            )
         if record is None:
             if job is None:
                 live.stop()
@@ -240,6 +247,8 @@ class Rebalancer:
         predicted: float | None,
         solve_seconds: float,
         job: SwapJob | None = None,
+        *,
+        cause: Cause | None = None,
     ) -> None:
         record = RebalanceRecord(
             at_pass=self.live.passes,
@@ -252,6 +261,7 @@ class Rebalancer:
             transfer_seconds=0.0 if job is None else job.transfer_seconds,
             experts_moved=0 if job is None else job.experts_moved,
             bytes_moved=0 if job is None else job.bytes_moved,
+            cause=cause if outcome == "failed" else None,
         )
         self.live.history.append(record)
         assert self._rebalance is not None, "a rebalance ends after it began"

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from eplb.hotswap.control import Cause
 from eplb.hotswap.swap import FaultHook, HotSwapResult, prepare_swap
 from eplb.manager.context import Live, Setup
 from eplb.manager.pacing import Pacer, chunk_costs, per_chunk_layers
@@ -35,6 +36,9 @@ class JobEnd:
     job: SwapJob
     failure: str | None
     """Why it failed, with what its undo did (None: every chunk applied)."""
+    cause: Cause | None = None
+    """The failed swap's cause (eplb.hotswap.control.Cause), the same on every rank; None: every
+    chunk applied, or ended otherwise (the watchdog between passes)."""
 
 
 class SwapScheduler:
@@ -198,14 +202,16 @@ class SwapScheduler:
             job.experts_moved += result.experts_moved
             job.bytes_moved += result.bytes_moved
             return None if job.pending else JobEnd(job, None)
-        return self._fail(job, f"hot-swap of layers {list(chunk)} failed and was rolled back: {result.error}")
+        return self._fail(
+            job, f"hot-swap of layers {list(chunk)} failed and was rolled back: {result.error}", result.cause
+        )
 
     def _ended_by_watchdog(self, job: SwapJob) -> JobEnd:
         """The ranks agreed the watchdog's bound passed: end the job, failed, for the watchdog."""
         self.live.watchdog.fire()
         return self._fail(job, self.live.watchdog.reason())
 
-    def _fail(self, job: SwapJob, reason: str) -> JobEnd:
+    def _fail(self, job: SwapJob, reason: str, cause: Cause | None = None) -> JobEnd:
         """End the job, failed (on every rank alike): undo its applied chunks while a swap group is
         in place, else keep them (consistent per layer)."""
         for future in job.prepared.values():
@@ -216,7 +222,7 @@ class SwapScheduler:
             if back.ok:
                 self.live.serve(job.original, job.original_weights_LER)
             reason += f"; layers {job.done} {'restored' if back.ok else 'NOT restored: ' + str(back.error)}"
-        return JobEnd(job, reason)
+        return JobEnd(job, reason, cause)
 
     def _slots(self) -> list[Mapping[str, torch.Tensor]]:
         return [self.setup.engine.slot_tensors(layer) for layer in range(self.live.placement.num_layers)]

@@ -16,9 +16,11 @@ import torch
 import torch.distributed as dist
 
 from eplb.config import EplbConfig
+from eplb.hotswap.control import Cause
 from eplb.hotswap.swap import PreparedSwap
 from eplb.manager.collectives import RankAgreement
 from eplb.manager.pacing import Pacer
+from eplb.manager.plan_check import check_plan, plan_problems, refused_by_the_diff
 from eplb.metrics.names import ManagerPhase
 from eplb.metrics.sink import MetricsSink, RebalanceOutcome
 from eplb.placement.model import Placement
@@ -81,6 +83,11 @@ class RebalanceRecord:
     transfer_seconds: float
     experts_moved: int
     bytes_moved: int
+    cause: Cause | None = None
+    """Why a failed rebalance failed, in the hot-swap's words (eplb.hotswap.control.Cause:
+    ``shape``, ``timeout``, ``peer lost``, ``checksum``, ``error``), the same on every rank; None
+    when it was not failed, or failed for another reason (the planner, the watchdog). The
+    metrics count it under their own label (``failed_shape`` ..., eplb.metrics.causes)."""
 
     def report_to(self, sink: MetricsSink) -> None:
         """Hand this record to ``sink.on_rebalance`` (its fields carry the same names)."""
@@ -129,7 +136,8 @@ class ManagerState:
     """One record per recovery from a lost rank (eplb.manager.recovery)."""
 
 
-FAILED, SKIP, APPLY = 0.0, 1.0, 2.0
+FAILED, SKIP, APPLY, SHAPE = 0.0, 1.0, 2.0, 3.0
+"""Statuses of the plan's broadcast; SHAPE: failed, rank 0's plan does not fit the model."""
 
 
 @dataclass
@@ -186,15 +194,29 @@ def chunk_steps(
 
 
 def encode_plan(
-    future: Future[Outcome], header: torch.Tensor, phy2log: torch.Tensor, weights: torch.Tensor
+    future: Future[Outcome],
+    header: torch.Tensor,
+    phy2log: torch.Tensor,
+    weights: torch.Tensor,
+    current: Placement,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, str]:
     """Rank 0: the rebalance's outcome (or the planner's failure) as the tensors it broadcasts,
-    plus the reason."""
+    plus the reason. A plan that does not fit the model served on ``current`` is never copied
+    into the buffers: it is sent as SHAPE (eplb.manager.plan_check)."""
     try:
         outcome = future.result()
+        if outcome.plan is not None:
+            check_plan(outcome.plan, current)
     except Exception as exc:
-        header[:] = torch.tensor([FAILED, 0.0, float("nan"), 0.0], dtype=torch.float64)
-        return header, phy2log, weights, f"planner failed: {type(exc).__name__}: {exc}"
+        if getattr(exc, "cause", None) == "shape":
+            reason = str(exc)
+        elif refused_by_the_diff(exc):
+            reason = f"shape: rank 0's plan does not fit the model: {exc}"
+        else:
+            header[:] = torch.tensor([FAILED, 0.0, float("nan"), 0.0], dtype=torch.float64)
+            return header, phy2log, weights, f"planner failed: {type(exc).__name__}: {exc}"
+        header[:] = torch.tensor([SHAPE, 0.0, float("nan"), 0.0], dtype=torch.float64)
+        return header, phy2log, weights, reason
     placement = outcome.placement
     assert placement is not None, "a planned rebalance has a plan"
     status = APPLY if outcome.applied else SKIP
@@ -216,15 +238,21 @@ class SharedPlan:
 
     outcome: RebalanceOutcome
     reason: str
-    """Rank 0's reason (empty on the other ranks)."""
+    """Rank 0's reason (empty on the other ranks, but for a plan of the wrong shape)."""
     predicted: float
     solve_seconds: float
     target: Placement | None
     weights_LER: np.ndarray | None
+    cause: Cause | None = None
+    """``shape`` when the plan does not fit the model (on every rank), else None."""
 
 
 def share_plan(agree: RankAgreement, future: Future[Outcome] | None, current: Placement) -> SharedPlan:
-    """Collective: rank 0 (holding the solve's ``future``) broadcasts its decision, then the maps."""
+    """Collective: rank 0 (holding the solve's ``future``) broadcasts its decision, then the maps.
+
+    Every rank checks what it received against the model alike (the same bytes everywhere): a
+    plan that does not fit fails the rebalance with cause ``shape`` on every rank, nothing moved.
+    """
     L, P, E = current.num_layers, current.num_physical, current.num_logical
     R = P - E + 1
     header = torch.zeros(4, dtype=torch.float64)
@@ -232,14 +260,24 @@ def share_plan(agree: RankAgreement, future: Future[Outcome] | None, current: Pl
     weights = torch.zeros(L, E, R, dtype=torch.float32)
     reason = ""
     if future is not None:
-        header, phy2log, weights, reason = encode_plan(future, header, phy2log, weights)
+        header, phy2log, weights, reason = encode_plan(future, header, phy2log, weights, current)
     status, has_weights, predicted, solve_s = agree.broadcast(header).tolist()
+    if status == SHAPE:
+        reason = reason or "shape: rank 0's plan does not fit the model (rank 0's log names the sizes)"
+        return SharedPlan("failed", reason, predicted, solve_s, None, None, cause="shape")
     if status != APPLY:
         outcome: RebalanceOutcome = "failed" if status == FAILED else "skipped"
         return SharedPlan(outcome, reason, predicted, solve_s, None, None)
     phy2log = agree.broadcast(phy2log)
     weights_LER = agree.broadcast(weights).numpy() if has_weights else None
-    target = Placement.from_phy2log(phy2log.numpy(), current.num_gpus, current.num_nodes, max_replicas=R)
+    try:
+        target = Placement.from_phy2log(phy2log.numpy(), current.num_gpus, current.num_nodes, max_replicas=R)
+        problems = plan_problems(target, weights_LER, current)
+    except ValueError as exc:  # not a placement at all (an expert with too many replicas, ...)
+        problems = [f"{type(exc).__name__}: {exc}"]
+    if problems:
+        why = "shape: the plan received does not fit the model: " + "; ".join(problems)
+        return SharedPlan("failed", why, predicted, solve_s, None, None, cause="shape")
     return SharedPlan("applied", reason, predicted, solve_s, target, weights_LER)
 
 
