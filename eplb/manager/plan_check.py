@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from eplb.hotswap.check import HotSwapShapeError
-from eplb.placement.diff import diff_placements
+from eplb.placement.diff import PlacementMismatch
 from eplb.placement.model import Placement
 from eplb.policy.base import PlanLike
 
@@ -57,17 +57,6 @@ def check_plan(plan: PlanLike, current: Placement) -> None:
 def refused_by_the_diff(exc: BaseException) -> bool:
     """Whether the planning step (eplb.policy.decision) raised ``exc`` where it compares an applied
     plan with the live placement (eplb.placement.diff.diff_placements): a plan of another shape or
-    topology than the model's, refused before anything used it.
-
-    The planner's own errors stay the planner's: only the diff's refusal counts, told by the
-    frame it was raised in (the innermost of its traceback) and its words, not by its words alone.
-    """
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_next is not None:
-        tb = tb.tb_next
-    return (
-        isinstance(exc, ValueError)
-        and tb is not None
-        and tb.tb_frame.f_code is diff_placements.__code__
-        and str(exc).startswith("placements differ in")
-    )
+    topology than the model's, refused before anything used it. The planner's own errors stay the
+    planner's, whatever their words."""
+    return isinstance(exc, PlacementMismatch)

@@ -15,6 +15,12 @@ import numpy as np
 
 from eplb.placement.model import Placement
 
+
+class PlacementMismatch(ValueError):
+    """Two placements compared (:func:`diff_placements`) differ in shape or topology: a plan
+    that does not fit the model it would be served on."""
+
+
 BYTES_UNKNOWN = "bytes unknown"
 """What :meth:`PlacementDiff.summary` says for bytes moved when bytes per expert is not known."""
 
@@ -82,12 +88,12 @@ class PlacementDiff:
 def diff_placements(old: Placement, new: Placement, bytes_per_expert: int = 0) -> PlacementDiff:
     """Compare two placements of the same shape and topology."""
     if old.phy2log_LP.shape != new.phy2log_LP.shape or old.num_logical != new.num_logical:
-        raise ValueError(
+        raise PlacementMismatch(
             f"placements differ in shape: {old.phy2log_LP.shape} vs {new.phy2log_LP.shape}, "
             f"E {old.num_logical} vs {new.num_logical}"
         )
     if (old.num_gpus, old.num_nodes) != (new.num_gpus, new.num_nodes):
-        raise ValueError(
+        raise PlacementMismatch(
             f"placements differ in topology: {old.num_gpus} GPUs/{old.num_nodes} nodes vs "
             f"{new.num_gpus} GPUs/{new.num_nodes} nodes"
         )
