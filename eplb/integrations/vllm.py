@@ -27,9 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib.abc
+import importlib.util
 import logging
 import os
 import re
+import sys
 import threading
 import time
 from collections.abc import Mapping
@@ -442,19 +445,57 @@ def _record_cadence(original: Any) -> Any:
     return init
 
 
+_STATE_MODULE = "vllm.distributed.eplb.eplb_state"
+
+
 def hook_vllm(*, metrics: bool) -> None:
     """Wrap vLLM's ``EplbState`` (its cadence, for the logs; with ``metrics``, each step counted) and
-    its weight transfers (timed), once per process. vLLM calls these through the names wrapped
-    here (the class attribute, ``eplb_state``'s and ``async_worker``'s module globals), each
-    wrapper's ``__wrapped__`` is vLLM's function, and each does what vLLM's does."""
-    from vllm.distributed.eplb import async_worker, eplb_state
+    its weight transfers (timed), once per process, when vLLM imports ``eplb_state`` (its model
+    runner does, with ``--enable-eplb``; importing it at plugin registration would pull vLLM's model
+    stack into every process). vLLM calls these through the names wrapped here (the class
+    attribute, ``eplb_state``'s and ``async_worker``'s module globals); each wrapper's
+    ``__wrapped__`` is vLLM's function, and each does what vLLM's does."""
+    _HOOKS["metrics"] = _HOOKS.get("metrics", False) or metrics
+    module = sys.modules.get(_STATE_MODULE)
+    if module is not None:
+        _patch_vllm(module)
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
 
+
+_HOOKS: dict[str, bool] = {}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches ``eplb_state`` right after vLLM's import of it has run its body."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _STATE_MODULE:
+            return None
+        sys.meta_path.remove(self)  # the real finders find it; this finder is done
+        spec = importlib.util.find_spec(fullname)
+        loader = None if spec is None else spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            _patch_vllm(module)
+
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def _patch_vllm(eplb_state: Any) -> None:
     state = eplb_state.EplbState
     if not getattr(state.__init__, "__eplb__", False):
         state.__init__ = _record_cadence(state.__init__)
         state.__init__.__eplb__ = True
-    if not metrics or getattr(state.step, "__eplb__", False):
+    if not _HOOKS.get("metrics") or getattr(state.step, "__eplb__", False):
         return
+    from vllm.distributed.eplb import async_worker  # imported by eplb_state already
+
     state.step = _count_pass(state.step)
     state.step.__eplb__ = True
     eplb_state.rearrange_expert_weights_inplace = _time_transfer(  # the sync rearrangement: every layer
