@@ -146,6 +146,20 @@ that lists it (:func:`check_engine_env`), whatever else is on; docs/integrations
 ENV_BY_NAME = {var.name: var for var in ENV_VARS}
 
 
+_ENGINE_NAMES = {VLLM: "vLLM", SGLANG: "SGLang"}
+
+
+def env_table_markdown() -> str:
+    """The table of :data:`ENV_VARS` as docs/integrations.md shows it (a test checks the page has it)."""
+    rows = ["| variable | engines | values | unset | what it does |", "|---|---|---|---|---|"]
+    for var in ENV_VARS:
+        engines = (
+            "both" if set(var.engines) == set(ENGINES) else ", ".join(_ENGINE_NAMES[e] for e in var.engines)
+        )
+        rows.append(f"| `{var.name}` | {engines} | {var.bound} | {var.default} | {var.help} |")
+    return "\n".join(rows) + "\n"
+
+
 def engine_vars(engine: str) -> tuple[str, ...]:
     """The names of the variables ``engine``'s adapter reads."""
     if engine not in ENGINES:
