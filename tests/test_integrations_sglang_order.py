@@ -62,5 +62,6 @@ def test_a_window_is_rolled_only_when_it_is_the_circular_buffers() -> None:
     unbounded = types.SimpleNamespace(_buffer=torch.zeros(5, 1, 1), _size=5)  # SGLang's _InfiniteBuffer
     for buffer in (other_length, unbounded):
         assert sglang_time_order(window, buffer) is window
-    assert sglang_time_order(window[0], circular) is window[0]  # a load file's [L, E]
+    load_LE = window[0]
+    assert sglang_time_order(load_LE, circular) is load_LE  # a load file's [L, E]
     assert sglang_time_order(window) is window  # no SGLang recorder in this process
