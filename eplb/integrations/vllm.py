@@ -160,7 +160,9 @@ class EplbVllmPolicy:
         cls.history_windows = history_windows
         if cls.metrics is not None:
             cls.metrics.close()
-        cls.settings, cls.metrics = config, EngineMetrics(config, _LOG)
+        # Rebalances wait for their transfer only where vLLM's transfers are hooked (_patch_vllm).
+        metrics = EngineMetrics(config, _LOG, transfers_follow=_HOOKS.get("patched", False))
+        cls.settings, cls.metrics = config, metrics
         cls.reset()
 
     @classmethod
@@ -348,8 +350,6 @@ def register() -> None:
     if policy.settings != config or policy.algorithm != algorithm or policy.history_windows != history:
         policy.configure(algorithm=algorithm, history_windows=history, settings=config)
     hook_vllm(metrics=config.metrics_port is not None)
-    if config.metrics_port is not None and policy.metrics is not None:
-        policy.metrics.transfers_follow = True
     current = EPLB_POLICIES[VLLM_POLICY_NAME]
     if current is not policy:
         policy.vllm_default = current
@@ -498,6 +498,10 @@ def _patch_vllm(eplb_state: Any) -> None:
 
     state.step = _count_pass(state.step)
     state.step.__eplb__ = True
+    _HOOKS["patched"] = True
+    metrics = _metrics()
+    if metrics is not None:
+        metrics.transfers_follow = True
     eplb_state.rearrange_expert_weights_inplace = _time_transfer(  # the sync rearrangement: every layer
         eplb_state.rearrange_expert_weights_inplace, lambda args, kwargs: True
     )
