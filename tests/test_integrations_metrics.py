@@ -87,9 +87,8 @@ def test_an_applied_plan_is_counted_with_its_transfer_and_passes_are_counted() -
     try:
         decisions = EngineDecisions(num_gpus=G, num_nodes=1, passes_per_rebalance=5, settings=settings,
                                     history_rows=5, metrics=metrics)  # fmt: skip
-        planner = make_planner("auto", "flag", settings=settings)
+        planner, live = make_planner("auto", "flag", settings=settings), Placement.trivial(L, E, G, P - E)
         rng = np.random.default_rng(2)
-        live = Placement.trivial(L, E, G, P - E)
 
         def sample(name: str, **labels: str) -> float:
             got = _samples(metrics.sink.render().decode())  # type: ignore[union-attr]

@@ -147,23 +147,12 @@ def sglang_rank(ctx: RankContext, case: dict[str, Any]) -> dict[str, Any]:
 
     load_plugins()  # eplb's plugin: EPLB_METRICS_PORT=0 (and EPLB_SGLANG_WEIGHT_UPDATER with updater)
     HookRegistry.apply_hooks()
-    from sglang.srt.eplb.eplb_manager import EPLBManager
     from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
 
     from eplb.integrations import sglang as plugin
 
     rng = np.random.default_rng(case["seed"])
-    old_LP = ranks.deepseek_phy2log(rng, P, ctx.world_size, 1)
-    ranks.set_live(ranks.metadata(old_LP, rank))
-    weights = ranks.slot_weights(old_LP, rank, S, "bf16", None, ctx.device)
-    model = types.SimpleNamespace(routed_experts_weights_of_layer=weights)
-    sg = ExpertLocationUpdater()
-    sg._first_execution = False
-    manager = EPLBManager(
-        model_config=None, get_model=lambda: model, get_expert_location_updater=lambda: sg,
-        get_expert_backup_client=lambda: None,
-        get_weight_updater=lambda: types.SimpleNamespace(update_weights_from_disk=None),
-    )  # fmt: skip
+    manager, weights = ranks.serving_manager(ctx, rng, P, "bf16")
     passes = changed = 0
     for _ in range(case["rebalances"]):
         before_LP = ranks.live().physical_to_logical_map_cpu.numpy().copy()
