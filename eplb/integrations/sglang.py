@@ -27,8 +27,11 @@ window is not longer than the interval), so the adapter keeps its own history of
 ``EPLB_WINDOW_PASSES`` passes and plans from it, through the same
 :class:`~eplb.policy.decision.Decider` as eplb's manager. ``EPLB_METRICS_PORT`` makes rank 0
 export eplb's metrics from the windows SGLang hands over (eplb.integrations.engine_metrics),
-starting when SGLang builds its ``EPLBManager``. Every ``EPLB_*`` variable is read and checked
-when SGLang loads the plugin: a bad value stops SGLang at start-up, naming the variable.
+starting when SGLang builds its ``EPLBManager``, with its passes (``on_forward_pass_end``) counted
+and its weight transfers (``ExpertLocationUpdater.update``) timed. SGLang's window reaches the
+planner oldest pass first (:func:`sglang_time_order`). Every ``EPLB_*`` variable is read and
+checked when SGLang loads the plugin (eplb.integrations.engine_env.check_engine_env): a bad value
+stops SGLang at start-up, naming the variable.
 """
 
 from __future__ import annotations

@@ -20,7 +20,11 @@ same all-reduced windows; a change of EP size starts a new history on every rank
 ``--eplb-config '{"step_interval": 50, "window_size": 50}'``) makes each rebalance a budgeted
 continuous-mode step through the same :class:`~eplb.policy.decision.Decider` as eplb's manager,
 planned from the last ``EPLB_VLLM_HISTORY`` windows (default there: 4). ``EPLB_METRICS_PORT`` makes
-rank 0 export eplb's metrics from the windows vLLM hands over (eplb.integrations.engine_metrics).
+rank 0 export eplb's metrics from the windows vLLM hands over (eplb.integrations.engine_metrics),
+with vLLM's steps counted and its weight transfers timed (:func:`hook_vllm`). Every ``EPLB_*``
+variable is checked at :func:`register` (eplb.integrations.engine_env.check_engine_env). The
+per-rebalance log line speaks vLLM's units: windows of ``window_size`` passes, and intervals of
+``step_interval`` steps for the horizon (:func:`reason_in_intervals`).
 """
 
 from __future__ import annotations
