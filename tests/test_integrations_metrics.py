@@ -4,6 +4,7 @@ against values recomputed here in plain numpy; nothing without a port."""
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
@@ -74,3 +75,65 @@ def test_each_rebalance_is_reported_and_only_with_a_port() -> None:
     quiet = EngineMetrics(read_engine_env({}), logging.getLogger("test"))
     quiet.start()
     assert quiet.exporter is None
+
+
+def test_an_applied_plan_is_counted_with_its_transfer_and_passes_are_counted() -> None:
+    """With the engine's transfer hooked, an applied plan's rebalance is reported once the engine
+    moved its last layer, with the seconds it was told (summed over the layers); a kept placement
+    at once; a pending one before the next rebalance; every pass counted."""
+    L, E, G, P = 3, 12, 4, 16
+    settings = read_engine_env({"EPLB_METRICS_PORT": "0"})
+    metrics = EngineMetrics(settings, logging.getLogger("test"), transfers_follow=True)
+    try:
+        decisions = EngineDecisions(num_gpus=G, num_nodes=1, passes_per_rebalance=5, settings=settings,
+                                    history_rows=5, metrics=metrics)  # fmt: skip
+        planner, live = make_planner("auto", "flag", settings=settings), Placement.trivial(L, E, G, P - E)
+        rng = np.random.default_rng(2)
+
+        def sample(name: str, **labels: str) -> float:
+            got = _samples(metrics.sink.render().decode())  # type: ignore[union-attr]
+            return got[(name, tuple(sorted({**labels, "engine": "0", "model_name": "unknown"}.items())))]
+
+        window = rng.poisson(50 * np.exp(2 * rng.standard_normal((L, E))), size=(5, L, E))
+        plan = decisions.rebalance(window, num_physical=P, num_gpus=G, num_nodes=1, num_groups=1,
+                                   planner=planner, current=live)  # fmt: skip
+        assert plan.applied
+        assert sample(names.REBALANCES, outcome="applied", cause="applied") == 0  # moving
+        assert sample(names.MANAGER_PHASE, phase="applying") == 1.0
+        for layer, seconds in enumerate((0.25, 0.5, 0.125)):
+            metrics.transfer(seconds, layer=layer)
+        assert sample(names.REBALANCES, outcome="applied", cause="applied") == 1
+        assert sample(names.TRANSFER_SECONDS + "_sum") == 0.875
+        assert sample(names.TRANSFER_SECONDS + "_count") == 1
+        assert sample(names.MANAGER_PHASE, phase="idle") == 1.0
+        # A plan whose transfer never ends is counted at the next rebalance, with what was moved.
+        second = decisions.rebalance(window[:, :, ::-1], num_physical=P, num_gpus=G, num_nodes=1,
+                                     num_groups=1, planner=planner, current=plan.placement)  # fmt: skip
+        assert second.applied
+        metrics.transfer(0.5, last=False)
+        third = decisions.rebalance(window, num_physical=P, num_gpus=G, num_nodes=1, num_groups=1,
+                                    planner=planner, current=second.placement)  # fmt: skip
+        total = sum(v for (n, _), v in _samples(metrics.sink.render().decode()).items()  # type: ignore[union-attr]
+                    if n == names.REBALANCES)  # fmt: skip
+        assert total == 2 + (0 if third.applied else 1)  # an applied third one is moving
+        assert sample(names.TRANSFER_SECONDS + "_sum") == 0.875 + 0.5
+        for recorded in (True, False, True):
+            metrics.forward_pass(kind="decode", recorded=recorded)
+        assert sample(names.FORWARD_PASSES, kind="decode", recorded="true") == 2
+        assert sample(names.FORWARD_PASSES, kind="decode", recorded="false") == 1
+    finally:
+        metrics.close()
+
+
+def test_an_exporter_that_cannot_bind_is_logged_not_raised(caplog: Any) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        settings = read_engine_env({"EPLB_METRICS_PORT": str(busy.getsockname()[1])})
+        metrics = EngineMetrics(settings, logging.getLogger("test"))
+        metrics.start()
+        metrics.forward_pass(kind="decode", recorded=True)  # a no-op, no error
+    assert metrics.exporter is None and "no metrics" in caplog.text

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -181,32 +182,110 @@ def _loader_results(site: Path, engine: str, scenarios: list[dict[str, Any]]) ->
     return result
 
 
-SGLANG_BAD = [
-    (SOLVER_OPTIONS_ENV, '{"bogus": 1}'),
-    ("EPLB_SGLANG_REMAP_BACKEND", "magic"),
-    (MODE_ENV, "sometimes"),
-    (MAX_MOVED_ENV, "-1"),
-    (METRICS_PORT_ENV, "99999"),
-    ("EPLB_SGLANG_FUSED_REMAP", "maybe"),
-]
+def _table(engine: str) -> list[engine_env.EnvVar]:
+    return [var for var in engine_env.ENV_VARS if engine in var.engines]
 
 
-def test_sglangs_loader_stops_on_bad_values(engine_site: Path) -> None:
-    scenarios = [{"name": f"{var}={value}", "env": {var: value}} for var, value in SGLANG_BAD]
-    scenarios.append(
+def _refused(var: engine_env.EnvVar, message: str) -> bool:
+    """The message names the variable (and, for the solver options, the bad field)."""
+    field = json.loads(var.bad).popitem()[0] if var.kind == "json" else ""
+    return var.name in message and field in message
+
+
+@pytest.mark.parametrize("engine", engine_env.ENGINES)
+def test_every_variable_of_the_table_is_checked_whatever_else_is_on(engine: str) -> None:
+    """Each variable an engine reads, alone with a bad value (nothing else on: no policy, no
+    updater, no port), is refused naming it; the table's bad values are not vacuous (each engine's
+    own variables are also refused by the other engine's check only if it reads them)."""
+    for var in _table(engine):
+        with pytest.raises(ValueError) as info:
+            engine_env.check_engine_env(engine, {var.name: var.bad})
+        assert _refused(var, str(info.value)), (var.name, str(info.value))
+    good = {MODE_ENV: "continuous", METRICS_PORT_ENV: "0", engine_env.METRICS_HOST_ENV: "127.0.0.1"}
+    assert engine_env.check_engine_env(engine, good).metrics_port == 0
+
+
+def _busy_port() -> socket.socket:
+    """A port something listens on (as an engine's own server would)."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1)
+    return sock
+
+
+def test_the_metrics_endpoint_is_probed_at_start_up() -> None:
+    with _busy_port() as busy:
+        port = busy.getsockname()[1]
+        with pytest.raises(ValueError, match=f"{METRICS_PORT_ENV}.*{port} is taken"):
+            engine_env.check_engine_env("vllm", {METRICS_PORT_ENV: str(port)})
+    for host in ("203.0.113.7", "no-such-host.invalid"):  # a TEST-NET address; a name that never resolves
+        with pytest.raises(ValueError, match=engine_env.METRICS_HOST_ENV):
+            engine_env.check_engine_env("sglang", {engine_env.METRICS_HOST_ENV: host, METRICS_PORT_ENV: "0"})
+    # Probes of every process of a host at once do not collide: a bound port no one listens on is free.
+    with socket.socket() as other:
+        other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        other.bind(("127.0.0.1", 0))
+        free = str(other.getsockname()[1])
+        assert engine_env.check_engine_env("vllm", {METRICS_PORT_ENV: free}).metrics_port == int(free)
+
+
+def test_a_solver_option_names_its_field() -> None:
+    cases = {
+        '{"dispatch": "weird"}': "dispatch",
+        '{"copy_cost": 0.1, "decay_half_life": "x"}': "decay_half_life",
+    }
+    for raw, field in cases.items():
+        with pytest.raises(ValueError, match=f"{SOLVER_OPTIONS_ENV}: field '{field}'"):
+            read_engine_env({SOLVER_OPTIONS_ENV: raw})
+
+
+def test_the_docs_table_is_the_code_table() -> None:
+    text = (ROOT / "docs/integrations.md").read_text()
+    assert engine_env.env_table_markdown() in text
+    documented = {line.split("`")[1] for line in text.splitlines() if line.startswith("| `EPLB_")}
+    assert documented == {var.name for var in engine_env.ENV_VARS}
+
+
+def _loader_scenarios(engine: str, busy_port: int) -> list[dict[str, Any]]:
+    base = {"EPLB_VLLM_POLICY": "1"} if engine == "vllm" else {}
+    scenarios = [
+        {
+            "name": var.name,
+            "env": {**base, var.name: var.bad} if var.name not in base else {var.name: var.bad},
+        }
+        for var in _table(engine)
+    ]
+    scenarios.append({"name": "busy port", "env": {**base, METRICS_PORT_ENV: str(busy_port)}})
+    scenarios.append({"name": "good", "env": {**base, MODE_ENV: "continuous", METRICS_PORT_ENV: "0"}})
+    return scenarios
+
+
+@pytest.mark.parametrize("engine", engine_env.ENGINES)
+def test_the_engines_loader_stops_on_every_bad_variable(engine_site: Path, engine: str) -> None:
+    """Through vLLM's and SGLang's own plugin loaders: every variable of the table with its bad
+    value (SGLang's transfer rate with the updater off, the metrics host with the policy on and no
+    port, ...) and a port something listens on stop the engine at start-up naming the variable."""
+    raised = "SettingsExit" if engine == "sglang" else "ValueError"
+    with _busy_port() as busy:
+        got = _loader_results(engine_site, engine, _loader_scenarios(engine, busy.getsockname()[1]))
+    for var in _table(engine):
+        result = got[var.name]
+        assert result["raised"] == raised and _refused(var, result["message"]), (var.name, result)
+    assert got["busy port"]["raised"] == raised and METRICS_PORT_ENV in got["busy port"]["message"]
+    assert got["good"] == {"raised": None, "message": ""}
+
+
+def test_sglangs_loader_takes_the_fused_backend(engine_site: Path) -> None:
+    scenarios = [
         {
             "name": "fused backend",
             "env": {"EPLB_SGLANG_FUSED_REMAP": "1", "EPLB_SGLANG_REMAP_BACKEND": "magic"},
         }
-    )
-    scenarios.append({"name": "good", "env": {MODE_ENV: "continuous", MAX_MOVED_ENV: "40"}})
+    ]
     got = _loader_results(engine_site, "sglang", scenarios)
-    for var, value in SGLANG_BAD:
-        result = got[f"{var}={value}"]
-        assert result["raised"] == "SettingsExit" and var in result["message"], result
     assert got["fused backend"]["raised"] == "SettingsExit"
     assert "EPLB_SGLANG_REMAP_BACKEND" in got["fused backend"]["message"]
-    assert got["good"] == {"raised": None, "message": ""}
 
 
 def test_sglang_process_exits_at_start_up_naming_the_variable(engine_site: Path) -> None:
@@ -220,25 +299,9 @@ def test_sglang_process_exits_at_start_up_naming_the_variable(engine_site: Path)
     assert "EPLB_SOLVER_OPTIONS" in done.stderr and "bogus" in done.stderr
 
 
-VLLM_BAD = [
-    (SOLVER_OPTIONS_ENV, '{"bogus": 1}'),
-    ("EPLB_VLLM_HISTORY", "0"),
-    (MODE_ENV, "sometimes"),
-    (SHIFT_BURST_ENV, "zero"),
-    (METRICS_PORT_ENV, "-1"),
-]
-
-
-def test_vllms_loader_stops_on_bad_values(engine_site: Path) -> None:
-    scenarios = [{"name": f"{v}={x}", "env": {"EPLB_VLLM_POLICY": "1", v: x}} for v, x in VLLM_BAD]
-    scenarios.append({"name": "policy off", "env": {MODE_ENV: "continuous"}})
-    scenarios.append({"name": "good", "env": {"EPLB_VLLM_POLICY": "1", MODE_ENV: "continuous"}})
-    got = _loader_results(engine_site, "vllm", scenarios)
-    for var, value in VLLM_BAD:
-        result = got[f"{var}={value}"]
-        assert result["raised"] == "ValueError" and var in result["message"], result
+def test_vllms_loader_refuses_continuous_mode_with_the_policy_off(engine_site: Path) -> None:
+    got = _loader_results(engine_site, "vllm", [{"name": "policy off", "env": {MODE_ENV: "continuous"}}])
     assert got["policy off"]["raised"] == "ValueError" and "EPLB_VLLM_POLICY" in got["policy off"]["message"]
-    assert got["good"] == {"raised": None, "message": ""}
 
 
 def test_every_variable_is_documented() -> None:

@@ -1,10 +1,12 @@
 """Every ``EPLB_*`` environment variable the engine adapters read, parsed and checked in one place.
 
 vLLM and SGLang give a plugin no flags of its own, so the adapters are configured through the
-environment. :func:`read_engine_env` reads the variables both adapters share (the rebalance mode
-and its move budget, the solver options, the metrics endpoint) and raises ValueError naming the
-variable for any bad value; the plugins call it when the engine registers them, so a typo stops
-the engine at start-up, not at its first rebalance. The mode's meaning and defaults are
+environment. :data:`ENV_VARS` is the one table of every variable (name, kind, bound, engines);
+:func:`check_engine_env` checks each variable an engine's adapter lists, whatever else is on (a
+transfer rate with the weight updater off, a metrics host without a port), probes the metrics
+endpoint by binding it, and raises ValueError naming the variable (and a solver option's field);
+the plugins call it when the engine registers them, so a typo stops the engine at start-up, not
+at its first rebalance. :func:`read_engine_env` reads the settings both adapters share. The mode's meaning and defaults are
 ``eplb.config``'s (``--eplb-rebalance-mode``, ``--eplb-max-moved-experts``,
 ``--eplb-shift-burst``, ``--eplb-initial-full-plan``): :meth:`EngineEnv.decision_config` builds the
 :class:`~eplb.config.EplbConfig` the adapters' :class:`~eplb.policy.decision.Decider` holds.
@@ -14,10 +16,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Literal
 
 from eplb.config import (
     CONTINUOUS_BUFFER_SIZE,
@@ -33,43 +37,137 @@ from eplb.config import (
 from eplb.metrics import names
 
 MODE_ENV = flag_env("--eplb-rebalance-mode")
-"""``periodic`` (default: plan at the engine's cadence) or ``continuous``."""
 MAX_MOVED_ENV = flag_env("--eplb-max-moved-experts")
-"""Cross-GPU expert copies per rebalance, on average (continuous default: eplb.config's 160)."""
 SHIFT_BURST_ENV = flag_env("--eplb-shift-burst")
-"""Continuous mode: a plan on a domain shift may spend up to this many budgets (default 8)."""
 INITIAL_FULL_PLAN_ENV = flag_env("--eplb-initial-full-plan")
-"""Continuous mode: ``0`` budgets the first plan too (default ``1``: it moves without the budget)."""
 WINDOW_PASSES_ENV = "EPLB_WINDOW_PASSES"
-"""Continuous mode under SGLang: passes of load the adapter plans from, its own history of the
-windows SGLang hands it (SGLang's own buffer must not exceed its interval); default 200."""
 SOLVER_OPTIONS_ENV = "EPLB_SOLVER_OPTIONS"
-"""A JSON object of ``SolveOptions`` fields for the engine adapters."""
 METRICS_PORT_ENV = "EPLB_METRICS_PORT"
-"""Rank 0 serves eplb's metrics on this port (0: a free one, logged); unset: no metrics."""
 METRICS_HOST_ENV = "EPLB_METRICS_HOST"
-"""The address the metrics endpoint binds (default 127.0.0.1)."""
 MODEL_NAME_ENV = "EPLB_MODEL_NAME"
-"""The ``model_name`` label of eplb's series (use the engine's served model name)."""
 METRICS_ENGINE_ENV = "EPLB_METRICS_ENGINE"
-"""The ``engine`` label of eplb's series (default ``0``, vLLM's first engine)."""
-
+VLLM_POLICY_ENV = "EPLB_VLLM_POLICY"
+VLLM_HISTORY_ENV = "EPLB_VLLM_HISTORY"
+VLLM_DUMP_ENV = "EPLB_VLLM_DUMP_DIR"
+SGLANG_PLUGIN_ENV = "EPLB_SGLANG"
+SGLANG_FUSED_ENV = "EPLB_SGLANG_FUSED_REMAP"
+SGLANG_BACKEND_ENV = "EPLB_SGLANG_REMAP_BACKEND"
 SGLANG_LP_ENV = "EPLB_SGLANG_LP"
-"""SGLang only: ``1`` serves ``--ep-dispatch-algorithm lp`` with eplb's ``lp`` kernels
-(eplb.integrations.sglang_lp); ``0`` or unset: SGLang's own LP solver (default)."""
+SGLANG_UPDATER_ENV = "EPLB_SGLANG_WEIGHT_UPDATER"
+SGLANG_GBPS_ENV = "EPLB_SGLANG_TRANSFER_GBPS"
+SGLANG_TIMEOUT_ENV = "EPLB_SGLANG_SWAP_TIMEOUT_S"
 
-SHARED_ENV = (
-    MODE_ENV,
-    MAX_MOVED_ENV,
-    SHIFT_BURST_ENV,
-    INITIAL_FULL_PLAN_ENV,
-    WINDOW_PASSES_ENV,
-    SOLVER_OPTIONS_ENV,
-    METRICS_PORT_ENV,
-    METRICS_HOST_ENV,
-    MODEL_NAME_ENV,
-    METRICS_ENGINE_ENV,
-)
+VLLM = "vllm"
+SGLANG = "sglang"
+ENGINES = (VLLM, SGLANG)
+"""The engines whose adapters read the environment (TensorRT-LLM reads a file instead)."""
+
+EnvKind = Literal[
+    "choice", "int", "float", "flag", "json", "label", "host", "port", "policy", "backend", "dir"
+]
+
+
+@dataclass(frozen=True, kw_only=True)
+class EnvVar:
+    """One ``EPLB_*`` variable of the engine adapters: what it takes and where it is checked."""
+
+    name: str
+    kind: EnvKind
+    """How its value is parsed and checked (:func:`check_var`)."""
+    bound: str
+    """The values it accepts, in words (the docs' table shows it)."""
+    engines: tuple[str, ...]
+    """The adapters that read it and check it at start-up (:func:`check_engine_env`)."""
+    default: str
+    """What unset means, in words."""
+    help: str
+    """What it does."""
+    bad: str
+    """A value the start-up check refuses (the tests set each one)."""
+    low: float | None = None
+    """Least value of an ``int`` or ``float`` (``float``: strictly above it)."""
+    high: int | None = None
+    """Greatest value of an ``int``."""
+    choices: tuple[str, ...] = ()
+    """The values of a ``choice`` (any case)."""
+
+
+_BOTH = ENGINES
+ENV_VARS: tuple[EnvVar, ...] = (
+    EnvVar(name=MODE_ENV, kind="choice", choices=REBALANCE_MODES, bound=" or ".join(REBALANCE_MODES),
+           engines=_BOTH, default="periodic", bad="sometimes",
+           help="periodic: plan at the engine's cadence; continuous: budgeted continuous-mode steps"),
+    EnvVar(name=MAX_MOVED_ENV, kind="int", low=0, bound="integer >= 0", engines=_BOTH,
+           default="the mode's (continuous: 160)", bad="-3",
+           help="cross-GPU expert copies per rebalance, on average"),
+    EnvVar(name=SHIFT_BURST_ENV, kind="int", low=1, bound="integer >= 1", engines=_BOTH, default="8",
+           bad="0", help="continuous: a plan on a domain shift may spend this many budgets, repaid later"),
+    EnvVar(name=INITIAL_FULL_PLAN_ENV, kind="flag", bound="boolean", engines=_BOTH, default="1",
+           bad="perhaps", help="continuous: 1 the first plan moves without the budget, 0 it is budgeted too"),
+    EnvVar(name=WINDOW_PASSES_ENV, kind="int", low=1, high=MAX_WINDOW_PASSES,
+           bound=f"integer in [1, {MAX_WINDOW_PASSES}]", engines=_BOTH, default=str(CONTINUOUS_BUFFER_SIZE),
+           bad="0", help="continuous mode under SGLang: passes of load the adapter plans from, its own history"),
+    EnvVar(name=SOLVER_OPTIONS_ENV, kind="json", bound="JSON object of SolveOptions fields", engines=_BOTH,
+           default="none", bad='{"decay_half_life": "x"}', help="solver options of the adapters"),
+    EnvVar(name=METRICS_PORT_ENV, kind="port", low=0, high=65535,
+           bound="integer in [0, 65535], free on the host", engines=_BOTH, default="no metrics", bad="70000",
+           help="rank 0 serves eplb's metrics on this port (0: a free one, logged)"),
+    EnvVar(name=METRICS_HOST_ENV, kind="host", bound="an address of this host", engines=_BOTH,
+           default="127.0.0.1", bad="203.0.113.7", help="the address the metrics endpoint binds"),
+    EnvVar(name=MODEL_NAME_ENV, kind="label", bound=f"label value, <= {names.MAX_LABEL_CHARS} characters",
+           engines=_BOTH, default=names.DEFAULT_MODEL_NAME, bad="a\x01b",
+           help="the model_name label of eplb's series (use the engine's served name)"),
+    EnvVar(name=METRICS_ENGINE_ENV, kind="label", bound=f"label value, <= {names.MAX_LABEL_CHARS} characters",
+           engines=_BOTH, default=names.DEFAULT_ENGINE, bad="x" * 300,
+           help="the engine label of eplb's series (vLLM's first engine is 0)"),
+    EnvVar(name=VLLM_POLICY_ENV, kind="policy", bound="1/0 or an eplb algorithm name", engines=(VLLM,),
+           default="off", bad="magic", help="turns eplb's vLLM policy on"),
+    EnvVar(name=VLLM_HISTORY_ENV, kind="int", low=1, bound="integer >= 1", engines=(VLLM,),
+           default="periodic: 1; continuous: 4", bad="0", help="windows the forecast uses"),
+    EnvVar(name=VLLM_DUMP_ENV, kind="dir", bound="a folder (made if missing)", engines=(VLLM,),
+           default="none", bad="/proc/version", help="rank 0 keeps every window vLLM hands over as an eplb trace"),
+    EnvVar(name=SGLANG_PLUGIN_ENV, kind="flag", bound="boolean", engines=(SGLANG,), default="1",
+           bad="maybe", help="0 keeps the plugin out entirely"),
+    EnvVar(name=SGLANG_FUSED_ENV, kind="flag", bound="boolean", engines=(SGLANG,), default="0", bad="maybe",
+           help="1 replaces the MegaMoE fused map+record with eplb's kernel"),
+    EnvVar(name=SGLANG_BACKEND_ENV, kind="backend", bound="auto or a remap backend usable in the process",
+           engines=(SGLANG,), default="auto", bad="magic", help="that kernel's backend"),
+    EnvVar(name=SGLANG_LP_ENV, kind="flag", bound="boolean", engines=(SGLANG,), default="0", bad="2",
+           help="1 serves --ep-dispatch-algorithm lp with eplb's lp kernels instead of SGLang's LP solver"),
+    EnvVar(name=SGLANG_UPDATER_ENV, kind="flag", bound="boolean", engines=(SGLANG,), default="0", bad="sure",
+           help="1 moves the expert weights with eplb's hot-swap instead of SGLang's updater"),
+    EnvVar(name=SGLANG_GBPS_ENV, kind="float", low=0.0, bound="finite number > 0", engines=(SGLANG,),
+           default="as fast as the link", bad="-10", help="the weight updater's pace, GB/s into the busiest GPU"),
+    EnvVar(name=SGLANG_TIMEOUT_ENV, kind="float", low=0.0, bound="finite number > 0", engines=(SGLANG,),
+           default="60", bad="0", help="the weight updater's deadline for every wait of a swap, seconds"),
+)  # fmt: skip
+"""Every ``EPLB_*`` variable the engine adapters read: each is checked at start-up by every adapter
+that lists it (:func:`check_engine_env`), whatever else is on; docs/integrations.md lists them."""
+ENV_BY_NAME = {var.name: var for var in ENV_VARS}
+
+
+_ENGINE_NAMES = {VLLM: "vLLM", SGLANG: "SGLang"}
+
+
+def env_table_markdown() -> str:
+    """The table of :data:`ENV_VARS` as docs/integrations.md shows it (a test checks the page has it)."""
+    rows = ["| variable | engines | values | unset | what it does |", "|---|---|---|---|---|"]
+    for var in ENV_VARS:
+        engines = (
+            "both" if set(var.engines) == set(ENGINES) else ", ".join(_ENGINE_NAMES[e] for e in var.engines)
+        )
+        rows.append(f"| `{var.name}` | {engines} | {var.bound} | {var.default} | {var.help} |")
+    return "\n".join(rows) + "\n"
+
+
+def engine_vars(engine: str) -> tuple[str, ...]:
+    """The names of the variables ``engine``'s adapter reads."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    return tuple(var.name for var in ENV_VARS if engine in var.engines)
+
+
+SHARED_ENV = tuple(var.name for var in ENV_VARS if set(var.engines) == set(ENGINES))
 """The variables both adapters read."""
 OTHER_EPLB_ENV = ("EPLB_ENGINES_DIR", "EPLB_DASHBOARDS_DIR")
 """``EPLB_*`` variables of eplb's tests and tools, not of the adapters (never warned about)."""
@@ -133,6 +231,112 @@ def solver_options_from_env(
     return {**merged, **user}
 
 
+def check_solver_options(options: Mapping[str, Any]) -> None:
+    """ValueError naming ``EPLB_SOLVER_OPTIONS`` and the bad field (or the fields that clash)."""
+    from eplb.solver.types import SolveOptions  # SciPy's package only where an adapter runs
+
+    try:
+        SolveOptions.from_mapping(options)
+        return
+    except ValueError as exc:
+        whole = exc
+    for name, value in options.items():  # the field that is wrong on its own, if any
+        try:
+            SolveOptions.from_mapping({name: value})
+        except ValueError as exc:
+            raise ValueError(f"{SOLVER_OPTIONS_ENV}: field {name!r} = {value!r}: {exc}") from None
+    raise ValueError(f"{SOLVER_OPTIONS_ENV}: fields {sorted(options)} together: {whole}") from None
+
+
+def probe_metrics_endpoint(host: str, port: int | None) -> None:
+    """Bind what the metrics exporter will bind, and let go: ValueError naming ``EPLB_METRICS_HOST``
+    when ``host`` is no address of this host, ``EPLB_METRICS_PORT`` when ``port`` is taken.
+
+    The socket is bound as the exporter binds it (SO_REUSEADDR, so every process of one host may
+    probe at once and only a listening socket makes the port busy), then closed: the exporter
+    binds again on rank 0 at its start, and a port taken in between is logged there.
+    """
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    for var, address in ((METRICS_HOST_ENV, (host, 0)), (METRICS_PORT_ENV, (host, port))):
+        if address[1] is None or (var == METRICS_PORT_ENV and address[1] == 0):
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except (OSError, OverflowError) as exc:
+                what = "no address of this host" if var == METRICS_HOST_ENV else f"port {port} is taken"
+                raise ValueError(
+                    f"{var}: cannot serve metrics on {host}:{address[1]}: {what} ({exc})"
+                ) from None
+
+
+def check_var(var: EnvVar, environ: Mapping[str, str]) -> None:
+    """ValueError naming ``var`` when its value in ``environ`` is bad (unset or empty: fine).
+    The metrics host and port are probed together (:func:`probe_metrics_endpoint`)."""
+    raw = environ.get(var.name, "").strip()
+    if not raw:
+        return
+    kind = var.kind
+    if kind in ("int", "port"):
+        env_int(environ, var.name, low=int(var.low or 0), high=var.high)
+    elif kind == "float":
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"{var.name} must be a number, got {raw!r}") from None
+        if not (math.isfinite(value) and value > (var.low or 0.0)):
+            raise ValueError(f"{var.name} must be a {var.bound}, got {raw!r}")
+    elif kind == "flag":
+        env_flag(environ, var.name, False)
+    elif kind == "choice":
+        if raw.lower() not in var.choices:
+            raise ValueError(f"{var.name} must be one of {var.choices}, got {raw!r}")
+    elif kind == "json":
+        check_solver_options(solver_options_from_env(environ=environ))
+    elif kind == "label":
+        given = {"engine": names.DEFAULT_ENGINE, "model_name": names.DEFAULT_MODEL_NAME}
+        given["engine" if var.name == METRICS_ENGINE_ENV else "model_name"] = raw
+        try:
+            names.engine_labels(**given)
+        except ValueError as exc:
+            raise ValueError(f"{var.name}: {exc}") from None
+    elif kind == "policy":
+        if raw.lower() not in (*_TRUE, *_FALSE, "eplb"):
+            from eplb.policy import check_policy_name
+
+            check_policy_name(raw, var.name)
+    elif kind == "backend":
+        from eplb.remap import available_backends
+
+        usable = ("auto", *available_backends())
+        if raw not in usable:
+            raise ValueError(f"{var.name}={raw!r}: choose from {usable} (usable in this process)")
+    elif kind == "dir":
+        path = Path(raw)
+        if path.exists() and not path.is_dir():
+            raise ValueError(f"{var.name}={raw!r} is not a folder")
+        if path.is_dir() and not os.access(path, os.W_OK | os.X_OK):
+            raise ValueError(f"{var.name}={raw!r}: the folder is not writable")
+    # "host": probed with the port, below
+
+
+def check_engine_env(engine: str, environ: Mapping[str, str] | None = None) -> EngineEnv:
+    """Every variable of ``engine``'s adapter (:data:`ENV_VARS`) checked, whatever else is on, and
+    the shared settings read (:func:`read_engine_env`); the metrics endpoint is probed when either
+    of its variables is set. ValueError naming the variable (and a solver option's field)."""
+    env = os.environ if environ is None else environ
+    for var in ENV_VARS:
+        if engine in var.engines:
+            check_var(var, env)
+    settings = read_engine_env(env, known=engine_vars(engine))
+    if env.get(METRICS_HOST_ENV, "").strip() or settings.metrics_port is not None:
+        probe_metrics_endpoint(settings.metrics_host, settings.metrics_port)
+    return settings
+
+
 @dataclass(frozen=True, kw_only=True)
 class EngineEnv:
     """The shared adapter settings, as the environment gave them (checked)."""
@@ -184,17 +388,12 @@ def read_engine_env(environ: Mapping[str, str] | None = None, *, known: tuple[st
     """The shared adapter settings from ``environ`` (default ``os.environ``); ValueError naming the
     variable for any bad value. ``known``: the engine's own ``EPLB_*`` variables; any other
     ``EPLB_*`` variable is logged as unknown (a typo would otherwise go unnoticed)."""
-    from eplb.solver.types import SolveOptions  # SciPy's package only where an adapter runs
-
     env = os.environ if environ is None else environ
     mode = env.get(MODE_ENV, "").strip().lower() or EngineEnv.mode
     if mode not in REBALANCE_MODES:
         raise ValueError(f"{MODE_ENV} must be one of {REBALANCE_MODES}, got {env[MODE_ENV]!r}")
     options = solver_options_from_env(environ=env)
-    try:
-        SolveOptions.from_mapping(options)
-    except ValueError as exc:
-        raise ValueError(f"{SOLVER_OPTIONS_ENV}: {exc}") from None
+    check_solver_options(options)
     settings = EngineEnv(
         mode=mode,
         max_moved_experts=env_int(env, MAX_MOVED_ENV, low=0),

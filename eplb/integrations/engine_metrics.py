@@ -11,8 +11,14 @@ placement), the outcome with its cause (eplb.metrics.causes), the solve time, th
 bytes the plan moves, the balancedness before and after, the last plan's prediction and what
 the window it served realized, and the phase (solving, then idle), from which the exporter derives
 the seconds since the last rebalance at each scrape: a rebalancer that stops being called shows as
-a growing age. The engine moves the weights, so the transfer time reads 0. Series are bounded as
-eplb's own are (layers x ranks, the fixed causes).
+a growing age. Series are bounded as eplb's own are (layers x ranks, the fixed causes).
+
+The engine moves the weights and runs the passes, so the adapters hook those and tell this object
+(:meth:`EngineMetrics.forward_pass`, :meth:`EngineMetrics.transfer`): with ``transfers_follow``
+set (the adapter hooked the engine's weight transfer), an applied plan's rebalance is reported
+once the engine has moved its last layer, with the seconds the transfers took, in the phase
+``applying`` until then; a plan that moves nothing is reported at once. A pending report is
+reported before the next one in any case (a transfer the engine never ran then reads 0 s).
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +37,7 @@ from eplb.placement.balance import gpu_load, model_balancedness
 if TYPE_CHECKING:
     from eplb.integrations.engine_env import EngineEnv
     from eplb.metrics.exporter import MetricsExporter
+    from eplb.metrics.sink import PassKind
     from eplb.placement.model import Placement
 
 
@@ -70,18 +77,34 @@ class RebalanceReport:
 class EngineMetrics:
     """One engine process's metrics: a sink on rank 0 with a port set, made on first use."""
 
-    def __init__(self, settings: EngineEnv, logger: logging.Logger) -> None:
+    def __init__(
+        self, settings: EngineEnv, logger: logging.Logger, *, transfers_follow: bool = False
+    ) -> None:
         self.settings = settings
         self._log = logger
         self._lock = threading.Lock()
         self.sink: MetricsSink | None = None
         """None until :meth:`start`; a NullSink on ranks other than 0 or without a port."""
         self.exporter: MetricsExporter | None = None
+        self.transfers_follow = transfers_follow
+        """Whether the adapter hooked the engine's weight transfer: an applied plan is then reported
+        with its transfer time once :meth:`transfer` says the last layer moved."""
         self._topology: tuple[int, ...] | None = None
         self._last_predicted: float | None = None
+        self._pending: dict[str, Any] | None = None
+        """The rebalance event of an applied plan whose transfer is under way (``transfers_follow``)."""
+        self._pending_layers = 0
+        self._pending_seconds = 0.0
+
+    @property
+    def exporting(self) -> bool:
+        """Whether this process exports (rank 0 with a port, once started)."""
+        return self.exporter is not None
 
     def start(self) -> MetricsSink:
-        """The sink (starts rank 0's exporter the first time)."""
+        """The sink (starts rank 0's exporter the first time). An exporter that cannot start (the
+        port was taken after the start-up probe) is logged once; the process then exports nothing
+        rather than fail each rebalance."""
         with self._lock:
             if self.sink is not None:
                 return self.sink
@@ -91,13 +114,18 @@ class EngineMetrics:
                 return self.sink
             from eplb.metrics.exporter import sink_for_rank
 
-            self.sink, self.exporter = sink_for_rank(
-                process_rank(),
-                port=settings.metrics_port,
-                host=settings.metrics_host,
-                engine=settings.metrics_engine,
-                model_name=settings.model_name,
-            )
+            try:
+                self.sink, self.exporter = sink_for_rank(
+                    process_rank(),
+                    port=settings.metrics_port,
+                    host=settings.metrics_host,
+                    engine=settings.metrics_engine,
+                    model_name=settings.model_name,
+                )
+            except ValueError as exc:  # bound at start-up, taken since: serving must go on
+                self._log.error("eplb: no metrics (EPLB_METRICS_HOST/EPLB_METRICS_PORT): %s", exc)
+                self.sink, self.exporter = NullSink(), None
+                return self.sink
             if self.exporter is not None:
                 self._log.info("eplb: metrics on %s", self.exporter.url)
                 self.sink.on_phase(phase="idle", in_flight_since=None, last_rebalance_at=time.monotonic())
@@ -133,11 +161,10 @@ class EngineMetrics:
         # The window was served by the placement the last rebalance left: what it realized there
         # beside what that rebalance predicted for it.
         realized = before if self._last_predicted is not None else None
-        sink.on_rebalance(
+        rebalance = dict(
             outcome="applied" if event.applied else "skipped",
             reason=event.reason,
             solve_seconds=max(event.solve_seconds, 0.0),
-            transfer_seconds=0.0,
             experts_moved=event.copies,
             bytes_moved=event.copies * event.bytes_per_expert,
             balancedness_before=before,
@@ -146,6 +173,45 @@ class EngineMetrics:
             realized_balancedness=realized,
         )
         self._last_predicted = event.predicted
+        with self._lock:
+            self._flush(sink)  # a transfer never reported done: its rebalance goes out now
+            if event.applied and self.transfers_follow:
+                self._pending, self._pending_layers, self._pending_seconds = rebalance, L, 0.0
+                on_phase = getattr(sink, "on_phase", None)
+                if on_phase is not None:
+                    started = time.monotonic()
+                    on_phase(phase="applying", in_flight_since=started, last_rebalance_at=started)
+                return
+            self._pending = rebalance
+            self._flush(sink)
+
+    def forward_pass(self, *, kind: PassKind, recorded: bool) -> None:
+        """The engine ran a forward pass (counted by rank 0's exporter)."""
+        sink = self.start()
+        if self.exporter is not None:
+            sink.on_forward_pass(kind=kind, recorded=recorded)
+
+    def transfer(self, seconds: float, *, last: bool | None = None, layer: int | None = None) -> None:
+        """The engine moved weights for ``seconds``; the plan's transfer is done with ``last``, or
+        when ``layer`` is the last of the pending plan's layers. Nothing pending: ignored (a plan
+        that is not eplb's)."""
+        if self.exporter is None:
+            return
+        with self._lock:
+            if self._pending is None:
+                return
+            self._pending_seconds += max(float(seconds), 0.0)
+            if last or (layer is not None and layer >= self._pending_layers - 1):
+                assert self.sink is not None
+                self._flush(self.sink)
+
+    def _flush(self, sink: MetricsSink) -> None:
+        """Report the pending rebalance with the transfer time counted so far (lock held)."""
+        rebalance, self._pending = self._pending, None
+        if rebalance is None:
+            return
+        sink.on_rebalance(transfer_seconds=self._pending_seconds, **rebalance)
+        self._pending_seconds = 0.0
         on_phase = getattr(sink, "on_phase", None)
         if on_phase is not None:
             on_phase(phase="idle", in_flight_since=None, last_rebalance_at=time.monotonic())

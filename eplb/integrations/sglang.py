@@ -27,8 +27,11 @@ window is not longer than the interval), so the adapter keeps its own history of
 ``EPLB_WINDOW_PASSES`` passes and plans from it, through the same
 :class:`~eplb.policy.decision.Decider` as eplb's manager. ``EPLB_METRICS_PORT`` makes rank 0
 export eplb's metrics from the windows SGLang hands over (eplb.integrations.engine_metrics),
-starting when SGLang builds its ``EPLBManager``. Every ``EPLB_*`` variable is read and checked
-when SGLang loads the plugin: a bad value stops SGLang at start-up, naming the variable.
+starting when SGLang builds its ``EPLBManager``, with its passes (``on_forward_pass_end``) counted
+and its weight transfers (``ExpertLocationUpdater.update``) timed. SGLang's window reaches the
+planner oldest pass first (:func:`sglang_time_order`). Every ``EPLB_*`` variable is read and
+checked when SGLang loads the plugin (eplb.integrations.engine_env.check_engine_env): a bad value
+stops SGLang at start-up, naming the variable.
 """
 
 from __future__ import annotations
@@ -43,15 +46,20 @@ import numpy as np
 
 from eplb.config import even_nodes
 from eplb.integrations.engine_env import (
-    SGLANG_LP_ENV,
+    SGLANG,
+    SGLANG_BACKEND_ENV,
+    SGLANG_FUSED_ENV,
+    SGLANG_PLUGIN_ENV,
+    SHARED_ENV,
     EngineEnv,
+    check_engine_env,
+    engine_vars,
     env_flag,
     read_engine_env,
     sglang_lp_requested,
 )
 from eplb.integrations.engine_metrics import EngineMetrics
 from eplb.integrations.engine_plan import EngineDecisions, EnginePlan, engine_placement, make_planner
-from eplb.integrations.sglang_updater import UPDATER_ENV
 from eplb.placement.model import Placement
 from eplb.policy import check_policy_name, policy_names, resolve_policy_name
 
@@ -61,15 +69,15 @@ if TYPE_CHECKING:
     from eplb.placement.degraded import DegradedPlacement
     from eplb.solver.planner import SolverPlanner
 
-PLUGIN_ENV = "EPLB_SGLANG"
-"""Environment variable: ``0`` keeps the whole plugin out of SGLang (default: on, inert until asked)."""
-FUSED_ENV = "EPLB_SGLANG_FUSED_REMAP"
-"""Environment variable: ``1`` replaces SGLang's ``eplb_map_and_record_fused`` with eplb's kernel."""
-BACKEND_ENV = "EPLB_SGLANG_REMAP_BACKEND"
-"""Environment variable: the fused replacement's remap backend (eplb.integrations.sglang_remap)."""
-SGLANG_ENV = (PLUGIN_ENV, FUSED_ENV, BACKEND_ENV, SGLANG_LP_ENV, *UPDATER_ENV)
+PLUGIN_ENV = SGLANG_PLUGIN_ENV
+"""``0`` keeps the whole plugin out of SGLang (default: on, inert until asked)."""
+FUSED_ENV = SGLANG_FUSED_ENV
+"""``1`` replaces SGLang's ``eplb_map_and_record_fused`` with eplb's kernel."""
+BACKEND_ENV = SGLANG_BACKEND_ENV
+"""The fused replacement's remap backend (eplb.integrations.sglang_remap)."""
+SGLANG_ENV = tuple(var for var in engine_vars(SGLANG) if var not in SHARED_ENV)
 """The ``EPLB_*`` variables of this plugin (beside eplb.integrations.engine_env.SHARED_ENV), the
-weight updater's (eplb.integrations.sglang_updater) included."""
+weight updater's (eplb.integrations.sglang_updater) included: eplb.integrations.engine_env.ENV_VARS."""
 PREFIX = "eplb:"
 """``--eplb-algorithm eplb:NAME`` runs eplb's algorithm NAME even where SGLang has one of that name."""
 SGLANG_ALGORITHMS = (
@@ -322,6 +330,37 @@ def live_phy2log() -> Any:
     return None if metadata is None else metadata.physical_to_logical_map_cpu
 
 
+def sglang_time_order(tokens_per_expert: Any, buffer: Any = None) -> Any:
+    """SGLang's window [W, L, E] with its passes oldest first, as eplb's forecast weighs them.
+
+    SGLang 0.5.23's stat recorder keeps the passes in a circular buffer (``_CircularBuffer``): pass
+    k goes to row ``k mod W``, and dumping the window zeroes the rows but keeps the write index. Its
+    ``EPLBManager`` rebalances after ``--eplb-rebalance-num-iterations`` + 1 recorded passes the
+    first time and every interval after, so with the buffer equal to the interval the newest pass
+    sits in row 0 at every rebalance, and in general at the row before the write index. The index
+    (``buffer``: the recorder's, read when None) is the oldest row: the window is rolled to start
+    there. Rows not written since the last dump (fewer passes than rows) are zero and come first.
+    Anything else (a load file at start-up, an unbounded buffer, no recorder) is returned as given.
+    """
+    if buffer is None:
+        try:
+            from sglang.srt.eplb.expert_distribution import get_global_expert_distribution_recorder
+
+            accumulator = getattr(get_global_expert_distribution_recorder(), "_accumulator", None)
+            buffer = getattr(accumulator, "_global_physical_count_of_buffered_step", None)
+        except Exception:  # no recorder in this process (start-up, tests): as given
+            return tokens_per_expert
+    rows = getattr(buffer, "_buffer", None)
+    index = getattr(buffer, "_curr_index", None)
+    if rows is None or not isinstance(index, int) or getattr(tokens_per_expert, "ndim", 0) != 3:
+        return tokens_per_expert  # SGLang's unbounded buffer is in time order already
+    if len(rows) != tokens_per_expert.shape[0] or not 0 <= index < len(rows):
+        return tokens_per_expert
+    import torch
+
+    return torch.roll(tokens_per_expert, shifts=-index, dims=0)
+
+
 def compute_algorithm_hook(
     original: Callable[..., Any], raw_algorithm: str, num_groups: int | None, num_nodes: int
 ) -> Any:
@@ -346,7 +385,7 @@ def rebalance_experts_hook(
     """AROUND ``rebalance_experts``: eplb's solver for an :class:`EplbSolverAlgorithm`, SGLang's code otherwise."""
     if isinstance(algorithm, EplbSolverAlgorithm):
         return rebalance_with_eplb(
-            tokens_per_expert,
+            sglang_time_order(tokens_per_expert),
             num_physical_experts,
             num_local_physical_experts,
             num_groups,
@@ -371,6 +410,23 @@ def eplb_manager_init_hook(original: Callable[..., Any], *args: Any, **kwargs: A
     return result
 
 
+def forward_pass_hook(original: Callable[..., Any], manager: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``EPLBManager.on_forward_pass_end``, which SGLang's model runner calls once per forward
+    pass it counts towards a rebalance: one pass for eplb_forward_passes_total (SGLang does not hand
+    the manager the batch, so every pass counts as ``decode``; its recorder records each one)."""
+    result = original(manager, *args, **kwargs)
+    try:
+        metrics().forward_pass(kind="decode", recorded=True)
+    except Exception:  # metrics must not end serving
+        _LOG.exception("eplb: counting a forward pass failed")
+    return result
+
+
+def _transferred(seconds: float, last: bool) -> None:
+    metrics().transfer(seconds, last=last)
+
+
+_MANAGER = "sglang.srt.eplb.eplb_manager.EPLBManager"
 _REGISTERED: list[str] = []
 
 
@@ -383,21 +439,6 @@ class SettingsExit(SystemExit):
         self.error = error
 
 
-def _check_backend() -> None:
-    """``EPLB_SGLANG_REMAP_BACKEND`` names a backend usable here, fused replacement or not (the
-    replacement checks it again when it registers)."""
-    raw = os.environ.get(BACKEND_ENV, "").strip()
-    if not raw:
-        return
-    from eplb.remap import available_backends
-
-    usable = ("auto", *available_backends())
-    if raw not in usable:
-        raise ValueError(f"{BACKEND_ENV}={raw!r}: choose from {usable} (usable in this process)")
-    if not _enabled(FUSED_ENV, default=False):
-        _LOG.warning("eplb: %s=%s has no effect without %s=1", BACKEND_ENV, raw, FUSED_ENV)
-
-
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point: check every ``EPLB_*`` variable, register the hooks
     (SGLang applies them after).
@@ -407,29 +448,28 @@ def register() -> None:
     message naming it: SGLang's ``load_plugins`` logs a plugin's ``Exception`` and goes on, so the
     ValueError leaves as :class:`SettingsExit` (a ``SystemExit``), which it does not catch.
     """
+    from eplb.integrations import sglang_updater
+
     try:
         if not _enabled(PLUGIN_ENV, default=True):
             _LOG.info("eplb: %s=0, the eplb SGLang plugin registers nothing", PLUGIN_ENV)
             return
+        # Every variable of eplb.integrations.engine_env.ENV_VARS, used or not; the metrics endpoint probed.
+        _STATE["settings"] = config = check_engine_env(SGLANG)
         fused = _enabled(FUSED_ENV, default=False)
         lp = sglang_lp_requested()  # EPLB_SGLANG_LP: eplb.integrations.sglang_lp
-        _check_backend()
-        _STATE["settings"] = config = read_engine_env(known=SGLANG_ENV)
+        if os.environ.get(BACKEND_ENV, "").strip() and not fused:
+            _LOG.warning("eplb: %s has no effect without %s=1", BACKEND_ENV, FUSED_ENV)
         make_planner("auto", "--eplb-algorithm", settings=config)  # EPLB_SOLVER_OPTIONS checked now
+        updater_config = sglang_updater.UpdaterConfig.from_env()  # checked with the updater off too
     except ValueError as exc:
         raise SettingsExit(exc) from exc
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     # -- EPLB_SGLANG_WEIGHT_UPDATER=1: eplb's hot-swap moves the expert weights (sglang_updater) --
-    # Before the other hooks, so a bad value stops SGLang (naming the variable) before any hook.
-    from eplb.integrations import sglang_updater
-
-    try:
-        if sglang_updater.requested() and "weight_updater" not in _REGISTERED:
-            sglang_updater.install(sink=lambda: metrics().start())  # checks its EPLB_SGLANG_* settings
-            _REGISTERED.append("weight_updater")
-    except ValueError as exc:
-        raise SettingsExit(exc) from exc
+    if sglang_updater.requested() and "weight_updater" not in _REGISTERED:
+        sglang_updater.install(updater_config, sink=lambda: metrics().start())
+        _REGISTERED.append("weight_updater")
     # -- end of EPLB_SGLANG_WEIGHT_UPDATER --
 
     if "algorithms" not in _REGISTERED:
@@ -443,9 +483,11 @@ def register() -> None:
             config.mode,
         )
     if config.metrics_port is not None and "metrics" not in _REGISTERED:
-        HookRegistry.register(
-            "sglang.srt.eplb.eplb_manager.EPLBManager.__init__", eplb_manager_init_hook, HookType.AROUND
-        )
+        HookRegistry.register(f"{_MANAGER}.__init__", eplb_manager_init_hook, HookType.AROUND)
+        HookRegistry.register(f"{_MANAGER}.on_forward_pass_end", forward_pass_hook, HookType.AROUND)
+        # Each weight transfer (SGLang's updater or eplb's), timed: eplb_rebalance_transfer_seconds.
+        sglang_updater.hook_update(HookRegistry, _transferred)
+        metrics().transfers_follow = True
         _REGISTERED.append("metrics")
     if fused and "fused" not in _REGISTERED:
         from eplb.integrations.sglang_remap import register_fused

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from eplb.integrations.engine_env import SGLANG_GBPS_ENV, SGLANG_TIMEOUT_ENV, SGLANG_UPDATER_ENV, env_flag
+
 if TYPE_CHECKING:
     import torch
     import torch.distributed as dist
@@ -47,12 +49,12 @@ if TYPE_CHECKING:
     from eplb.metrics.sink import MetricsSink
     from eplb.placement.model import Placement
 
-ENV = "EPLB_SGLANG_WEIGHT_UPDATER"
-"""``1`` (true, on, yes) moves SGLang's expert weights with eplb's hot-swap; ``0`` or unset: SGLang's."""
-GBPS_ENV = "EPLB_SGLANG_TRANSFER_GBPS"
-"""Pace of each swap, GB/s into the busiest GPU (unset: as fast as the link)."""
-TIMEOUT_ENV = "EPLB_SGLANG_SWAP_TIMEOUT_S"
-"""Deadline of every wait of a swap, in seconds (unset: 60)."""
+# The variables (eplb.integrations.engine_env.ENV_VARS): ``EPLB_SGLANG_WEIGHT_UPDATER`` turns the
+# replacement on, ``EPLB_SGLANG_TRANSFER_GBPS`` paces each swap (GB/s into the busiest GPU; unset:
+# as fast as the link), ``EPLB_SGLANG_SWAP_TIMEOUT_S`` is the deadline of every wait (unset: 60).
+ENV = SGLANG_UPDATER_ENV
+GBPS_ENV = SGLANG_GBPS_ENV
+TIMEOUT_ENV = SGLANG_TIMEOUT_ENV
 UPDATER_ENV = (ENV, GBPS_ENV, TIMEOUT_ENV)
 """This module's ``EPLB_*`` variables (metrics: the plugin's shared ``EPLB_METRICS_PORT``)."""
 UPDATER_TARGET = "sglang.srt.eplb.expert_location_updater.ExpertLocationUpdater.update"
@@ -70,8 +72,6 @@ log = logging.getLogger("eplb.integrations.sglang_updater")
 
 def requested(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``EPLB_SGLANG_WEIGHT_UPDATER`` asks for the replacement; ValueError naming it otherwise."""
-    from eplb.integrations.engine_env import env_flag
-
     return env_flag(os.environ if environ is None else environ, ENV, False)
 
 
@@ -435,12 +435,45 @@ def current() -> EplbWeightUpdater | None:
     return _UPDATER[0] if _UPDATER else None
 
 
+TransferListener = Callable[[float, bool], None]
+"""Told the seconds of each ``update`` call and whether it moved the rebalance's last MoE layer."""
+_LISTENERS: list[TransferListener] = []
+_HOOKED: list[Any] = []
+
+
 def update_hook(original: Callable[..., Any], sglang_updater: Any, *args: Any, **kwargs: Any) -> Any:
-    """AROUND ``ExpertLocationUpdater.update``: eplb's swap (SGLang's own code where it does not apply)."""
+    """AROUND ``ExpertLocationUpdater.update``: eplb's swap (SGLang's own code where it does not
+    apply), timed for the listeners (the plugin's metrics: eplb_rebalance_transfer_seconds)."""
     updater = current()
+    start = time.perf_counter()
     if updater is None:
-        return original(sglang_updater, *args, **kwargs)
-    return updater.update(original, sglang_updater, *args, **kwargs)
+        result = original(sglang_updater, *args, **kwargs)
+    else:
+        result = updater.update(original, sglang_updater, *args, **kwargs)
+    if _LISTENERS:
+        weights = kwargs.get("routed_experts_weights_of_layer", args[0] if args else {})
+        layers = kwargs.get("update_layer_ids", args[2] if len(args) > 2 else ())
+        last = bool(layers) and bool(weights) and max(layers) >= max(weights)
+        for listener in _LISTENERS:
+            try:
+                listener(time.perf_counter() - start, last)
+            except Exception:  # metrics must not end serving
+                log.exception("eplb weight updater: a transfer listener raised")
+    return result
+
+
+def hook_update(registry: Any = None, listener: TransferListener | None = None) -> None:
+    """Register :func:`update_hook` with SGLang's ``HookRegistry`` once (eplb's updater or only the
+    timing of SGLang's own), and add ``listener``."""
+    if listener is not None and listener not in _LISTENERS:
+        _LISTENERS.append(listener)
+    if _HOOKED:
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    hooks = HookRegistry if registry is None else registry
+    hooks.register(UPDATER_TARGET, update_hook, HookType.AROUND)
+    _HOOKED.append(hooks)
 
 
 def manager_hook(result: Any, manager: Any, *args: Any, **kwargs: Any) -> None:
@@ -473,7 +506,7 @@ def install(
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     hooks = HookRegistry if registry is None else registry
-    hooks.register(UPDATER_TARGET, update_hook, HookType.AROUND)
+    hook_update(hooks)
     hooks.register(MANAGER_TARGET, manager_hook, HookType.AFTER)
     log.info("eplb: %s=1, SGLang's expert weights move through eplb's hot-swap (%s)", ENV, updater.config)
     return updater

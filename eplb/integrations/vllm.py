@@ -20,15 +20,25 @@ same all-reduced windows; a change of EP size starts a new history on every rank
 ``--eplb-config '{"step_interval": 50, "window_size": 50}'``) makes each rebalance a budgeted
 continuous-mode step through the same :class:`~eplb.policy.decision.Decider` as eplb's manager,
 planned from the last ``EPLB_VLLM_HISTORY`` windows (default there: 4). ``EPLB_METRICS_PORT`` makes
-rank 0 export eplb's metrics from the windows vLLM hands over (eplb.integrations.engine_metrics).
+rank 0 export eplb's metrics from the windows vLLM hands over (eplb.integrations.engine_metrics),
+with vLLM's steps counted and its weight transfers timed (:func:`hook_vllm`). Every ``EPLB_*``
+variable is checked at :func:`register` (eplb.integrations.engine_env.check_engine_env). The
+per-rebalance log line speaks vLLM's units: windows of ``window_size`` passes, and intervals of
+``step_interval`` steps for the horizon (:func:`reason_in_intervals`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import importlib.abc
+import importlib.util
 import logging
 import os
+import re
+import sys
 import threading
+import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -36,7 +46,19 @@ import numpy as np
 
 from eplb.config import even_nodes
 from eplb.integrations.engine_env import METRICS_PORT_ENV as METRICS_ENV
-from eplb.integrations.engine_env import MODE_ENV, EngineEnv, env_int, read_engine_env
+from eplb.integrations.engine_env import (
+    MODE_ENV,
+    SHARED_ENV,
+    VLLM,
+    VLLM_DUMP_ENV,
+    VLLM_HISTORY_ENV,
+    VLLM_POLICY_ENV,
+    EngineEnv,
+    check_engine_env,
+    engine_vars,
+    env_int,
+    read_engine_env,
+)
 from eplb.integrations.engine_metrics import EngineMetrics
 from eplb.integrations.engine_plan import EngineDecisions, EnginePlan, engine_placement, make_planner
 from eplb.placement.model import Placement
@@ -47,10 +69,10 @@ from eplb.traces.window_log import WindowLogs
 if TYPE_CHECKING:
     import torch
 
-POLICY_ENV = "EPLB_VLLM_POLICY"
-"""Environment variable that turns the plugin on: ``1`` or an eplb algorithm name; unset/``0``: off."""
-HISTORY_ENV = "EPLB_VLLM_HISTORY"
-"""Environment variable: how many past rebalance windows the forecast uses (default 1)."""
+POLICY_ENV = VLLM_POLICY_ENV
+"""Turns the plugin on: ``1`` or an eplb algorithm name; unset/``0``: off (eplb.integrations.engine_env)."""
+HISTORY_ENV = VLLM_HISTORY_ENV
+"""How many past rebalance windows the forecast uses (default 1)."""
 DEFAULT_HISTORY = 1
 """One window per rebalance, as vLLM's own policy plans: drifting load makes older windows stale
 (on the tests' drifting input, 4 windows balanced the next one 0.01-0.03 worse than the latest
@@ -70,9 +92,9 @@ _ON = ("1", "true", "on", "yes", "eplb")
 # vLLM's logger tree is configured by vLLM with a handler at INFO, eplb's is not: under "vllm."
 # these lines land in vLLM's log beside its own EPLB lines.
 _LOG = logging.getLogger("vllm.eplb_plugin")
-DUMP_ENV = "EPLB_VLLM_DUMP_DIR"
-"""Environment variable: a folder; rank 0 keeps every rebalance window there as an eplb trace."""
-VLLM_ENV = (POLICY_ENV, HISTORY_ENV, DUMP_ENV)
+DUMP_ENV = VLLM_DUMP_ENV
+"""A folder; rank 0 keeps every rebalance window there as an eplb trace."""
+VLLM_ENV = tuple(var for var in engine_vars(VLLM) if var not in SHARED_ENV)
 """The ``EPLB_*`` variables of this plugin (beside eplb.integrations.engine_env.SHARED_ENV)."""
 _WINDOWS = WindowLogs("vllm", DUMP_ENV, _LOG)
 
@@ -142,7 +164,9 @@ class EplbVllmPolicy:
         cls.history_windows = history_windows
         if cls.metrics is not None:
             cls.metrics.close()
-        cls.settings, cls.metrics = config, EngineMetrics(config, _LOG)
+        # Rebalances wait for their transfer only where vLLM's transfers are hooked (_patch_vllm).
+        metrics = EngineMetrics(config, _LOG, transfers_follow=_HOOKS.get("patched", False))
+        cls.settings, cls.metrics = config, metrics
         cls.reset()
 
     @classmethod
@@ -211,16 +235,44 @@ class EplbVllmPolicy:
             alive=alive,
         )
         cls.last_plan = plan
+        window, interval = _CADENCE.get("window_size"), _CADENCE.get("step_interval")
         _LOG.info(
-            "eplb %s (%s): %s windows, %s, %d copies (%s)",
+            "eplb %s (%s): %s, %s, %d copies (%s)",
             cls.algorithm,
             config.mode,
-            decisions.kept_rows,
+            history_words(decisions.kept_rows, window),
             "new placement" if plan.applied else "placement kept",
             plan.copies,
-            plan.reason,
+            reason_in_intervals(plan.reason, interval),
         )
         return torch.from_numpy(plan.phy2log_int64())
+
+
+_CADENCE: dict[str, int] = {}
+"""vLLM's ``window_size`` and ``step_interval`` (``--eplb-config``), read when vLLM builds its
+``EplbState`` (:func:`hook_vllm`); empty until then."""
+
+
+def history_words(windows: int, window_size: int | None) -> str:
+    """The history a plan is made from, in vLLM's units: windows of ``window_size`` passes each."""
+    if window_size is None:
+        return f"{windows} windows of vLLM's window_size passes kept"
+    return f"{windows} windows of {window_size} passes kept ({windows * window_size} passes)"
+
+
+def reason_in_intervals(reason: str, step_interval: int | None) -> str:
+    """The Decider's reason in vLLM's units. The policy sees one summed window per rebalance, so
+    its Decider counts a rebalance interval (``step_interval`` steps) as one "pass": its
+    ``predicted next 1 passes`` is the next interval, which serves ``step_interval`` steps."""
+
+    def interval(match: re.Match[str]) -> str:
+        n = int(match[2])
+        words = f"{n} rebalance interval{'' if n == 1 else 's'}"
+        if step_interval is not None:
+            words += f" ({n * step_interval} steps)"
+        return f"{match[1]} {words}"
+
+    return re.sub(r"(predicted next|over) (\d+) passes", interval, reason)
 
 
 def elastic_current(
@@ -281,8 +333,8 @@ def register() -> None:
     eplb.integrations.engine_env) raises ValueError naming it, which stops vLLM at start-up; so
     does asking for continuous mode or metrics with the policy off.
     """
+    config = check_engine_env(VLLM)  # every variable of the table, the metrics endpoint probed
     algorithm = requested_algorithm()
-    config = read_engine_env(known=VLLM_ENV)
     history = history_from_env(continuous=config.continuous)
     if algorithm is None:
         asked = [
@@ -301,6 +353,7 @@ def register() -> None:
     policy = policy_class()
     if policy.settings != config or policy.algorithm != algorithm or policy.history_windows != history:
         policy.configure(algorithm=algorithm, history_windows=history, settings=config)
+    hook_vllm(metrics=config.metrics_port is not None)
     current = EPLB_POLICIES[VLLM_POLICY_NAME]
     if current is not policy:
         policy.vllm_default = current
@@ -314,6 +367,150 @@ def register() -> None:
         config.mode,
         history,
         POLICY_ENV,
+    )
+
+
+def _metrics() -> EngineMetrics | None:
+    return None if _POLICY_CLASS is None else _POLICY_CLASS.metrics
+
+
+def _count_pass(original: Any) -> Any:
+    """``EplbState.step`` that also counts the pass (eplb_forward_passes_total). vLLM's step says
+    only whether a pass is a dummy (or the profile run, not counted), not whether it prefilled, so
+    every pass counts as ``decode``; ``recorded``: whether vLLM adds this pass to its load window."""
+
+    @functools.wraps(original)
+    def step(self: Any, is_dummy: bool = False, is_profile: bool = False, log_stats: bool = False) -> Any:
+        recorded = False
+        if not (is_dummy or is_profile):
+            try:  # read before the step, which advances the count it depends on
+                recorded = bool(self._should_record_current_step(log_stats=log_stats))
+            except Exception:  # another vLLM: say it recorded what was not a dummy
+                recorded = True
+        result = original(self, is_dummy=is_dummy, is_profile=is_profile, log_stats=log_stats)
+        metrics = _metrics()
+        if metrics is not None and not is_profile:
+            try:
+                metrics.forward_pass(kind="decode", recorded=recorded)
+            except Exception:  # metrics must not end serving
+                _LOG.exception("eplb: counting a forward pass failed")
+        return result
+
+    return step
+
+
+def _time_transfer(original: Any, last_of: Any) -> Any:
+    """vLLM's weight transfer (``rearrange_expert_weights_inplace``, or the async worker's
+    ``transfer_layer``), timed for eplb_rebalance_transfer_seconds; ``last_of(args, kwargs)`` says
+    whether the call moved the plan's last layer (True, False, or the layer index)."""
+
+    @functools.wraps(original)
+    def transfer(*args: Any, **kwargs: Any) -> Any:
+        metrics = _metrics()
+        if metrics is None or not metrics.exporting or kwargs.get("is_profile"):
+            return original(*args, **kwargs)
+        _synchronize(kwargs.get("stream"))
+        start = time.perf_counter()
+        result = original(*args, **kwargs)
+        _synchronize(kwargs.get("stream"))  # what vLLM's rank 0 waits for right after, too
+        seconds, last = time.perf_counter() - start, last_of(args, kwargs)
+        try:
+            if isinstance(last, bool):
+                metrics.transfer(seconds, last=last)
+            else:
+                metrics.transfer(seconds, layer=int(last))
+        except Exception:  # metrics must not end serving
+            _LOG.exception("eplb: timing a weight transfer failed")
+        return result
+
+    return transfer
+
+
+def _synchronize(stream: Any) -> None:
+    """Wait for the device work queued so far (a no-op on the CPU)."""
+    import torch
+
+    if stream is not None and hasattr(stream, "synchronize"):
+        stream.synchronize()
+    elif torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+def _record_cadence(original: Any) -> Any:
+    @functools.wraps(original)
+    def init(self: Any, parallel_config: Any, *args: Any, **kwargs: Any) -> None:
+        original(self, parallel_config, *args, **kwargs)
+        config = getattr(parallel_config, "eplb_config", None)
+        for name in ("window_size", "step_interval"):
+            value = getattr(config, name, None)
+            if isinstance(value, int):
+                _CADENCE[name] = value
+
+    return init
+
+
+_STATE_MODULE = "vllm.distributed.eplb.eplb_state"
+
+
+def hook_vllm(*, metrics: bool) -> None:
+    """Wrap vLLM's ``EplbState`` (its cadence, for the logs; with ``metrics``, each step counted) and
+    its weight transfers (timed), once per process, when vLLM imports ``eplb_state`` (its model
+    runner does, with ``--enable-eplb``; importing it at plugin registration would pull vLLM's model
+    stack into every process). vLLM calls these through the names wrapped here (the class
+    attribute, ``eplb_state``'s and ``async_worker``'s module globals); each wrapper's
+    ``__wrapped__`` is vLLM's function, and each does what vLLM's does."""
+    _HOOKS["metrics"] = _HOOKS.get("metrics", False) or metrics
+    module = sys.modules.get(_STATE_MODULE)
+    if module is not None:
+        _patch_vllm(module)
+    elif not any(isinstance(f, _PatchOnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport())
+
+
+_HOOKS: dict[str, bool] = {}
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches ``eplb_state`` right after vLLM's import of it has run its body."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _STATE_MODULE:
+            return None
+        sys.meta_path.remove(self)  # the real finders find it; this finder is done
+        spec = importlib.util.find_spec(fullname)
+        loader = None if spec is None else spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            _patch_vllm(module)
+
+        loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def _patch_vllm(eplb_state: Any) -> None:
+    state = eplb_state.EplbState
+    if not getattr(state.__init__, "__eplb__", False):
+        state.__init__ = _record_cadence(state.__init__)
+        state.__init__.__eplb__ = True
+    if not _HOOKS.get("metrics") or getattr(state.step, "__eplb__", False):
+        return
+    from vllm.distributed.eplb import async_worker  # imported by eplb_state already
+
+    state.step = _count_pass(state.step)
+    state.step.__eplb__ = True
+    _HOOKS["patched"] = True
+    metrics = _metrics()
+    if metrics is not None:
+        metrics.transfers_follow = True
+    eplb_state.rearrange_expert_weights_inplace = _time_transfer(  # the sync rearrangement: every layer
+        eplb_state.rearrange_expert_weights_inplace, lambda args, kwargs: True
+    )
+    async_worker.transfer_layer = _time_transfer(  # the async worker: one layer per call
+        async_worker.transfer_layer, lambda args, kwargs: kwargs.get("layer_idx", 0)
     )
 
 

@@ -437,22 +437,8 @@ def manager_rebalance(ctx: RankContext, case: dict[str, Any]) -> dict[str, Any]:
     P, rank = case["P"], ctx.rank
     S = P // ctx.world_size
     _, _, replacement = setup(ctx, P, 1)
-    from sglang.srt.eplb.eplb_manager import EPLBManager  # importable once setup stubbed its recorder
-
     rng = np.random.default_rng(case["seed"])
-    old_LP = deepseek_phy2log(rng, P, ctx.world_size, 1)
-    set_live(metadata(old_LP, rank))
-    weights = slot_weights(old_LP, rank, S, case["kind"], None, ctx.device)
-    model = types.SimpleNamespace(routed_experts_weights_of_layer=weights)
-    from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
-
-    sg = ExpertLocationUpdater()
-    sg._first_execution = False
-    manager = EPLBManager(
-        model_config=None, get_model=lambda: model, get_expert_location_updater=lambda: sg,
-        get_expert_backup_client=lambda: None,
-        get_weight_updater=lambda: types.SimpleNamespace(update_weights_from_disk=None),
-    )  # fmt: skip
+    manager, weights = serving_manager(ctx, rng, P, case["kind"])
     out: dict[str, Any] = {"known": manager in replacement.managers}
     for step, fault in enumerate((False, True)):
         counts = torch.from_numpy(rng.gamma(0.6, 100.0, size=(1, L, E))).round()
@@ -491,6 +477,29 @@ def manager_rebalance(ctx: RankContext, case: dict[str, Any]) -> dict[str, Any]:
         }
         replacement.reports.clear()
     return out
+
+
+def serving_manager(
+    ctx: RankContext, rng: np.random.Generator, P: int, kind: str
+) -> tuple[Any, dict[int, list[Any]]]:
+    """SGLang's own ``EPLBManager`` over this rank's slot weights of a DeepSeek placement (live),
+    moving them with SGLang's ``ExpertLocationUpdater``: (manager, weights)."""
+    from sglang.srt.eplb.eplb_manager import EPLBManager  # importable once setup stubbed its recorder
+    from sglang.srt.eplb.expert_location_updater import ExpertLocationUpdater
+
+    S = P // ctx.world_size
+    old_LP = deepseek_phy2log(rng, P, ctx.world_size, 1)
+    set_live(metadata(old_LP, ctx.rank))
+    weights = slot_weights(old_LP, ctx.rank, S, kind, None, ctx.device)
+    model = types.SimpleNamespace(routed_experts_weights_of_layer=weights)
+    sg = ExpertLocationUpdater()
+    sg._first_execution = False
+    manager = EPLBManager(
+        model_config=None, get_model=lambda: model, get_expert_location_updater=lambda: sg,
+        get_expert_backup_client=lambda: None,
+        get_weight_updater=lambda: types.SimpleNamespace(update_weights_from_disk=None),
+    )  # fmt: skip
+    return manager, weights
 
 
 PASSES = 10 + (L - DENSE) + 1
