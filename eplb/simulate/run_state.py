@@ -257,7 +257,10 @@ class RunState:
         self.swap = None
         self.placement, self.weights_LER = placement, weights_LER
         self.matrices = matrices or dispatch_matrices(placement, self.spec.dispatch, weights_LER)
-        self._per_pass_model()
+        if matrices is None:
+            self._per_pass_model()
+        else:  # the old maps over the survivors: auto keeps them static (lp is not modeled there)
+            self.auto = self.lp_matrices = None
         L, _, G = self.matrices.share_LEG.shape
         if self.relative_load_LG.shape[1] != G:  # the relative load map covers the survivors from here
             self.relative_load_LG = np.zeros((L, G))
@@ -375,15 +378,18 @@ class RunState:
     ) -> tuple[np.ndarray, np.ndarray]:
         """``auto``'s (tokens, active experts) float32 [L, n, G]: static's on the passes it keeps
         static, lp's on the others (their choice kept in ``lp_F``)."""
-        assert self.auto is not None and self.lp_matrices is not None
         n = load_LnE.shape[1]
         stop = start + n
-        lp_n = self.auto.lp_n(self.trace.num_tokens_F[start:stop], self.trace.is_prefill_F[start:stop])
+        if self.auto is None or self.lp_matrices is None:
+            lp_n = np.zeros(n, dtype=bool)
+        else:
+            lp_n = self.auto.lp_n(self.trace.num_tokens_F[start:stop], self.trace.is_prefill_F[start:stop])
         self.lp_F[start:stop] = lp_n
         tokens_LnG = np.matmul(load_LnE, self.matrices.share_LEG)
         active_LnG = np.matmul(loaded_LnE, self.matrices.replicas_LEG)
         if lp_n.any():
             lp = self.lp_matrices
+            assert lp is not None
             tokens_LnG[:, lp_n] = np.matmul(np.ascontiguousarray(load_LnE[:, lp_n]), lp.share_LEG)
             active_LnG[:, lp_n] = np.matmul(loaded_LnE[:, lp_n], lp.replicas_LEG)
         return tokens_LnG, active_LnG
