@@ -14,11 +14,18 @@ mode's defaults are the named constants below.
 from __future__ import annotations
 
 import argparse
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
 from eplb.flags import Flag, add_flags, dest_of
+from eplb.policy.cost_model import (
+    DEFAULT_DISPATCH_COST,
+    DISPATCH_KERNEL_TABLES,
+    DispatchKernelCost,
+    dispatch_kernel_cost,
+)
 from eplb.policy.dispatch import dispatch_mode, dispatch_mode_names
 from eplb.policy.registry import policy_names
 
@@ -126,7 +133,11 @@ class EplbConfig:
     ep_num_redundant_experts: int = 0
     """Physical slots beyond one per logical expert."""
     ep_dispatch_algorithm: str | None = None
-    """static | dynamic | fake | weighted; None means static when EPLB is on."""
+    """static | dynamic | fake | weighted | lp | auto; None means static when EPLB is on."""
+    eplb_dispatch_cost: str = DEFAULT_DISPATCH_COST
+    """µs per layer of each dispatch mode's kernels by tokens: a table of
+    ``eplb.policy.cost_model.DISPATCH_KERNEL_TABLES`` by name, JSON, or a JSON file. ``auto`` picks
+    each pass's mode by it; the simulator charges every pass its mode's cost."""
     eplb_algorithm: str = "auto"
     """auto | deepseek | deepseek_hierarchical | scipy; auto picks scipy (docs/solver.md)."""
     init_expert_location: str = "trivial"
@@ -156,6 +167,10 @@ class EplbConfig:
             "--ep-dispatch-algorithm",
             f"unknown algorithm {self.ep_dispatch_algorithm!r}; choose from {DISPATCH_ALGORITHMS}",
         )
+        try:
+            _cost_table(self.eplb_dispatch_cost)
+        except ValueError as exc:
+            raise ConfigError(f"--eplb-dispatch-cost: {exc}") from None
         _check(
             self.eplb_algorithm in EPLB_ALGORITHMS,
             "--eplb-algorithm",
@@ -293,11 +308,22 @@ class EplbConfig:
     def dispatch_algorithm(self) -> str:
         return effective_dispatch(self.ep_dispatch_algorithm)
 
+    @property
+    def dispatch_cost(self) -> DispatchKernelCost:
+        """The dispatch kernels' cost table ``--eplb-dispatch-cost`` gives."""
+        return _cost_table(self.eplb_dispatch_cost)
+
     @classmethod
     def from_namespace(cls, args: argparse.Namespace) -> EplbConfig:
         """Build from parsed flags (those :func:`add_cli_args` added)."""
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+@functools.lru_cache(maxsize=16)
+def _cost_table(value: str) -> DispatchKernelCost:
+    """``--eplb-dispatch-cost`` read once per value (a file is read when first named)."""
+    return dispatch_kernel_cost(value)
 
 
 class ConfigError(ValueError):
@@ -409,6 +435,14 @@ SERVER_FLAGS: tuple[Flag, ...] = (
         shown="static when EPLB is on",
         help="how tokens pick a replica (offline, also the no-balancing baseline's and that of runs "
         "named without ':MODE')",
+    ),
+    _server_flag(
+        "--eplb-dispatch-cost",
+        metavar="TABLE",
+        help="µs per layer of each dispatch mode's kernels by tokens: "
+        f"{' | '.join(DISPATCH_KERNEL_TABLES)}, JSON "
+        '(\'{"tokens": [64, 4096], "static": [1.4, 2.2], "lp": [30, 33]}\', or {"decode": ..., '
+        '"prefill": ...}) or a JSON file; auto dispatch picks by it, the simulator charges it',
     ),
     _server_flag("--eplb-algorithm", choices=EPLB_ALGORITHMS, help="placement solver; auto picks scipy"),
     _server_flag(

@@ -57,7 +57,7 @@ def _reference_share_LP(placement: Placement, mode: str, weights_LER: np.ndarray
             if weights_LER is not None:
                 for r, p in enumerate(slots):
                     share_LP[layer, p] = weights_LER[layer, e, r]
-            elif mode == "static":
+            elif mode in ("static", "auto"):  # auto is planned for static's maps
                 nodes_with = {p // S // gpn for p in slots}
                 anywhere = sum(1 for r in range(G) if r // gpn not in nodes_with)
                 for rank in range(G):

@@ -126,7 +126,14 @@ def _constant_setup(
         base_us=1000.0, per_expert_us=0.0, per_token_us=0.0, nvlink_gbps=100.0, interference=interference
     )
     pass_s = 2e-3
-    flags = server(ep_size=4, nnodes=1, eplb_rebalance_num_iterations=10, eplb_rebalance_mode=mode)
+    # No dispatch kernels charged: a pass is exactly the cost model's 2 ms.
+    flags = server(
+        ep_size=4,
+        nnodes=1,
+        eplb_rebalance_num_iterations=10,
+        eplb_rebalance_mode=mode,
+        eplb_dispatch_cost="none",
+    )
     config = SimulationConfig(eplb=flags, bytes_per_expert=int(link_passes * pass_s * 100e9), cost=cost)
     return trace, config, target
 

@@ -313,7 +313,7 @@ SCHEDULE = (
 COST = (
     "cost model (defaults: DeepSeek-V3 dims on an H200, docs/simulate.md)",
     ("--cost-base-us", "--cost-per-expert-us", "--cost-per-token-us", "--nvlink-gbps", "--internode-gbps",
-     "--cost-transfer-kind", "--cost-interference"),
+     "--cost-transfer-kind", "--cost-interference", "--eplb-dispatch-cost"),
 )  # fmt: skip
 """The groups of the replays' flags: (title, flag names)."""
 

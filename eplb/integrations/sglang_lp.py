@@ -28,6 +28,15 @@ map call in place of ``log2phy_prob``. Where SGLang maps without solving first (
 A layer whose experts all have one replica maps statically and exchanges nothing (every rank
 agrees: the placement is the same everywhere). Padded rows are counted as SGLang's solver counts
 them (SGLang masks them to -1 after the map).
+
+``auto`` (eplb.policy.auto_dispatch; :func:`enable_auto`): each pass maps every layer by ``lp`` or
+statically (no exchange), whichever the model prices lower for the pass's size and phase. Every
+rank must be told the same pass, before its first layer, through :meth:`LpServing.begin_pass`: the
+pass's global token count (summed over the DP ranks, as SGLang's ``global_num_tokens_cpu`` holds
+it; under CUDA graphs the captured batch size's padded count, so a graph keeps the mode it was
+captured with) and whether it is prefill, values every rank holds alike, so all take the same mode
+without a collective. Until a pass is begun every layer runs ``lp``. The ids returned are physical
+either way, so SGLang's recorder counts either.
 """
 
 from __future__ import annotations
@@ -42,8 +51,11 @@ from typing import TYPE_CHECKING, Any
 from eplb.placement.model import Placement
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
+    from eplb.policy.auto_dispatch import AutoDispatch
+    from eplb.policy.cost_model import CostModel, DispatchKernelCost
     from eplb.remap.exchange import GatherFn, LpExchange
     from eplb.remap.tables import DispatchTables
 
@@ -94,15 +106,53 @@ class LpServing:
         self._replicated = _replicated_layers(placement)
         self.layer_by_map: dict[int, int] = {}
         """Address of SGLang's ``logical_to_all_physical_map[layer]`` -> layer (dispatch info rows)."""
+        self.placement = placement
+        self.auto: AutoSettings | None = None
+        """``auto`` dispatch's settings (None: every pass runs ``lp``)."""
+        self.choice: AutoDispatch | None = None
+        """``auto``'s per-pass choice on the placement now."""
+        self.pass_lp = True
+        """Whether the pass now maps by ``lp`` (``auto``: set by :meth:`begin_pass`)."""
+
+        self.window_WLE: np.ndarray | None = None
+        """``auto``: recorded passes [W, L, E] the choice is modeled on (None: the replica counts)."""
+
+    def set_auto(self, auto: AutoSettings | None) -> None:
+        """Serve ``auto`` with ``auto``'s settings (None: ``lp`` on every pass)."""
+        self.auto = auto
+        self.pass_lp = True
+        self._choose()
+
+    def set_window(self, window_WLE: np.ndarray | None) -> None:
+        """``auto``: model the choice on these recorded passes [W, L, E] of global counts (the same
+        on every rank, as a window summed over the ranks is; None: on the replica counts)."""
+        self.window_WLE = window_WLE
+        self._choose()
+
+    def _choose(self) -> None:
+        window = self.window_WLE
+        if window is not None and window.shape[1:] != self.placement.logcnt_LE.shape:
+            window = None
+        self.choice = None if self.auto is None else self.auto.choice(self.placement, window)
+
+    def begin_pass(self, global_tokens: int, prefill: bool) -> str:
+        """``auto``: the mode of the pass about to run (``lp`` or ``static``), from its global token
+        count and phase; every rank must pass the same values. Without ``auto``: ``lp``."""
+        if global_tokens < 0:
+            raise ValueError(f"a pass's global token count must be >= 0, got {global_tokens}")
+        self.pass_lp = self.choice is None or self.choice.mode(global_tokens, prefill) == "lp"
+        return "lp" if self.pass_lp else "static"
 
     def fits(self, placement: Placement, rank: int, device: torch.device) -> bool:
         """Whether these tables can take ``placement`` in place (same shapes, rank and device)."""
         return (_shape(placement), rank, device) == (self._shape, self.rank, self.tables.device)
 
     def update(self, placement: Placement) -> None:
-        """Copy a new placement into the tables (their addresses kept)."""
+        """Copy a new placement into the tables (their addresses kept); ``auto`` models it anew."""
         self.tables.update_(placement)
         self._replicated = _replicated_layers(placement)
+        self.placement = placement
+        self._choose()
 
     def map(self, layer: int, topk_ids: torch.Tensor) -> LpDispatch:
         """This rank's physical ids for ``topk_ids`` [T, K] of ``layer`` (every rank calls, T >= 0)."""
@@ -112,9 +162,9 @@ class LpServing:
 
         ids = topk_ids if topk_ids.dtype == torch.int32 else topk_ids.to(torch.int32)
         ids = ids.contiguous()
-        if self._replicated[layer]:
+        if self._replicated[layer] and self.pass_lp:
             phys = remap_and_record(ids, self.tables, layer, mode="lp", lp=self.exchange, backend=BACKEND)
-        else:  # one replica each: nothing to split, and no rank exchanges (same placement everywhere)
+        else:  # one replica each, or auto's static pass: no rank exchanges (every rank agrees)
             phys = remap_and_record(ids, self.tables, layer, mode="static", backend=BACKEND)
         phys = phys.view(topk_ids.shape)
         return LpDispatch(topk_ids, phys if phys.dtype == topk_ids.dtype else phys.to(topk_ids.dtype))
@@ -130,6 +180,25 @@ class LpServing:
         return layer
 
 
+@dataclass(frozen=True)
+class AutoSettings:
+    """What ``auto`` dispatch prices each pass with (eplb.policy.auto_dispatch)."""
+
+    kernels: DispatchKernelCost
+    """The dispatch kernels' µs per layer (``--eplb-dispatch-cost``)."""
+    cost: CostModel
+    """The MoE time model."""
+    top_k: int
+    """Experts per token."""
+
+    def choice(self, placement: Placement, window_WLE: np.ndarray | None = None) -> AutoDispatch:
+        """The per-pass choice on ``placement`` for passes like ``window_WLE`` [W, L, E] (None: the
+        replica counts standing for the load)."""
+        from eplb.policy.auto_dispatch import AutoDispatch
+
+        return AutoDispatch.of(placement, window_WLE, top_k=self.top_k, cost=self.cost, kernels=self.kernels)
+
+
 def _shape(placement: Placement) -> tuple[int, int, int, int]:
     return (placement.num_layers, placement.num_logical, placement.num_physical, placement.num_gpus)
 
@@ -140,7 +209,23 @@ def _replicated_layers(placement: Placement) -> list[bool]:
 
 
 _STATE: dict[str, Any] = {}
-"""``serving``: this process's :class:`LpServing`; ``logged``: the start-up line was written."""
+"""``serving``: this process's :class:`LpServing`; ``logged``: the start-up line was written;
+``auto``: the :class:`AutoSettings` :func:`enable_auto` gave."""
+
+
+def enable_auto(settings: AutoSettings | None) -> None:
+    """Serve ``auto`` dispatch with ``settings`` from now on (None: ``lp`` on every pass), in this
+    process's serving state and in any made later."""
+    _STATE["auto"] = settings
+    found = serving()
+    if found is not None:
+        found.set_auto(settings)
+
+
+def begin_pass(global_tokens: int, prefill: bool) -> str:
+    """The mode of the pass about to run (:meth:`LpServing.begin_pass`; ``lp`` before the solvers exist)."""
+    found = serving()
+    return "lp" if found is None else found.begin_pass(global_tokens, prefill)
 
 
 def serving() -> LpServing | None:
@@ -200,6 +285,7 @@ def serve(metadata: Any, rank: int, group: Any) -> LpServing:
         found.update(placement)
     else:
         found = LpServing(placement, rank, device, gather_for(group, placement.num_gpus, rank))
+        found.set_auto(_STATE.get("auto"))
         _STATE["serving"] = found
     maps = metadata.logical_to_all_physical_map
     found.layer_by_map = {int(maps[layer].data_ptr()): layer for layer in range(maps.shape[0])}
@@ -299,9 +385,12 @@ def register_lp(registry: Any, hook_type: Any) -> None:
 
 
 __all__ = [
+    "AutoSettings",
     "EplbLpSolver",
     "LpDispatch",
     "LpServing",
+    "begin_pass",
+    "enable_auto",
     "gather_for",
     "init_lplb_solvers",
     "placement_of",

@@ -21,10 +21,17 @@ runs ``1 + slowdown`` times slower, where the slowdown depends on the swap's pac
 (:meth:`CostModel.interference_slowdown`, from H200 measurements until a two-GPU run refines them).
 An engine's own swap pays per chunk of layers (:meth:`CostModel.chunk_transfer_seconds`): SGLang's
 stalls serving for each chunk's busiest GPU, vLLM's sends one layer per pass beside the passes.
+
+Every pass also runs its dispatch kernels, once per layer (:class:`DispatchKernelCost`): µs per layer
+by the rank's tokens, measured per GPU kind (``DISPATCH_KERNEL_TABLES``), interpolated in
+log(tokens) and held at the table's ends; ``--eplb-dispatch-cost`` picks a table or gives one.
 """
 
 from __future__ import annotations
 
+import itertools
+import json
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -258,3 +265,159 @@ def transfer_cost(
         return TransferCost(link * slowdown / (1.0 + slowdown), delay)
     covered = horizon * wall
     return TransferCost(covered * slowdown / (1.0 + slowdown) + (link - covered), horizon)
+
+
+# ---- dispatch kernels ----------------------------------------------------------------------------
+
+PHASES = ("decode", "prefill")
+"""The pass phases a dispatch-kernel table may price apart (SGLang runs decode in CUDA graphs,
+prefill eagerly)."""
+
+_H200_TOKENS = (64, 4096, 16384, 65536)
+_H200_GRAPH = {
+    # docs/benchmarks.md "lp on 58 solved layers": 58 calls in one CUDA graph, µs per call, the
+    # deepseek-v3 lp plan at EP32 (H200, 2026-12-03; lp with its default 4 passes).
+    "static": (1.43, 2.21, 2.83, 4.19),
+    "lp": (30.2, 32.8, 36.2, 43.0),
+}
+_H100_GRAPH = {  # the same benchmark on an H100 (torch 2.11, triton 3.6), lp with 4 passes
+    "static": (1.51, 2.20, 2.83, 4.24),
+    "lp": (30.4, 33.3, 36.3, 43.0),
+}
+_H100_EAGER = {  # one call between events, host launch included (the same H100 run)
+    "static": (19.3, 19.7, 19.8, 19.5),
+    "lp": (89.4, 95.6, 99.4, 102.0),
+}
+
+
+def _table(rows: Mapping[str, tuple[float, ...]]) -> dict[str, Any]:
+    return {"tokens": list(_H200_TOKENS), **{mode: list(us) for mode, us in rows.items()}}
+
+
+DISPATCH_KERNEL_TABLES: dict[str, dict[str, Any]] = {
+    "h200": _table(_H200_GRAPH),
+    "h100": _table(_H100_GRAPH),
+    "h100-eager": _table(_H100_EAGER),
+    "h100-sglang": {"decode": _table(_H100_GRAPH), "prefill": _table(_H100_EAGER)},
+    "none": {"tokens": [1], "static": [0.0], "lp": [0.0]},
+}
+"""Named ``--eplb-dispatch-cost`` tables (JSON form): µs per layer of each dispatch mode's kernels
+at the rank's ``tokens``. ``h200`` / ``h100``: 58 layers in one CUDA graph (what a server pays where
+its MoE layers run in CUDA graphs, decode); ``h100-eager``: launched one by one; ``h100-sglang``:
+graph figures for decode, eager for prefill (SGLang's default, CUDA graphs for decode only);
+``none``: dispatch costs nothing (the simulator before it charged dispatch). Modes a table does not
+list (dynamic, weighted, fake: one launch of the same remap kernel as static, not measured apart)
+are charged static's row."""
+DEFAULT_DISPATCH_COST = "h200"
+"""The default table: graph figures, on the GPU the cost model's other defaults were fitted on."""
+DISPATCH_COST_MAX_BYTES = 1 << 20
+"""Largest dispatch-cost JSON file read."""
+
+
+@dataclass(frozen=True)
+class KernelRows:
+    """One phase's table: µs per layer of each mode at ``tokens``."""
+
+    tokens: tuple[float, ...]
+    """Tokens of the rank, ascending (> 0)."""
+    us: Mapping[str, tuple[float, ...]]
+    """mode -> µs per layer at each of ``tokens``; ``static`` and ``lp`` at least."""
+
+    def layer_us(self, mode: str, tokens_n: np.ndarray) -> np.ndarray:
+        """float64 [n]: µs per layer of ``mode`` at the rank's ``tokens_n``, interpolated in log(tokens)."""
+        row = self.us.get(mode, self.us["static"])
+        log_n = np.log(np.maximum(np.asarray(tokens_n, dtype=np.float64), 1.0))
+        return np.interp(log_n, np.log(np.asarray(self.tokens)), np.asarray(row, dtype=np.float64))
+
+
+@dataclass(frozen=True)
+class DispatchKernelCost:
+    """µs per layer of each dispatch mode's kernels, by the rank's tokens and the pass's phase."""
+
+    decode: KernelRows
+    prefill: KernelRows
+    name: str = "custom"
+    """The named table it came from (``custom``: given as JSON)."""
+
+    def layer_us(self, mode: str, tokens_n: np.ndarray, prefill_n: np.ndarray) -> np.ndarray:
+        """float64 [n]: µs per layer of ``mode``'s kernels on passes of ``tokens_n`` rank tokens."""
+        prefill_n = np.asarray(prefill_n, dtype=bool)
+        return np.where(
+            prefill_n, self.prefill.layer_us(mode, tokens_n), self.decode.layer_us(mode, tokens_n)
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        rows = {
+            phase: {"tokens": list(r.tokens), **{m: list(u) for m, u in r.us.items()}}
+            for phase, r in zip(PHASES, (self.decode, self.prefill), strict=True)
+        }
+        return {"name": self.name, **rows}
+
+
+def _rows(table: Any, where: str) -> KernelRows:
+    """A phase's table from its JSON form; ValueError naming what is wrong."""
+    if not isinstance(table, dict):
+        raise ValueError(f"{where}: expected an object of 'tokens' and per-mode rows, got {table!r}")
+    tokens = table.get("tokens")
+    if not isinstance(tokens, list) or not tokens:
+        raise ValueError(f"{where}: 'tokens' must be a non-empty list of token counts")
+    if not all(_number(t) and t > 0 for t in tokens) or any(b <= a for a, b in itertools.pairwise(tokens)):
+        raise ValueError(f"{where}: 'tokens' must be positive numbers in ascending order, got {tokens}")
+    us: dict[str, tuple[float, ...]] = {}
+    for mode, row in table.items():
+        if mode == "tokens":
+            continue
+        if mode not in _KERNEL_MODES:
+            raise ValueError(f"{where}: unknown dispatch mode {mode!r}; choose from {_KERNEL_MODES}")
+        if not isinstance(row, list) or len(row) != len(tokens):
+            raise ValueError(f"{where}: '{mode}' must list {len(tokens)} figures (one per token count)")
+        if not all(_number(u) and u >= 0 for u in row):
+            raise ValueError(f"{where}: '{mode}' must hold finite µs >= 0, got {row}")
+        us[mode] = tuple(float(u) for u in row)
+    for mode in ("static", "lp"):
+        if mode not in us:
+            raise ValueError(f"{where}: needs a '{mode}' row")
+    return KernelRows(tuple(float(t) for t in tokens), us)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and bool(np.isfinite(value))
+
+
+_KERNEL_MODES = ("static", "dynamic", "fake", "weighted", "lp")
+"""Modes a table may price (the modes with kernels of their own; ``auto`` runs static's or lp's)."""
+
+
+def dispatch_kernel_cost(value: str) -> DispatchKernelCost:
+    """The table ``--eplb-dispatch-cost`` names: a name of ``DISPATCH_KERNEL_TABLES``, JSON text
+    (``{"tokens": [...], "static": [...], "lp": [...]}``, or ``{"decode": TABLE, "prefill":
+    TABLE}``), or the path of a JSON file holding one. ValueError naming the problem."""
+    from eplb.fileio import json_error_text, read_input
+
+    text = value.strip()
+    name = "custom"
+    if text in DISPATCH_KERNEL_TABLES:
+        name, table = text, DISPATCH_KERNEL_TABLES[text]
+    else:
+        if not text.startswith("{"):
+            if not text:
+                raise ValueError(f"a table name {tuple(DISPATCH_KERNEL_TABLES)}, JSON or a JSON file, got ''")
+            try:
+                text = read_input(text, limit=DISPATCH_COST_MAX_BYTES, what="dispatch cost file").decode()
+            except FileNotFoundError:
+                raise ValueError(
+                    f"{value!r} is neither a table ({', '.join(DISPATCH_KERNEL_TABLES)}), JSON, nor a file"
+                ) from None
+            except UnicodeDecodeError:
+                raise ValueError(f"{value}: the dispatch cost file is not UTF-8 text") from None
+        try:
+            table = json.loads(text)
+        except ValueError as exc:
+            raise ValueError(f"not valid JSON: {json_error_text(exc)}") from None
+    if isinstance(table, dict) and set(table) & set(PHASES):
+        extra = set(table) - set(PHASES)
+        if extra or set(table) != set(PHASES):
+            raise ValueError(f"a table by phase needs exactly the keys {PHASES}, got {sorted(table)}")
+        return DispatchKernelCost(_rows(table["decode"], "decode"), _rows(table["prefill"], "prefill"), name)
+    rows = _rows(table, "table")
+    return DispatchKernelCost(rows, rows, name)

@@ -62,6 +62,10 @@ class RunResult:
     """float64 [F]: model balancedness (mean over layers of mean/max GPU load) of each step."""
     moe_us_F: np.ndarray
     """float64 [F]: modeled MoE time of each step, µs (sum over layers of the busiest GPU)."""
+    dispatch_us_F: np.ndarray | None = None
+    """float64 [F]: µs of each step's dispatch kernels (every layer; --eplb-dispatch-cost); None: none charged."""
+    lp_F: np.ndarray | None = None
+    """bool [F]: the steps that ran ``lp`` dispatch (``auto``'s choice; None: unknown)."""
     relative_load_LG: np.ndarray
     """float64 [L, G]: per-step GPU load / layer mean, averaged over the scored steps."""
     events: list[RebalanceEvent] = field(default_factory=list)
@@ -75,11 +79,17 @@ class RunResult:
         """The rebalances from step ``scored_from`` on (their costs count; earlier ones warm up)."""
         return [e for e in self.events if e.step >= scored_from]
 
+    def dispatch_seconds(self, scored_from: int = 0) -> float:
+        """Modeled time of the dispatch kernels of steps ``scored_from`` onwards."""
+        return 0.0 if self.dispatch_us_F is None else float(self.dispatch_us_F[scored_from:].sum()) * 1e-6
+
     def total_seconds(self, scored_from: int = 0) -> float:
-        """Modeled MoE time of steps ``scored_from`` onwards plus those rebalances' stalls and interference."""
+        """Modeled MoE time of steps ``scored_from`` onwards, their dispatch kernels, and those
+        rebalances' stalls and interference."""
         events = self.scored_events(scored_from)
         overhead = sum(e.stall_seconds + e.interference_seconds for e in events)
-        return float(self.moe_us_F[scored_from:].sum()) * 1e-6 + float(overhead)
+        moe = float(self.moe_us_F[scored_from:].sum()) * 1e-6
+        return moe + self.dispatch_seconds(scored_from) + float(overhead)
 
     def summary(self, baseline: RunResult, is_prefill_F: np.ndarray, scored_from: int = 0) -> dict[str, Any]:
         """Figures over the scored steps (from ``scored_from``), compared with ``baseline``: every
@@ -89,6 +99,7 @@ class RunResult:
         solve = np.array([e.solve_seconds for e in events], dtype=np.float64)
         bal = self.balancedness_F[scored_from:]
         prefill_bal = bal[is_prefill_F[scored_from:]]
+        lp_F = None if self.lp_F is None else self.lp_F[scored_from:]
         total = self.total_seconds(scored_from)
         bytes_moved = int(sum(e.bytes_moved for e in applied))
         pairs = [(e.predicted_balancedness, e.realized_balancedness) for e in applied]
@@ -104,6 +115,12 @@ class RunResult:
             "balancedness_p5": float(np.percentile(bal, 5)) if bal.size else float("nan"),
             "balancedness_prefill_mean": _mean(prefill_bal),
             "moe_seconds": float(self.moe_us_F[scored_from:].sum()) * 1e-6,
+            "dispatch_seconds": self.dispatch_seconds(scored_from),
+            # The share of passes (and of prefill passes) that ran lp dispatch.
+            "lp_pass_fraction": _mean(lp_F.astype(np.float64)) if lp_F is not None else None,
+            "lp_prefill_fraction": (
+                _mean(lp_F[is_prefill_F[scored_from:]].astype(np.float64)) if lp_F is not None else None
+            ),
             "transfer_seconds": float(sum(e.transfer_seconds for e in applied)),
             "stall_seconds": float(sum(e.stall_seconds for e in applied)),
             "interference_seconds": float(sum(e.interference_seconds for e in applied)),
@@ -219,6 +236,7 @@ class SimulationResult:
             "moved",
             "stall s",
             "interf. s",
+            "dispatch s",
             "solve s/rebal",
         )
         rows = [header]
@@ -235,6 +253,7 @@ class SimulationResult:
                     format_bytes(s["bytes_moved"]),
                     f"{s['stall_seconds']:.2f}",
                     f"{s['interference_seconds']:.2f}",
+                    f"{s['dispatch_seconds']:.2f}",
                     f"{s['solve_seconds_mean']:.3f}",
                 )
             )

@@ -14,6 +14,13 @@ next rebalance of their model balancedness, each step weighted by its load; the 
 that load summed, as a window is, is kept beside it (it reads higher: summing smooths the noise).
 vLLM's asynchronous swap goes beside the passes too, one layer per pass at least, and a rebalance
 due while it is in flight is skipped rather than stalled for.
+
+Every pass is charged its dispatch kernels, once per layer (``--eplb-dispatch-cost``,
+eplb.policy.cost_model.DispatchKernelCost, at the rank's tokens: the pass's global tokens over the
+GPUs), beside its MoE time (``dispatch_us_F``). A swap beside the passes is timed on the MoE time
+alone, as before the kernels were charged, so every plan stays as it was. ``auto`` runs ``lp`` or
+static per pass (eplb.policy.auto_dispatch), modeled on the load of the window its placement was
+planned from (the replica counts for the start-up placement).
 """
 
 from __future__ import annotations
@@ -27,9 +34,11 @@ from eplb.placement.balance import balancedness
 from eplb.placement.diff import PlacementDiff
 from eplb.placement.model import Placement
 from eplb.policy import Planner
+from eplb.policy.auto_dispatch import AutoDispatch, largest_passes
 from eplb.policy.clock import RebalanceClock
 from eplb.policy.cost_model import swap_beside_passes
 from eplb.policy.decision import Decider, Request
+from eplb.policy.dispatch import dispatch_mode
 from eplb.simulate.config import SimulationConfig
 from eplb.simulate.dispatch import DispatchMatrices, dispatch_matrices, fake_gpu_load
 from eplb.simulate.planners import PastView, RunSpec
@@ -53,6 +62,9 @@ class _Swap:
     """Time the passes have lost to it so far."""
     passes_left: int = 0
     """Passes it needs at least before it can switch (vLLM's swap: one per layer)."""
+    sample_WLE: np.ndarray | None = None
+    """int32 [w, L, E]: the largest passes of the window it was planned from (``auto`` models its
+    passes by them)."""
 
 
 class RunState:
@@ -74,13 +86,25 @@ class RunState:
         """The run's rebalance decisions, as a server's (eplb.policy.decision)."""
         self.placement = initial
         self.weights_LER: np.ndarray | None = None
+        self.per_pass = bool(dispatch_mode(spec.dispatch).per_pass)
+        """``auto``: each pass runs lp or static (``matrices`` are static's, ``lp_matrices`` lp's)."""
+        self.kernels = config.eplb.dispatch_cost
+        self.top_k = trace_top_k(trace)
+        self.sample_WLE: np.ndarray | None = None
+        """The largest passes of the window the serving placement was planned from (None: none yet)."""
         self.matrices = dispatch_matrices(initial, spec.dispatch)
+        self.lp_matrices: DispatchMatrices | None = None
+        self.auto: AutoDispatch | None = None
+        self._per_pass_model()
         self.recorded_F = recorded_F
         self.past = PastView(trace, recorded_F)
         self.scored_from = scored_from
         F, L, E, G = trace.num_steps, trace.num_layers, trace.num_experts, config.eplb.ep_size
         self.balancedness_F = np.zeros(F)
         self.moe_us_F = np.zeros(F)
+        self.dispatch_us_F = np.zeros(F)
+        self.lp_F = np.zeros(F, dtype=bool)
+        """bool [F]: the passes that ran ``lp`` (every pass under lp, auto's choice under auto)."""
         self.relative_load_LG = np.zeros((L, G))
         self.events: list[RebalanceEvent] = []
         self.swap: _Swap | None = None
@@ -146,6 +170,12 @@ class RunState:
             return
         assert outcome.diff is not None and outcome.placement is not None
         self._start_swap(step, event, outcome.diff, outcome.placement, outcome.weights_LER)
+        if self.per_pass and len(window_WLE):
+            if self.swap is not None:
+                self.swap.sample_WLE = largest_passes(window_WLE)
+            else:  # switched at once: model its passes on the window it was planned from
+                self.sample_WLE = largest_passes(window_WLE)
+                self._per_pass_model()
 
     def _start_swap(
         self,
@@ -209,6 +239,9 @@ class RunState:
         )
         self.placement, self.weights_LER = swap.placement, swap.weights_LER
         self.matrices = dispatch_matrices(self.placement, self.spec.dispatch, self.weights_LER)
+        if swap.sample_WLE is not None:
+            self.sample_WLE = swap.sample_WLE
+        self._per_pass_model()
         self.swap, self.serving = None, swap.event
         self.served_LE[:] = 0.0
         self.served_weighted = self.served_load = 0.0
@@ -224,9 +257,26 @@ class RunState:
         self.swap = None
         self.placement, self.weights_LER = placement, weights_LER
         self.matrices = matrices or dispatch_matrices(placement, self.spec.dispatch, weights_LER)
+        if matrices is None:
+            self._per_pass_model()
+        else:  # the old maps over the survivors: auto keeps them static (lp is not modeled there)
+            self.auto = self.lp_matrices = None
         L, _, G = self.matrices.share_LEG.shape
         if self.relative_load_LG.shape[1] != G:  # the relative load map covers the survivors from here
             self.relative_load_LG = np.zeros((L, G))
+
+    def _per_pass_model(self) -> None:
+        """``auto``: lp's matrices and the per-pass choice on the placement now, modeled on the
+        window it was planned from (a lost rank's survivors: the last one)."""
+        if not self.per_pass:
+            return
+        sample = self.sample_WLE
+        if sample is not None and sample.shape[1:] != self.placement.logcnt_LE.shape:
+            sample = None
+        self.lp_matrices = dispatch_matrices(self.placement, "lp")
+        self.auto = AutoDispatch.of(
+            self.placement, sample, top_k=self.top_k, cost=self.config.cost, kernels=self.kernels
+        )
 
     def _close_realized(self) -> None:
         """Record the balancedness the serving plan realized on the load it served since its switch."""
@@ -246,6 +296,7 @@ class RunState:
         started = time.perf_counter()
         n = counts_nLE.shape[0]
         tokens_LnG, active_LnG = self._gpu_load(start, counts_nLE, load_LnE, loaded_LnE)
+        gpus = self.placement.num_gpus
         moe_us_n = self.config.cost.layer_times_us(tokens_LnG, active_LnG).sum(axis=0)
         switched = 0
         if self.swap is not None:
@@ -271,6 +322,7 @@ class RunState:
                     )
         stop = start + n
         self.moe_us_F[start:stop] = moe_us_n
+        self._charge_dispatch(start, stop, gpus, switched)
         self.balancedness_F[start:stop] = balancedness(tokens_LnG).mean(axis=0)
         first = max(start, self.scored_from)
         if first < stop:
@@ -287,6 +339,24 @@ class RunState:
             self.served_load += float(weight_n.sum())
         self.eval_seconds += time.perf_counter() - started
 
+    def _charge_dispatch(self, start: int, stop: int, gpus: int, switched: int) -> None:
+        """The dispatch kernels of steps [start, stop): each pass's mode at its rank tokens (the GPUs
+        before the switch at ``start + switched``, those after it from there)."""
+        tokens_n = self.trace.num_tokens_F[start:stop].astype(np.float64)
+        ranks_n = np.full(stop - start, float(self.placement.num_gpus))
+        ranks_n[:switched] = gpus
+        prefill_n = self.trace.is_prefill_F[start:stop]
+        rank_tokens_n = tokens_n / ranks_n
+        mode = self.spec.dispatch
+        if self.per_pass:
+            lp_us = self.kernels.layer_us("lp", rank_tokens_n, prefill_n)
+            static_us = self.kernels.layer_us("static", rank_tokens_n, prefill_n)
+            layer_us_n = np.where(self.lp_F[start:stop], lp_us, static_us)
+        else:
+            layer_us_n = self.kernels.layer_us(mode, rank_tokens_n, prefill_n)
+            self.lp_F[start:stop] = mode == "lp"
+        self.dispatch_us_F[start:stop] = layer_us_n * self.trace.num_layers
+
     def _gpu_load(
         self, start: int, counts_nLE: np.ndarray, load_LnE: np.ndarray, loaded_LnE: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
@@ -299,7 +369,30 @@ class RunState:
                 routed_nL, self.placement.num_gpus, self.placement.slots_per_gpu, rng
             )
             return tokens_nLG.transpose(1, 0, 2), active_nLG.transpose(1, 0, 2)
+        if self.per_pass:
+            return self._per_pass_load(start, load_LnE, loaded_LnE)
         return np.matmul(load_LnE, self.matrices.share_LEG), np.matmul(loaded_LnE, self.matrices.replicas_LEG)
+
+    def _per_pass_load(
+        self, start: int, load_LnE: np.ndarray, loaded_LnE: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``auto``'s (tokens, active experts) float32 [L, n, G]: static's on the passes it keeps
+        static, lp's on the others (their choice kept in ``lp_F``)."""
+        n = load_LnE.shape[1]
+        stop = start + n
+        if self.auto is None or self.lp_matrices is None:
+            lp_n = np.zeros(n, dtype=bool)
+        else:
+            lp_n = self.auto.lp_n(self.trace.num_tokens_F[start:stop], self.trace.is_prefill_F[start:stop])
+        self.lp_F[start:stop] = lp_n
+        tokens_LnG = np.matmul(load_LnE, self.matrices.share_LEG)
+        active_LnG = np.matmul(loaded_LnE, self.matrices.replicas_LEG)
+        if lp_n.any():
+            lp = self.lp_matrices
+            assert lp is not None
+            tokens_LnG[:, lp_n] = np.matmul(np.ascontiguousarray(load_LnE[:, lp_n]), lp.share_LEG)
+            active_LnG[:, lp_n] = np.matmul(loaded_LnE[:, lp_n], lp.replicas_LEG)
+        return tokens_LnG, active_LnG
 
     def result(self) -> RunResult:
         if self.swap is not None:  # still in flight when the trace ends: it never switched
@@ -311,9 +404,21 @@ class RunState:
             spec=self.spec,
             balancedness_F=self.balancedness_F,
             moe_us_F=self.moe_us_F,
+            dispatch_us_F=self.dispatch_us_F,
+            lp_F=self.lp_F,
             relative_load_LG=self.relative_load_LG / max(after, 1),
             events=self.events,
             final_placement=self.placement,
             eval_seconds=self.eval_seconds,
             apply_seconds=self.apply_seconds,
         )
+
+
+def trace_top_k(trace: Trace) -> int:
+    """Experts per token of ``trace``: its metadata's ``top_k``, else routed copies over tokens."""
+    top_k = trace.meta.get("top_k")
+    if isinstance(top_k, int) and top_k >= 1:
+        return top_k
+    tokens = int(trace.num_tokens_F.sum())
+    routed = float(trace.counts_FLE[:, 0].sum(dtype=np.float64)) if trace.num_layers else 0.0
+    return max(1, round(routed / tokens)) if tokens > 0 else 1
