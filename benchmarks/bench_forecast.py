@@ -99,12 +99,16 @@ MODES: dict[str, tuple[str, ...]] = {
     "continuous-static": (*FORECASTS, "latent", "oracle"),
     "continuous-lp": ("decay", "track"),
     "periodic-static": ("auto", "track"),
+    "periodic-200": ("auto", "oracle"),
     "deepseek-1000": ("sum",),
+    "deepseek-200": ("sum",),
 }
 """The forecasts each mode runs (``auto``: the default for that mode)."""
 TOPOLOGY: dict[str, Any] = {"ep_size": 32, "nnodes": 4, "ep_num_redundant_experts": 32}
 SCORE_FROM = 1000
 PERIODIC_INTERVAL = 1000
+MODE_INTERVALS = {"periodic-200": 200, "deepseek-200": 200}
+"""Periodic modes whose interval (and window) is not ``PERIODIC_INTERVAL``."""
 TARGET_BALANCEDNESS = 0.88
 TARGET_BYTES_FRACTION = 0.25
 TIMING_EP = {32: 4, 64: 8}
@@ -178,11 +182,12 @@ def run_one(trace: Trace, mode: str, forecast: str, budget: int) -> dict[str, An
     """One simulated run, its summary row."""
     continuous = mode.startswith("continuous")
     dispatch = "lp" if mode == "continuous-lp" else "static"
-    algorithm = "deepseek" if mode == "deepseek-1000" else "scipy"
+    algorithm = "deepseek" if mode.startswith("deepseek") else "scipy"
+    interval = CONTINUOUS_INTERVAL if continuous else MODE_INTERVALS.get(mode, PERIODIC_INTERVAL)
     flags = EplbConfig(
         enable_eplb=True,
         eplb_rebalance_mode="continuous" if continuous else "periodic",
-        eplb_rebalance_num_iterations=CONTINUOUS_INTERVAL if continuous else PERIODIC_INTERVAL,
+        eplb_rebalance_num_iterations=interval,
         eplb_max_moved_experts=budget if continuous else None,
         eplb_transfer_gbps=100.0 if continuous else None,
         ep_dispatch_algorithm=dispatch,
@@ -203,11 +208,11 @@ def run_one(trace: Trace, mode: str, forecast: str, budget: int) -> dict[str, An
             algorithm=algorithm,
             dispatch=dispatch,
             bytes_per_expert=config.bytes_per_expert,
-            max_moved_experts=budget,
+            max_moved_experts=budget if continuous else None,
         )
         if forecast == "oracle":
             planner: SolverPlanner = OraclePlanner(
-                options=options, num_groups=config.num_groups, counts_FLE=trace.counts_FLE
+                options=options, num_groups=config.num_groups, counts_FLE=trace.counts_FLE, ahead=interval
             )
         else:
             planner = LatentPlanner(
@@ -227,6 +232,7 @@ def run_one(trace: Trace, mode: str, forecast: str, budget: int) -> dict[str, An
         "speedup": summary["speedup_vs_none"],
         "bytes_per_1000_passes": summary["bytes_moved_per_1000_passes"],
         "prediction_error": summary["prediction_error_mean"],
+        "prediction_bias": summary["prediction_bias_mean"],
         "solve_seconds_mean": summary["solve_seconds_mean"],
         "rebalances_applied": summary["rebalances_applied"],
         "wall_s": time.perf_counter() - started,
@@ -259,7 +265,8 @@ def run_workload(
             rows.append(row)
             print(
                 f"  {name:<16} {mode:<18} {forecast:<15} bal {row['balancedness_prefill']:.4f}  "
-                f"{row['bytes_per_1000_passes'] / 1e9:7.1f} GB/1000  solve {row['solve_seconds_mean']:.3f} s",
+                f"{row['bytes_per_1000_passes'] / 1e9:7.1f} GB/1000  err {row['prediction_error'] or 0:.3f} "
+                f"bias {row['prediction_bias'] or 0:+.3f}  solve {row['solve_seconds_mean']:.3f} s",
                 flush=True,
             )
     reference = next((r for r in rows if r["mode"] == "deepseek-1000"), None)
@@ -329,8 +336,8 @@ def solve_timing(forecasts: Sequence[str], steps: int, solves: int) -> list[dict
 def table(cases: Sequence[dict[str, Any]]) -> str:
     """Markdown: one line per workload and mode/forecast."""
     lines = [
-        "| workload | mode | forecast | prefill balancedness | vs decay | GB / 1000 passes | of DeepSeek-1000 | prediction error | solve s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | mode | forecast | prefill balancedness | vs decay | GB / 1000 passes | of DeepSeek-1000 | prediction error | bias | solve s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case in cases:
         base = {
@@ -345,10 +352,12 @@ def table(cases: Sequence[dict[str, Any]]) -> str:
             )
             frac = r["bytes_fraction_of_deepseek_1000"]
             err = r["prediction_error"]
+            bias = r.get("prediction_bias")
             lines.append(
                 f"| {case['workload']} | {r['mode']} | {r['forecast']} | {r['balancedness_prefill']:.4f} | {delta} | "
                 f"{r['bytes_per_1000_passes'] / 1e9:.1f} | {'' if frac is None else f'{frac:.3f}'} | "
-                f"{'' if err is None else f'{err:.3f}'} | {r['solve_seconds_mean']:.3f} |"
+                f"{'' if err is None else f'{err:.3f}'} | {'' if bias is None else f'{bias:+.3f}'} | "
+                f"{r['solve_seconds_mean']:.3f} |"
             )
     return "\n".join(lines)
 
