@@ -18,14 +18,17 @@ slowest schedule's first rebalance):
   forecast reaches; ``latent`` on the generator's hidden popularity of the window's passes
   (``eplb.workloads.latent``): what knowing the present exactly, but not the future, gives;
 - ``periodic-static``: scipy every 1000 passes on a window of 1000;
-- ``deepseek-1000``: eplb's port of DeepSeek's EPLB every 1000 passes on 1000: the bytes every
-  row is compared with (the target: continuous steady-state bytes <= 1/4 of it).
+- ``periodic-200``: scipy every 200 passes on 200, and its ``oracle`` (the same solver on the next
+  200 passes);
+- ``deepseek-1000``: eplb's port of DeepSeek's EPLB every 1000 passes on 1000, applying every plan:
+  the bytes every row is compared with (the target: continuous steady-state bytes <= 1/4 of it);
+  ``deepseek-200``: the same every 200 passes, periodic-200's yardstick.
 
 With ``--variant-layers N`` the variants keep their first N layers and the budget is scaled to
 them (160 x N / L copies per rebalance), so that a sweep fits in minutes on a shared machine; the
 presets always run whole. Columns: prefill balancedness, bytes moved across GPUs per 1000 scored
 passes and their fraction of ``deepseek-1000``'s, mean |predicted - realized| balancedness of
-the applied plans, solve wall seconds per rebalance in the simulation. Then (unless
+the applied plans and its signed mean (bias), solve wall seconds per rebalance in the simulation. Then (unless
 ``--no-timing``; alone with ``--timing-only``) the CPU time (one thread, ``time.thread_time``) of
 one budgeted continuous solve per forecast on deepseek-v3 windows at EP32 and EP64 (targets: 50
 and 150 ms).
@@ -33,6 +36,15 @@ and 150 ms).
     python -m benchmarks.bench_forecast --json benchmarks/results/bench_forecast_cpu.json
     python -m benchmarks.bench_forecast --workloads churn --modes continuous-static --variant-layers 8 --no-timing
     python -m benchmarks.bench_forecast --timing-only --timing-solves 20 --json /tmp/timing.json
+
+The smallest run that still shows the gaps (oracle - continuous 0.01-0.09 on 4 layers), about
+95 s on one core; periodic at interval 1000 needs ``--steps 5000`` (4 scored plans, not 2) for its
+ties and losses to DeepSeek (churn, mixed-decode) to show:
+
+    python -m benchmarks.bench_forecast --workloads ar-slow ar-fast churn shifts-1000 shifts-250 \
+        mixed-decode mixed-prefill drifting --modes continuous-static periodic-static periodic-200 \
+        deepseek-1000 deepseek-200 --forecasts auto decay oracle sum --variant-layers 4 --steps 3000 \
+        --no-timing --json benchmarks/results/bench_forecast_forecast.json
 """
 
 from __future__ import annotations
