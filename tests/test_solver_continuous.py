@@ -135,7 +135,11 @@ def test_the_prediction_is_calibrated_on_a_drifting_workload(static: bool) -> No
         dispatch="static" if static else "dynamic",
         pricing=Pricing(horizon_passes=INTERVAL),
     )
-    errors, prefill_errors, hit_errors, gain_errors, forecast_errors = [], [], [], [], []
+    errors: list[float] = []
+    prefill_errors: list[float] = []
+    hit_errors: list[float] = []
+    gain_errors: list[float] = []
+    forecast_errors: list[float] = []
     for i, t in enumerate(range(WINDOW, trace.num_steps - INTERVAL + 1, INTERVAL)):
         plan = solve(trace.counts_FLE[t - WINDOW : t], topology, current, options)
         realised, realised_prefill = _realised(trace, plan.placement, t, static)
