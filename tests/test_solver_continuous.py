@@ -145,7 +145,7 @@ def test_the_prediction_is_calibrated_on_a_drifting_workload(static: bool) -> No
         realised, realised_prefill = _realised(trace, plan.placement, t, static)
         realised_current, _ = _realised(trace, current, t, static)
         if i >= 3:  # the first plans leave the trivial placement: not the regime of interest
-            hit = bool(((shifts > t) & (shifts < t + INTERVAL)).any())
+            hit = bool(((shifts >= t) & (shifts < t + INTERVAL)).any())
             (hit_errors if hit else errors).append(plan.predicted_balancedness - realised)
             if not hit:
                 prefill_errors.append(plan.predicted_balancedness - realised_prefill)
