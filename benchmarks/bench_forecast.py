@@ -18,14 +18,17 @@ slowest schedule's first rebalance):
   forecast reaches; ``latent`` on the generator's hidden popularity of the window's passes
   (``eplb.workloads.latent``): what knowing the present exactly, but not the future, gives;
 - ``periodic-static``: scipy every 1000 passes on a window of 1000;
-- ``deepseek-1000``: eplb's port of DeepSeek's EPLB every 1000 passes on 1000: the bytes every
-  row is compared with (the target: continuous steady-state bytes <= 1/4 of it).
+- ``periodic-200``: scipy every 200 passes on 200, and its ``oracle`` (the same solver on the next
+  200 passes);
+- ``deepseek-1000``: eplb's port of DeepSeek's EPLB every 1000 passes on 1000, applying every plan:
+  the bytes every row is compared with (the target: continuous steady-state bytes <= 1/4 of it);
+  ``deepseek-200``: the same every 200 passes, periodic-200's yardstick.
 
 With ``--variant-layers N`` the variants keep their first N layers and the budget is scaled to
 them (160 x N / L copies per rebalance), so that a sweep fits in minutes on a shared machine; the
 presets always run whole. Columns: prefill balancedness, bytes moved across GPUs per 1000 scored
 passes and their fraction of ``deepseek-1000``'s, mean |predicted - realized| balancedness of
-the applied plans, solve wall seconds per rebalance in the simulation. Then (unless
+the applied plans and its signed mean (bias), solve wall seconds per rebalance in the simulation. Then (unless
 ``--no-timing``; alone with ``--timing-only``) the CPU time (one thread, ``time.thread_time``) of
 one budgeted continuous solve per forecast on deepseek-v3 windows at EP32 and EP64 (targets: 50
 and 150 ms).
@@ -33,6 +36,15 @@ and 150 ms).
     python -m benchmarks.bench_forecast --json benchmarks/results/bench_forecast_cpu.json
     python -m benchmarks.bench_forecast --workloads churn --modes continuous-static --variant-layers 8 --no-timing
     python -m benchmarks.bench_forecast --timing-only --timing-solves 20 --json /tmp/timing.json
+
+The smallest run that still shows the gaps (oracle - continuous 0.01-0.09 on 4 layers), about
+95 s on one core; periodic at interval 1000 needs ``--steps 5000`` (4 scored plans, not 2) for its
+ties and losses to DeepSeek (churn, mixed-decode) to show:
+
+    python -m benchmarks.bench_forecast --workloads ar-slow ar-fast churn shifts-1000 shifts-250 \
+        mixed-decode mixed-prefill drifting --modes continuous-static periodic-static periodic-200 \
+        deepseek-1000 deepseek-200 --forecasts auto decay oracle sum --variant-layers 4 --steps 3000 \
+        --no-timing --json benchmarks/results/bench_forecast_forecast.json
 """
 
 from __future__ import annotations
@@ -99,12 +111,16 @@ MODES: dict[str, tuple[str, ...]] = {
     "continuous-static": (*FORECASTS, "latent", "oracle"),
     "continuous-lp": ("decay", "track"),
     "periodic-static": ("auto", "track"),
+    "periodic-200": ("auto", "oracle"),
     "deepseek-1000": ("sum",),
+    "deepseek-200": ("sum",),
 }
 """The forecasts each mode runs (``auto``: the default for that mode)."""
 TOPOLOGY: dict[str, Any] = {"ep_size": 32, "nnodes": 4, "ep_num_redundant_experts": 32}
 SCORE_FROM = 1000
 PERIODIC_INTERVAL = 1000
+MODE_INTERVALS = {"periodic-200": 200, "deepseek-200": 200}
+"""Periodic modes whose interval (and window) is not ``PERIODIC_INTERVAL``."""
 TARGET_BALANCEDNESS = 0.88
 TARGET_BYTES_FRACTION = 0.25
 TIMING_EP = {32: 4, 64: 8}
@@ -178,11 +194,12 @@ def run_one(trace: Trace, mode: str, forecast: str, budget: int) -> dict[str, An
     """One simulated run, its summary row."""
     continuous = mode.startswith("continuous")
     dispatch = "lp" if mode == "continuous-lp" else "static"
-    algorithm = "deepseek" if mode == "deepseek-1000" else "scipy"
+    algorithm = "deepseek" if mode.startswith("deepseek") else "scipy"
+    interval = CONTINUOUS_INTERVAL if continuous else MODE_INTERVALS.get(mode, PERIODIC_INTERVAL)
     flags = EplbConfig(
         enable_eplb=True,
         eplb_rebalance_mode="continuous" if continuous else "periodic",
-        eplb_rebalance_num_iterations=CONTINUOUS_INTERVAL if continuous else PERIODIC_INTERVAL,
+        eplb_rebalance_num_iterations=interval,
         eplb_max_moved_experts=budget if continuous else None,
         eplb_transfer_gbps=100.0 if continuous else None,
         ep_dispatch_algorithm=dispatch,
@@ -203,11 +220,11 @@ def run_one(trace: Trace, mode: str, forecast: str, budget: int) -> dict[str, An
             algorithm=algorithm,
             dispatch=dispatch,
             bytes_per_expert=config.bytes_per_expert,
-            max_moved_experts=budget,
+            max_moved_experts=budget if continuous else None,
         )
         if forecast == "oracle":
             planner: SolverPlanner = OraclePlanner(
-                options=options, num_groups=config.num_groups, counts_FLE=trace.counts_FLE
+                options=options, num_groups=config.num_groups, counts_FLE=trace.counts_FLE, ahead=interval
             )
         else:
             planner = LatentPlanner(
@@ -227,6 +244,7 @@ def run_one(trace: Trace, mode: str, forecast: str, budget: int) -> dict[str, An
         "speedup": summary["speedup_vs_none"],
         "bytes_per_1000_passes": summary["bytes_moved_per_1000_passes"],
         "prediction_error": summary["prediction_error_mean"],
+        "prediction_bias": summary["prediction_bias_mean"],
         "solve_seconds_mean": summary["solve_seconds_mean"],
         "rebalances_applied": summary["rebalances_applied"],
         "wall_s": time.perf_counter() - started,
@@ -259,7 +277,8 @@ def run_workload(
             rows.append(row)
             print(
                 f"  {name:<16} {mode:<18} {forecast:<15} bal {row['balancedness_prefill']:.4f}  "
-                f"{row['bytes_per_1000_passes'] / 1e9:7.1f} GB/1000  solve {row['solve_seconds_mean']:.3f} s",
+                f"{row['bytes_per_1000_passes'] / 1e9:7.1f} GB/1000  err {row['prediction_error'] or 0:.3f} "
+                f"bias {row['prediction_bias'] or 0:+.3f}  solve {row['solve_seconds_mean']:.3f} s",
                 flush=True,
             )
     reference = next((r for r in rows if r["mode"] == "deepseek-1000"), None)
@@ -329,8 +348,8 @@ def solve_timing(forecasts: Sequence[str], steps: int, solves: int) -> list[dict
 def table(cases: Sequence[dict[str, Any]]) -> str:
     """Markdown: one line per workload and mode/forecast."""
     lines = [
-        "| workload | mode | forecast | prefill balancedness | vs decay | GB / 1000 passes | of DeepSeek-1000 | prediction error | solve s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| workload | mode | forecast | prefill balancedness | vs decay | GB / 1000 passes | of DeepSeek-1000 | prediction error | bias | solve s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case in cases:
         base = {
@@ -345,10 +364,12 @@ def table(cases: Sequence[dict[str, Any]]) -> str:
             )
             frac = r["bytes_fraction_of_deepseek_1000"]
             err = r["prediction_error"]
+            bias = r.get("prediction_bias")
             lines.append(
                 f"| {case['workload']} | {r['mode']} | {r['forecast']} | {r['balancedness_prefill']:.4f} | {delta} | "
                 f"{r['bytes_per_1000_passes'] / 1e9:.1f} | {'' if frac is None else f'{frac:.3f}'} | "
-                f"{'' if err is None else f'{err:.3f}'} | {r['solve_seconds_mean']:.3f} |"
+                f"{'' if err is None else f'{err:.3f}'} | {'' if bias is None else f'{bias:+.3f}'} | "
+                f"{r['solve_seconds_mean']:.3f} |"
             )
     return "\n".join(lines)
 

@@ -116,13 +116,17 @@ def _static_weights(placement: Placement) -> np.ndarray:
 
 @pytest.mark.parametrize("static", [False, True])
 def test_the_prediction_is_calibrated_on_a_drifting_workload(static: bool) -> None:
-    """Predicted balancedness within 0.03 of what the next interval gets, on average (measured
-    ~0.029, of which 0.022 is the last interval's: a domain shift at step 955 no window foresees;
-    ~0.008 on the others).
+    """Predicted balancedness within 0.03 of what the next interval gets, on average over the plans
+    whose interval no domain shift hits (measured ~0.008 either way; biased by under 0.02, measured
+    ~+0.007), and those the shift hits reported apart: the trace shifts at step 955, which no window
+    foresees, so the plan made at 950 is over-predicted by ~0.29 (counted with the others, it alone
+    would put the mean at ~0.029-0.030, at the bound: the figure then depends on the last bits of
+    numpy's sums).
 
     ``static``: the server dispatches by static maps, and the solver is told so.
     """
     trace = _trace("deepseek-v3", 1000, 4, False)
+    shifts = np.asarray(trace.meta["domain_change_steps"])
     topology = Topology(num_gpus=32, num_nodes=4, num_physical=288, num_groups=8)
     current = Placement.trivial(58, 256, 32, 32, num_nodes=4)
     # Predicted over the next interval, as a server's rebalance asks (eplb.policy.decision.Decider).
@@ -131,21 +135,30 @@ def test_the_prediction_is_calibrated_on_a_drifting_workload(static: bool) -> No
         dispatch="static" if static else "dynamic",
         pricing=Pricing(horizon_passes=INTERVAL),
     )
-    errors, prefill_errors, gain_errors, forecast_errors = [], [], [], []
+    errors: list[float] = []
+    prefill_errors: list[float] = []
+    hit_errors: list[float] = []
+    gain_errors: list[float] = []
+    forecast_errors: list[float] = []
     for i, t in enumerate(range(WINDOW, trace.num_steps - INTERVAL + 1, INTERVAL)):
         plan = solve(trace.counts_FLE[t - WINDOW : t], topology, current, options)
         realised, realised_prefill = _realised(trace, plan.placement, t, static)
         realised_current, _ = _realised(trace, current, t, static)
         if i >= 3:  # the first plans leave the trivial placement: not the regime of interest
-            errors.append(plan.predicted_balancedness - realised)
-            prefill_errors.append(plan.predicted_balancedness - realised_prefill)
+            hit = bool(((shifts >= t) & (shifts < t + INTERVAL)).any())
+            (hit_errors if hit else errors).append(plan.predicted_balancedness - realised)
+            if not hit:
+                prefill_errors.append(plan.predicted_balancedness - realised_prefill)
             gain_errors.append(plan.stats["predicted_gain"] - (realised - realised_current))
             forecast_errors.append(plan.stats["forecast_balancedness"] - realised)
         if plan.apply:
             current = plan.placement
     assert len(errors) >= 10
-    assert np.mean(np.abs(errors)) <= 0.03
-    assert np.mean(np.abs(prefill_errors)) <= 0.03
+    assert np.mean(np.abs(errors)) <= 0.03, errors
+    assert abs(np.mean(errors)) <= 0.02, errors
+    assert np.mean(np.abs(prefill_errors)) <= 0.03, prefill_errors
+    # The shift-hit plan: fitted to the old domain, it gets far less than predicted.
+    assert len(hit_errors) == 1 and hit_errors[0] > 0.1, hit_errors
     assert np.mean(np.abs(gain_errors)) <= 0.01
     # What the calibration corrects: the plan scored on the load it was fitted to.
     assert np.mean(forecast_errors) > 0.03
