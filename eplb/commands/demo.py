@@ -27,13 +27,16 @@ from typing import Any
 
 from eplb.commands import flags
 from eplb.commands.common import (
+    Parser,
     check_outputs,
     emit,
     json_to_stdout,
     run_until_signalled,
 )
 from eplb.commands.flags import DEMO_PERIODIC_INTERVAL
+from eplb.commands.sizes import MAX_DEMO_RANKS, check_demo
 from eplb.config import SERVER_GROUP, EplbConfig, add_cli_args, config_from_args
+from eplb.flags import float_in, int_in
 from eplb.metrics.sink import MetricsSink
 
 HELP = "run a small MoE model with EPLB on (CPU ranks over Gloo or GPUs over NCCL), printing balancedness"
@@ -67,19 +70,25 @@ class DemoConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoConfig(eplb=EplbConfig())
-    parser.add_argument("--nproc", type=int, default=d.nproc, help="EP ranks (default: %(default)s)")
+    parser.add_argument(
+        "--nproc", type=int_in(1, MAX_DEMO_RANKS), default=d.nproc, help="EP ranks (default: %(default)s)"
+    )
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default=d.device, help="cpu (Gloo) or cuda (NCCL)"
     )
     flags.add(parser, "demo", "--steps")
-    parser.add_argument("--duration-s", type=float, default=None, help="stop after this many seconds")
-    flags.add(parser, "demo", "--preset")
-    parser.add_argument("--hidden", type=int, default=d.hidden, help="model width (default: %(default)s)")
     parser.add_argument(
-        "--intermediate", type=int, default=d.intermediate, help="expert width (default: %(default)s)"
+        "--duration-s", type=float_in(0, above=True), default=None, help="stop after this many seconds"
+    )
+    flags.add(parser, "demo", "--preset")
+    parser.add_argument(
+        "--hidden", type=int_in(1), default=d.hidden, help="model width (default: %(default)s)"
     )
     parser.add_argument(
-        "--token-divisor", type=int, default=d.token_divisor, help="scale workload tokens down"
+        "--intermediate", type=int_in(1), default=d.intermediate, help="expert width (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--token-divisor", type=int_in(1), default=d.token_divisor, help="scale workload tokens down"
     )
     # The server's flags, with the demo's own defaults where the table gives it one (the namespace
     # is adjusted, then checked: config_from_namespace).
@@ -87,7 +96,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add(parser, "demo", "--seed", "--json")
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=int_in(0, 65535),
         default=None,
         help="export Prometheus metrics on this port (0: any free one)",
     )
@@ -103,6 +112,7 @@ def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
     periodic interval to ``DEMO_PERIODIC_INTERVAL``."""
     if args.nproc < 1 or args.steps < 0 or args.token_divisor < 1:
         raise ValueError("--nproc and --token-divisor must be >= 1 and --steps >= 0")
+    check_demo(args)
     args = argparse.Namespace(**vars(args))
     args.ep_size = args.nproc
     if args.ep_num_redundant_experts is None:
@@ -113,7 +123,7 @@ def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
     args.enable_eplb = args.enable_eplb and args.nproc > 1
     if args.eplb_rebalance_num_iterations is None and args.eplb_rebalance_mode == "periodic":
         args.eplb_rebalance_num_iterations = DEMO_PERIODIC_INTERVAL
-    parser = add_cli_args(argparse.ArgumentParser(prog="eplb demo"))
+    parser = add_cli_args(Parser(prog="eplb demo"))
     eplb = config_from_args(parser, args)
     return DemoConfig(
         nproc=args.nproc,
