@@ -42,6 +42,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 NEW_FILE_MODE = 0o644
 """Permission bits of a file that did not exist before."""
@@ -238,10 +239,26 @@ def json_error_text(exc: ValueError) -> str:
     return str(exc).split("; use ")[0]
 
 
-def safetensors_header(data: bytes | mmap.mmap) -> tuple[dict[str, str], dict[str, list[int]]]:
-    """The metadata and the tensor shapes that a safetensors file's bytes declare, from its header
-    alone, so a reader checks them before any tensor is decoded. ValueError (saying what is
-    wrong, for the caller to prefix with the file's name) when the bytes start with no such header."""
+SAFETENSORS_DTYPES = {
+    "BOOL": "?", "U8": "u1", "I8": "i1", "U16": "<u2", "I16": "<i2", "U32": "<u4", "I32": "<i4",
+    "U64": "<u8", "I64": "<i8", "F16": "<f2", "F32": "<f4", "F64": "<f8",
+}  # fmt: skip
+"""safetensors' dtype names, as NumPy spells them (little-endian, as the format stores them)."""
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One tensor a safetensors header declares."""
+
+    dtype: str
+    shape: list[int]
+    begin: int
+    """First byte, from the start of the file."""
+    end: int
+
+
+def _safetensors_entries(data: bytes | mmap.mmap) -> tuple[dict[str, str], dict[str, _Tensor]]:
+    """The metadata and each tensor's dtype, shape and byte range, from the header alone."""
     if len(data) < 8:
         raise ValueError(f"{len(data)} bytes, too short for a safetensors file")
     size = int.from_bytes(data[:8], "little")
@@ -256,7 +273,7 @@ def safetensors_header(data: bytes | mmap.mmap) -> tuple[dict[str, str], dict[st
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("the safetensors metadata must map names to strings")
-    shapes: dict[str, list[int]] = {}
+    tensors: dict[str, _Tensor] = {}
     held = len(data) - 8 - size
     for name, info in header.items():
         shape = info.get("shape") if isinstance(info, dict) else None
@@ -270,8 +287,45 @@ def safetensors_header(data: bytes | mmap.mmap) -> tuple[dict[str, str], dict[st
             or not 0 <= offsets[0] <= offsets[1] <= held
         ):
             raise ValueError(f"tensor {name!r} declares data outside the {held} bytes the file holds")
-        shapes[name] = shape
-    return meta, shapes
+        dtype = info.get("dtype")
+        tensors[name] = _Tensor(str(dtype), shape, 8 + size + offsets[0], 8 + size + offsets[1])
+    return meta, tensors
+
+
+def safetensors_header(data: bytes | mmap.mmap) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """The metadata and the tensor shapes that a safetensors file's bytes declare, from its header
+    alone, so a reader checks them before any tensor is decoded. ValueError (saying what is
+    wrong, for the caller to prefix with the file's name) when the bytes start with no such header."""
+    meta, tensors = _safetensors_entries(data)
+    return meta, {name: t.shape for name, t in tensors.items()}
+
+
+def safetensors_views(data: bytes | mmap.mmap, names: Iterable[str]) -> dict[str, Any]:
+    """Tensors ``names`` of a safetensors file's bytes as read-only NumPy arrays that share
+    ``data``'s memory (a mapped file's pages: nothing is copied), after checking each one's dtype
+    and that its byte range holds exactly its shape. ValueError as :func:`safetensors_header`."""
+    import numpy as np
+
+    _, tensors = _safetensors_entries(data)
+    views: dict[str, Any] = {}
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype!r}, which eplb does not read")
+        dtype = np.dtype(SAFETENSORS_DTYPES[t.dtype])
+        count = 1
+        for d in t.shape:
+            count *= d
+        if count * dtype.itemsize != t.end - t.begin:
+            raise ValueError(
+                f"tensor {name!r} declares shape {t.shape} of {t.dtype} ({count * dtype.itemsize} bytes) "
+                f"but holds {t.end - t.begin} bytes"
+            )
+        if count == 0:  # frombuffer refuses an offset at the very end
+            views[name] = np.empty(t.shape, dtype)
+        else:
+            views[name] = np.frombuffer(data, dtype=dtype, count=count, offset=t.begin).reshape(t.shape)
+    return views
 
 
 # ---- output --------------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ demo's own defaults and why.
 With one rank (``--nproc 1``) there is nothing to balance: every rebalance is skipped, saying so
 (eplb.policy.decision.ONE_GPU), and the run goes to its end. Ctrl-C or SIGTERM ends the demo and
 every rank process within a second or two: one line, exit status 130 or 143
-(eplb.commands.common.run_until_signalled, eplb.moe.spawn).
+(eplb.commands.common.run_until_signalled, eplb.moe.spawn). A rank process that dies (killed,
+out of memory) ends the demo with one line naming the rank and the signal or exit code, and exit
+status :data:`RANK_DIED_EXIT`.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ from eplb.commands.sizes import MAX_DEMO_RANKS, check_demo
 from eplb.config import SERVER_GROUP, EplbConfig, add_cli_args, config_from_args
 from eplb.flags import float_in, int_in
 from eplb.metrics.sink import MetricsSink
+
+RANK_DIED_EXIT = 1
+"""Exit status when a rank process died: not an error in the flags (2), not a signal to eplb."""
 
 HELP = "run a small MoE model with EPLB on (CPU ranks over Gloo or GPUs over NCCL), printing balancedness"
 
@@ -156,8 +161,13 @@ def _demo(args: argparse.Namespace) -> int:
     stream = sys.stderr if json_to_stdout(args.json_out) else sys.stdout
     if exporter is not None:
         print(f"eplb demo: metrics on {exporter.url}", file=stream, flush=True)
+    from eplb.moe.spawn import RankDied
+
     try:
         result = run_demo(config, sink=sink, out=lambda line: print(line, file=stream, flush=True))
+    except RankDied as exc:
+        print(f"eplb demo: {exc}", file=sys.stderr, flush=True)
+        return RANK_DIED_EXIT
     finally:
         if exporter is not None:
             exporter.stop()

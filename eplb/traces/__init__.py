@@ -6,10 +6,11 @@ Every reader treats its file as untrusted (eplb.traces.checks): a bad file is a 
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Sequence
 from pathlib import Path
 
-from eplb.fileio import read_input
+from eplb.fileio import map_input, read_input
 from eplb.traces.checks import MAX_TRACE_FILE_BYTES, TraceFormatError
 from eplb.traces.openevolve import parse_openevolve, read_openevolve, write_openevolve
 from eplb.traces.sglang import parse_sglang_dump, read_sglang_dump, read_sglang_per_pass
@@ -30,7 +31,7 @@ __all__ = [
 ]
 
 
-def detect_format(data: bytes) -> str:
+def detect_format(data: bytes | mmap.mmap) -> str:
     """Guess a file's format from its first bytes: JSON, torch zip or pickle (SGLang), npz or safetensors."""
     head = data[:512]
     stripped = head.lstrip()
@@ -50,8 +51,10 @@ def load_trace(
 ) -> Trace:
     """Read a trace from one file, or from several SGLang per_pass files (one per rank).
 
-    Every file is read through eplb.fileio.read_input: a regular file (symlinks followed) of at
-    most ``MAX_TRACE_FILE_BYTES``, so a FIFO, a device or a folder is refused before it is opened.
+    Every file is checked by eplb.fileio first: a regular file (symlinks followed) of at most
+    ``MAX_TRACE_FILE_BYTES``, so a FIFO, a device or a folder is refused before it is opened. An
+    eplb trace is mapped, not read (eplb.traces.trace); the other formats are parsed from the
+    whole file in memory, once it is known to fit (eplb.fileio.read_input).
     ``progress(done, total)`` follows the slow readers (OpenEvolve JSON, per_pass records).
     """
     if fmt not in FORMATS:
@@ -64,10 +67,12 @@ def load_trace(
             raise ValueError("several files are only accepted as SGLang per_pass dumps (one per rank)")
         return read_sglang_per_pass(path_list, progress=progress)
     path = path_list[0]
+    mapped = map_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file")
+    kind = detect_format(mapped) if fmt == "auto" else fmt
+    if kind == "eplb":
+        return Trace.from_bytes(mapped, str(path))
+    del mapped  # JSON and torch's unpickler parse bytes in memory
     data = read_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file")
-    kind = detect_format(data) if fmt == "auto" else fmt
     if kind == "openevolve":
         return parse_openevolve(data, str(path), progress=progress)
-    if kind == "sglang":
-        return parse_sglang_dump(data, str(path))
-    return Trace.from_bytes(data, str(path))
+    return parse_sglang_dump(data, str(path))
