@@ -158,7 +158,7 @@ def _check_input(path: Path, st: os.stat_result, limit: int, what: str) -> None:
         raise InputFileError(f"{path}: the {what} holds {st.st_size} bytes, more than the {limit} it may")
 
 
-def read_input(path: str | Path, *, limit: int, what: str = "input file") -> bytes:
+def read_input(path: str | Path, *, limit: int, what: str = "input file", head: int | None = None) -> bytes:
     """The bytes of the regular file at ``path`` (symlinks followed), at most ``limit`` of them.
 
     ``what`` names the input in messages ("trace file", "placement file"). A FIFO, device, folder
@@ -166,7 +166,7 @@ def read_input(path: str | Path, *, limit: int, what: str = "input file") -> byt
     opening a FIFO with no writer blocks, and a device may never end. A file larger than
     ``limit`` is refused before it is read, and at most ``limit + 1`` bytes are ever read, so one
     that grows meanwhile is refused too. A missing file is a FileNotFoundError ("PATH: WHAT not
-    found" on the command line).
+    found" on the command line). ``head``: only the first ``head`` bytes (to tell a format by).
     """
     path = Path(path)
     try:
@@ -179,6 +179,8 @@ def read_input(path: str | Path, *, limit: int, what: str = "input file") -> byt
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(fd)
         _check_input(path, st, limit, what)
+        if head is not None:
+            return f.read(head)
         check_memory(st.st_size, f"{path}: reading the {what} whole")
         try:
             data = f.read(st.st_size + 1)

@@ -6,7 +6,6 @@ Every reader treats its file as untrusted (eplb.traces.checks): a bad file is a 
 
 from __future__ import annotations
 
-import mmap
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -17,6 +16,8 @@ from eplb.traces.sglang import parse_sglang_dump, read_sglang_dump, read_sglang_
 from eplb.traces.trace import ProgressFn, Trace
 
 FORMATS = ("auto", "eplb", "sglang", "openevolve")
+HEAD_BYTES = 512
+"""The first bytes of a file, by which :func:`detect_format` tells its format."""
 
 __all__ = [
     "FORMATS",
@@ -31,9 +32,9 @@ __all__ = [
 ]
 
 
-def detect_format(data: bytes | mmap.mmap) -> str:
+def detect_format(data: bytes) -> str:
     """Guess a file's format from its first bytes: JSON, torch zip or pickle (SGLang), npz or safetensors."""
-    head = data[:512]
+    head = data[:HEAD_BYTES]
     stripped = head.lstrip()
     if stripped.startswith(b"{"):
         return "openevolve"
@@ -67,11 +68,13 @@ def load_trace(
             raise ValueError("several files are only accepted as SGLang per_pass dumps (one per rank)")
         return read_sglang_per_pass(path_list, progress=progress)
     path = path_list[0]
-    mapped = map_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file")
-    kind = detect_format(mapped) if fmt == "auto" else fmt
+    if fmt == "auto":
+        kind = detect_format(read_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file", head=HEAD_BYTES))
+    else:
+        kind = fmt
     if kind == "eplb":
-        return Trace.from_bytes(mapped, str(path))
-    del mapped  # JSON and torch's unpickler parse bytes in memory
+        return Trace.from_bytes(map_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file"), str(path))
+    # JSON and torch's unpickler parse bytes in memory.
     data = read_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file")
     if kind == "openevolve":
         return parse_openevolve(data, str(path), progress=progress)
