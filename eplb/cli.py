@@ -51,7 +51,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Building the parser imports numpy and the subcommands: an early Ctrl-C lands here.
         parser = build_parser()
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # named by the subcommand's parser: "eplb sweep: error: ..."
+            getattr(args, "_parser", parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     except KeyboardInterrupt:
         print("eplb: interrupted", file=sys.stderr)
         return 130

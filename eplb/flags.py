@@ -171,6 +171,8 @@ def float_in(
 
     def parse(text: str) -> float:
         try:
+            if not text.isascii() or "_" in text:  # float() reads "١" and "1_0"; a flag does not
+                raise ValueError(text)
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {wanted}, got {_shown(text)}") from None

@@ -77,7 +77,22 @@ def test_int_in_takes_exactly_the_whole_numbers_in_its_range(bounds: tuple[int |
 
 def test_float_in_refuses_nan_infinities_and_values_out_of_range() -> None:
     positive, share = float_in(0, above=True), float_in(0, 1)
-    for text in ["nan", "NaN", "-nan", "inf", "-inf", "Infinity", "1e400", "0", "-0.0", "-1", "x", ""]:
+    for text in [
+        "nan",
+        "NaN",
+        "-nan",
+        "inf",
+        "-inf",
+        "Infinity",
+        "1e400",
+        "0",
+        "-0.0",
+        "-1",
+        "x",
+        "",
+        "٣",
+        "1_0",
+    ]:
         with pytest.raises(argparse.ArgumentTypeError, match="expected a finite number > 0"):
             positive(text)
     assert positive("1e-300") == 1e-300 and positive("3") == 3.0

@@ -25,7 +25,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eplb.commands import flags
 from eplb.commands.common import (
@@ -40,6 +40,9 @@ from eplb.commands.sizes import MAX_DEMO_RANKS, check_demo
 from eplb.config import SERVER_GROUP, EplbConfig, add_cli_args, config_from_args
 from eplb.flags import float_in, int_in
 from eplb.metrics.sink import MetricsSink
+
+if TYPE_CHECKING:
+    from eplb.placement.model import Placement
 
 RANK_DIED_EXIT = 1
 """Exit status when a rank process died: not an error in the flags (2), not a signal to eplb."""
@@ -118,6 +121,11 @@ def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
     if args.nproc < 1 or args.steps < 0 or args.token_divisor < 1:
         raise ValueError("--nproc and --token-divisor must be >= 1 and --steps >= 0")
     check_demo(args)
+    if args.ep_size is not None and args.ep_size != args.nproc:
+        raise ValueError(
+            f"--ep-size {args.ep_size}: the demo's EP ranks are the processes --nproc starts "
+            f"({args.nproc}); give --nproc {args.ep_size} instead"
+        )
     args = argparse.Namespace(**vars(args))
     args.ep_size = args.nproc
     if args.ep_num_redundant_experts is None:
@@ -209,12 +217,13 @@ def run_demo(
             raise ValueError(
                 f"--nproc {config.nproc} needs as many GPUs; {torch.cuda.device_count()} visible"
             )
+    initial = initial_placement(config)  # a bad file fails here, before any rank starts
     printer = out or (lambda line: print(line, file=sys.stdout, flush=True))
     start = time.perf_counter()
     results = run_ranks(
         demo_rank,
         config.nproc,
-        args=(replace(config),),
+        args=(replace(config), initial),
         backend="nccl" if config.device == "cuda" else "gloo",
         timeout_s=timeout_s,
         rank0_in_process=True,
@@ -226,14 +235,44 @@ def run_demo(
     return summary
 
 
+def initial_placement(config: DemoConfig) -> Placement | None:
+    """``--init-expert-location``: None for trivial, else the placement its file or JSON holds,
+    which must fit the demo's model (the preset's layers and experts) on its ranks and slots."""
+    from eplb.placement.model import Placement
+    from eplb.workloads import PRESETS
+
+    source, flags = config.eplb.init_expert_location, config.eplb
+    if source == "trivial":
+        return None
+    if source.endswith(".safetensors"):
+        from eplb.placement.io import load_placement
+
+        placement, _ = load_placement(source)
+    else:
+        placement = Placement.from_sglang(source, flags.ep_size, flags.nnodes)
+    preset = PRESETS[config.preset]
+    want = (preset.num_layers, preset.num_experts, preset.num_experts + flags.ep_num_redundant_experts)
+    want_on = (flags.ep_size, flags.nnodes)
+    have = (placement.num_layers, placement.num_logical, placement.num_physical)
+    if have != want or (placement.num_gpus, placement.num_nodes) != want_on:
+        raise ValueError(
+            f"--init-expert-location: the placement is [L={have[0]}, E={have[1]}, P={have[2]}] on "
+            f"{placement.num_gpus} GPUs / {placement.num_nodes} nodes, but the {config.preset} model on "
+            f"--nproc {config.nproc} needs [L={want[0]}, E={want[1]}, P={want[2]}] on {want_on[0]} / {want_on[1]}"
+        )
+    return placement
+
+
 def demo_rank(
     ctx: Any,
     config: DemoConfig,
+    initial: Placement | None = None,
     *,
     sink: MetricsSink | None = None,
     out: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """One rank's serving loop (``ctx``: eplb.moe.spawn.RankContext). Returns a summary."""
+    """One rank's serving loop (``ctx``: eplb.moe.spawn.RankContext), from ``initial`` (None:
+    the trivial placement). Returns a summary."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -259,7 +298,7 @@ def demo_rank(
         seed=config.seed,
         dtype="bfloat16" if ctx.device.type == "cuda" else "float32",
     )
-    placement = Placement.trivial(
+    placement = initial or Placement.trivial(
         model_cfg.num_layers, model_cfg.num_experts, G, num_redundant=config.eplb.ep_num_redundant_experts
     )
     model = MoEModel(model_cfg, placement, rank=rank, device=ctx.device, mode=config.eplb.dispatch_algorithm)

@@ -96,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
     from eplb.simulate.sweep import SweepPoint, redundant_candidates, sweep
 
     check_outputs(args.json_out)  # an unwritable output fails now, not after the sweep
+    if args.plots is not None and not args.tradeoff:
+        raise ValueError("--plots: only --tradeoff draws a plot")
+    if args.init_expert_location != "trivial":
+        # Each point has its own redundant count or schedule: no one placement starts them all.
+        raise ValueError("--init-expert-location: eplb sweep starts every point from the trivial placement")
     check_slots(args, redundant=args.redundant)
     check_workload(args)
     if args.tradeoff:
