@@ -57,6 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("eplb: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as exc:
+        return _refused(exc)
     if args.command is None:
         parser.print_help()
         return 2
@@ -65,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"eplb {args.command}: interrupted", file=sys.stderr)
         return 130
+    except SystemExit as exc:  # a combination of flags a command's own parser refused
+        return _refused(exc)
     except MemoryError as exc:
         # The checks before allocation (eplb.commands.sizes, eplb.fileio) should have said which
         # flag or file asks for too much; this is the net under them.
@@ -81,6 +85,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"eplb {args.command}: error: {message}", file=sys.stderr)
         return 2
+
+
+def _refused(exc: SystemExit) -> int:
+    """The status of a parser's exit: --help and --version go on exiting 0; a refused flag (said
+    in one line already, eplb.commands.common.Parser) is returned, as every other user error is."""
+    if exc.code in (0, None):
+        raise exc
+    return exc.code if isinstance(exc.code, int) else 2
 
 
 def user_error(exc: BaseException) -> str | None:

@@ -113,10 +113,10 @@ TINY = ["--preset", "tiny", "--steps", "40", "--disable-tqdm"]
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["demo", "--nproc", "1", "--hidden", "0"], "--hidden: expected a whole number >= 1, got 0"),
+        (["demo", "--nproc", "1", "--hidden", "0"], "error: --hidden: expected a whole number >= 1, got 0"),
         (["demo", "--nproc", "1", "--hidden", "-1"], "--hidden"),
         (["demo", "--nproc", "1", "--intermediate", "0"], "--intermediate"),
-        (["demo", "--nproc", "1", "--duration-s", "nan"], "--duration-s: expected a finite number > 0"),
+        (["demo", "--nproc", "1", "--duration-s", "nan"], "error: --duration-s: expected a finite number > 0"),
         (["demo", "--nproc", "1", "--duration-s", "-1"], "--duration-s"),
         (["demo", "--nproc", "1", "--duration-s", "inf"], "--duration-s"),
         (["demo", "--nproc", str(MAX_DEMO_RANKS + 1)], f"--nproc: expected a whole number in [1, {MAX_DEMO_RANKS}]"),

@@ -87,10 +87,12 @@ def run_until_signalled(command: str, body: Callable[[], int], *, hard_exit: boo
 class Parser(argparse.ArgumentParser):
     """An argument parser whose errors are one line on stderr (``eplb demo: error: ...``) and exit
     status 2, as every other error in what the user gave; argparse's own error prints the whole
-    usage first, twenty lines for a subcommand with many flags. Subparsers take this class too."""
+    usage first, twenty lines for a subcommand with many flags. Subparsers take this class too.
+    A value's error names the flag as every other check does: ``--steps: expected ...``."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {' '.join(message.split())}", file=sys.stderr)
+        text = " ".join(message.split()).removeprefix("argument ")
+        print(f"{self.prog}: error: {text}", file=sys.stderr)
         sys.exit(2)
 
 
