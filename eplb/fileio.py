@@ -158,6 +158,25 @@ def _check_input(path: Path, st: os.stat_result, limit: int, what: str) -> None:
         raise InputFileError(f"{path}: the {what} holds {st.st_size} bytes, more than the {limit} it may")
 
 
+def _open_input(path: Path, limit: int, what: str) -> tuple[int, os.stat_result]:
+    """An open descriptor of the regular file at ``path`` and its fstat, checked before the open
+    and again after it (:func:`read_input`'s checks)."""
+    try:
+        _check_input(path, os.stat(path), limit, what)
+    except FileNotFoundError:
+        raise FileNotFoundError(errno.ENOENT, f"{what} not found", str(path)) from None
+    # Non-blocking: should a FIFO replace the file after the stat, the open still returns and the
+    # fstat below refuses it.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        st = os.fstat(fd)
+        _check_input(path, st, limit, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
 def read_input(path: str | Path, *, limit: int, what: str = "input file", head: int | None = None) -> bytes:
     """The bytes of the regular file at ``path`` (symlinks followed), at most ``limit`` of them.
 
@@ -169,16 +188,8 @@ def read_input(path: str | Path, *, limit: int, what: str = "input file", head: 
     found" on the command line). ``head``: only the first ``head`` bytes (to tell a format by).
     """
     path = Path(path)
-    try:
-        _check_input(path, os.stat(path), limit, what)
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, f"{what} not found", str(path)) from None
-    # Non-blocking: should a FIFO replace the file after the stat, the open still returns and the
-    # fstat below refuses it.
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    fd, st = _open_input(path, limit, what)
     with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        _check_input(path, st, limit, what)
         if head is not None:
             return f.read(head)
         check_memory(st.st_size, f"{path}: reading the {what} whole")
@@ -211,14 +222,8 @@ def map_input(path: str | Path, *, limit: int, what: str = "input file") -> mmap
     limit cannot hold is a MemoryLimitError before the mapping is tried; one the kernel still
     refuses to map is one too."""
     path = Path(path)
+    fd, st = _open_input(path, limit, what)
     try:
-        _check_input(path, os.stat(path), limit, what)
-    except FileNotFoundError:
-        raise FileNotFoundError(errno.ENOENT, f"{what} not found", str(path)) from None
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        _check_input(path, st, limit, what)
         if st.st_size == 0:
             return b""
         check_memory(st.st_size, f"{path}: mapping the {what}", mapped=True)

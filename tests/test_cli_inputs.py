@@ -31,7 +31,7 @@ from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 from eplb.traces import Trace, load_trace
 from eplb.traces.checks import MAX_SLOTS
 from eplb.workloads import PRESETS, WorkloadConfig, generate
-from tests.test_demo_signals import _session, _wait_for
+from tests.helpers.demo_session import demo_session, session, wait_for, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -251,6 +251,13 @@ def test_a_mapped_trace_equals_the_saved_one_and_shares_the_files_pages(tmp_path
     assert load_trace(empty.save(tmp_path / "e.safetensors")).equals(empty)
 
 
+def _python(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``script`` in a fresh interpreter from the repository root."""
+    return subprocess.run(
+        [sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=120, cwd=ROOT
+    )
+
+
 _RSS_SCRIPT = """
 import json, sys
 from eplb.commands.trace import describe
@@ -273,13 +280,7 @@ def test_a_large_trace_costs_page_cache_not_process_memory(tmp_path: Path) -> No
     a tenth of that; reading the file whole would grow it by all of it."""
     nbytes = 512 << 20
     steps = sparse_trace(tmp_path / "big.safetensors", nbytes)
-    done = subprocess.run(
-        [sys.executable, "-c", _RSS_SCRIPT, str(tmp_path / "big.safetensors")],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=ROOT,
-    )
+    done = _python(_RSS_SCRIPT, str(tmp_path / "big.safetensors"))
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     assert (result["steps"], result["routed"]) == (steps, 0)
@@ -312,13 +313,7 @@ def test_traces_larger_than_the_address_space_are_refused_in_one_line(tmp_path: 
         (json_like, "reading the trace file whole"),
     ):
         start = time.monotonic()
-        done = subprocess.run(
-            [sys.executable, "-c", _CAPPED_SCRIPT, "trace", "info", str(path)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-            cwd=ROOT,
-        )
+        done = _python(_CAPPED_SCRIPT, "trace", "info", str(path))
         assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
         assert done.stderr.startswith(f"eplb trace: error: {path}: {how}"), done.stderr
         assert "RLIMIT_AS" in done.stderr and "Traceback" not in done.stderr
@@ -329,27 +324,14 @@ def test_traces_larger_than_the_address_space_are_refused_in_one_line(tmp_path: 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGSEGV"])
 def test_a_killed_rank_ends_the_demo_in_one_line(sig: str) -> None:
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "eplb", "demo", "--nproc", "2", "--steps", "20000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        assert demo.stdout is not None
-        while "pass" not in (line := demo.stdout.readline()):  # both ranks serve
-            assert line, "the demo ended before serving"
-        ranks = [pid for pid, cmd in _session(demo.pid).items() if "spawn_main" in cmd]
+    with demo_session("--nproc", "2", "--steps", "20000") as demo:
+        wait_serving(demo)
+        ranks = [pid for pid, cmd in session(demo.pid).items() if "spawn_main" in cmd]
         assert len(ranks) == 1  # rank 0 runs in the demo's own process
         os.kill(ranks[0], getattr(signal, sig))
         sent = time.monotonic()
-        _wait_for(lambda: not _session(demo.pid), 30, "processes of the demo outlived the killed rank")
+        wait_for(lambda: not session(demo.pid), 30, "processes of the demo outlived the killed rank")
         gone = time.monotonic() - sent
         _, err = demo.communicate(timeout=30)
-    finally:
-        for pid in _session(demo.pid):
-            os.kill(pid, signal.SIGKILL)
     assert (demo.returncode, err) == (1, f"eplb demo: rank 1 died (killed by {sig})\n")
     assert gone < 10

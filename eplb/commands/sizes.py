@@ -76,9 +76,9 @@ def check_demo(args: argparse.Namespace) -> None:
     check_workload(args, copies=G, steps=max(args.steps, 1) * G)
     preset = PRESETS[args.preset]
     L, E = preset.num_layers, preset.num_experts
-    R = args.ep_num_redundant_experts if args.ep_num_redundant_experts is not None else G
+    redundant = args.ep_num_redundant_experts if args.ep_num_redundant_experts is not None else G
     check_slots(args)
-    slots_per_rank = -(-(E + R) // G)
+    slots_per_rank = -(-(E + redundant) // G)
     H, inter = args.hidden, args.intermediate
     per_rank = L * (E + slots_per_rank) * (3 * inter * H + H) * WEIGHT_BYTES
     check_memory(
