@@ -132,6 +132,12 @@ TINY = ["--preset", "tiny", "--steps", "40", "--disable-tqdm"]
         (["sweep", *TINY, "--intervals", "0"], "--intervals"),
         (["sweep", *TINY, "--tradeoff", "--budgets", "-1"], "--budgets"),
         (["solve", *TINY], "the following arguments are required: --out"),
+        (["sweep", *TINY, "--intervals", "20", "--redundant", "4", "-inf"], "unrecognized arguments: -inf"),
+        # Flags the command would ignore.
+        (["demo", "--nproc", "2", "--ep-size", "4"], "--ep-size 4: the demo's EP ranks are the processes --nproc starts"),
+        (["sweep", *TINY, "--intervals", "20", "--plots", "out"], "--plots: only --tradeoff draws a plot"),
+        (["sweep", *TINY, "--init-expert-location", "x.json"], "--init-expert-location: eplb sweep starts every point"),
+        (["demo", "--nproc", "1", "--init-expert-location", "/dev/null"], "/dev/null"),
     ],
 )  # fmt: skip
 def test_bad_values_end_in_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
@@ -196,6 +202,35 @@ def test_a_memory_error_no_check_caught_still_ends_in_one_line(
     monkeypatch.setattr(eplb.commands.workload, "run", run)
     err = _error(capsys, ["workload"])
     assert "out of memory (Unable to allocate 745. GiB" in err
+
+
+def test_trace_info_refuses_an_output_it_would_not_write(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = Trace.from_counts(np.ones((3, 2, 4), np.int32)).save(tmp_path / "t.safetensors")
+    err = _error(capsys, ["trace", "info", str(src), "--out", str(tmp_path / "o.npz")])
+    assert "--out: info writes no trace" in err and not (tmp_path / "o.npz").exists()
+
+
+def test_the_demo_starts_from_its_init_expert_location(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One rank skips every rebalance, so the placement it ends on is the one it was given; one
+    that does not fit the model is refused before any rank starts."""
+    phy2log = np.array([[15, *np.roll(np.arange(15), 2), 7]] * 4)  # every expert, 7 twice: not trivial
+    given = Placement.from_phy2log(phy2log, 1)
+    path = tmp_path / "loc.json"
+    path.write_text(json.dumps(given.to_sglang_dict()))
+    capsys.readouterr()
+    assert (
+        main(["demo", "--nproc", "1", "--steps", "3", "--init-expert-location", str(path), "--json", "-"])
+        == 0
+    )
+    assert json.loads(capsys.readouterr().out)["phy2log"] == phy2log.tolist()
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps(Placement.trivial(4, 16, 1, 2).to_sglang_dict()))
+    err = _error(capsys, ["demo", "--nproc", "1", "--init-expert-location", str(small)])
+    assert "P=18] on 1 GPUs / 1 nodes, but the tiny model on --nproc 1 needs [L=4, E=16, P=17]" in err
 
 
 # ---- API types ---------------------------------------------------------------------------------
