@@ -35,7 +35,7 @@ from hypothesis import strategies as st
 from eplb.cli import build_parser, main
 from eplb.traces import Trace
 
-EXAMPLES = int(os.environ.get("EPLB_SWEEP_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("EPLB_SWEEP_EXAMPLES", "50"))
 """Examples per subcommand (EPLB_SWEEP_EXAMPLES: more, for a longer hunt)."""
 DEADLINE_S = 60
 """One run's bound: anything longer counts as a hang (a valid run here takes a second or two)."""
