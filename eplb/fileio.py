@@ -5,6 +5,11 @@ Input: :func:`read_input` is the one way a file eplb is given gets read. It refu
 regular file (a FIFO, a device, a folder, a socket, or a symlink to one of them) before opening it,
 and a file larger than the caller's bound before reading it; it reads at most the bound plus one
 byte, so a file that grows meanwhile cannot exceed it either. The caller parses the bytes.
+:func:`map_input` checks a file the same way and maps it instead (read-only), so a large trace
+costs page cache, which the kernel can drop, not memory the process holds. Whatever is read whole
+or allocated from an input is first checked against :func:`memory_headroom`, what this process
+can still have (physical memory, its cgroup's limit, its address-space limit), so a request for
+more ends in one line saying how much more, not in a MemoryError.
 
 Output: a writer fills a temporary file in the target's folder; only when it has finished is the
 file flushed to disk and renamed over the target. A write that fails or is interrupted (an
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import errno
 import json
+import mmap
 import os
 import secrets
 import shutil
@@ -36,6 +42,7 @@ from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 NEW_FILE_MODE = 0o644
 """Permission bits of a file that did not exist before."""
@@ -46,6 +53,84 @@ READ_CHUNK = 64 << 20
 # ---- input ---------------------------------------------------------------------------------------
 class InputFileError(ValueError):
     """An input path that is not a regular file, cannot be read, or holds more than its reader takes."""
+
+
+class MemoryLimitError(ValueError):
+    """An input, or what a flag sizes, that needs more memory than this process can have."""
+
+
+def _proc_kib(field: str) -> int | None:
+    """A ``kB`` field of /proc/self/status (VmSize, ...), in bytes; None where there is none."""
+    with suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _cgroup_headroom() -> int | None:
+    """What this process's cgroup may still use: v2's ``memory.max`` less ``memory.current``, or
+    v1's ``memory.limit_in_bytes`` less ``memory.usage_in_bytes``; None without a limit."""
+    with suppress(OSError, ValueError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, where = line.split(":", 2)
+            if controllers == "":
+                folder, names = Path("/sys/fs/cgroup", where.lstrip("/")), ("memory.max", "memory.current")
+            elif "memory" in controllers.split(","):
+                folder = Path("/sys/fs/cgroup/memory", where.lstrip("/"))
+                names = ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            else:
+                continue
+            if not (folder / names[0]).exists():
+                continue
+            limit = (folder / names[0]).read_text().strip()
+            if limit != "max" and int(limit) < 1 << 60:  # v1 says "no limit" with a huge number
+                return max(0, int(limit) - int((folder / names[1]).read_text()))
+    return None
+
+
+def memory_headroom(*, mapped: bool = False) -> tuple[int, str]:
+    """The bytes this process can still allocate, and what bounds them, in words.
+
+    The least of: the machine's physical memory, what its cgroup's ``memory.max`` leaves, and what
+    its address-space limit (``RLIMIT_AS``) leaves above what it maps already. ``mapped``: for a
+    read-only file mapping, whose pages are page cache the kernel may drop, only the address-space
+    limit counts.
+    """
+    bounds: list[tuple[int, str]] = []
+    if not mapped:
+        with suppress(OSError, ValueError, AttributeError):
+            bounds.append((os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "the machine's memory"))
+        cgroup = _cgroup_headroom()
+        if cgroup is not None:
+            bounds.append((cgroup, "what the cgroup's memory.max leaves"))
+    with suppress(ImportError, OSError, ValueError):
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        used = _proc_kib("VmSize")
+        if soft != resource.RLIM_INFINITY and used is not None:
+            bounds.append((max(0, soft - used), "what the address-space limit (RLIMIT_AS) leaves"))
+    return min(bounds, default=(1 << 62, "no known limit"))
+
+
+def format_size(nbytes: float) -> str:
+    """Bytes for a message: ``512 B``, ``3.1 MiB``, ``10.0 GiB``."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def check_memory(nbytes: int, what: str, *, mapped: bool = False) -> None:
+    """Refuse ``what`` (``"--steps 10000000 of deepseek-v3"``, ``"PATH: the trace's counts"``)
+    when it needs more than :func:`memory_headroom` leaves: MemoryLimitError saying both sizes."""
+    headroom, bound = memory_headroom(mapped=mapped)
+    if nbytes > headroom:
+        raise MemoryLimitError(
+            f"{what} needs {format_size(nbytes)} of memory, more than this process can have: "
+            f"{format_size(headroom)}, {bound}"
+        )
 
 
 def _special_kind(mode: int) -> str | None:
@@ -73,17 +158,9 @@ def _check_input(path: Path, st: os.stat_result, limit: int, what: str) -> None:
         raise InputFileError(f"{path}: the {what} holds {st.st_size} bytes, more than the {limit} it may")
 
 
-def read_input(path: str | Path, *, limit: int, what: str = "input file") -> bytes:
-    """The bytes of the regular file at ``path`` (symlinks followed), at most ``limit`` of them.
-
-    ``what`` names the input in messages ("trace file", "placement file"). A FIFO, device, folder
-    or socket is refused (InputFileError, a ValueError naming the file) before it is opened:
-    opening a FIFO with no writer blocks, and a device may never end. A file larger than
-    ``limit`` is refused before it is read, and at most ``limit + 1`` bytes are ever read, so one
-    that grows meanwhile is refused too. A missing file is a FileNotFoundError ("PATH: WHAT not
-    found" on the command line).
-    """
-    path = Path(path)
+def _open_input(path: Path, limit: int, what: str) -> tuple[int, os.stat_result]:
+    """An open descriptor of the regular file at ``path`` and its fstat, checked before the open
+    and again after it (:func:`read_input`'s checks)."""
     try:
         _check_input(path, os.stat(path), limit, what)
     except FileNotFoundError:
@@ -91,9 +168,31 @@ def read_input(path: str | Path, *, limit: int, what: str = "input file") -> byt
     # Non-blocking: should a FIFO replace the file after the stat, the open still returns and the
     # fstat below refuses it.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb") as f:
+    try:
         st = os.fstat(fd)
         _check_input(path, st, limit, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, st
+
+
+def read_input(path: str | Path, *, limit: int, what: str = "input file", head: int | None = None) -> bytes:
+    """The bytes of the regular file at ``path`` (symlinks followed), at most ``limit`` of them.
+
+    ``what`` names the input in messages ("trace file", "placement file"). A FIFO, device, folder
+    or socket is refused (InputFileError, a ValueError naming the file) before it is opened:
+    opening a FIFO with no writer blocks, and a device may never end. A file larger than
+    ``limit`` is refused before it is read, and at most ``limit + 1`` bytes are ever read, so one
+    that grows meanwhile is refused too. A missing file is a FileNotFoundError ("PATH: WHAT not
+    found" on the command line). ``head``: only the first ``head`` bytes (to tell a format by).
+    """
+    path = Path(path)
+    fd, st = _open_input(path, limit, what)
+    with os.fdopen(fd, "rb") as f:
+        if head is not None:
+            return f.read(head)
+        check_memory(st.st_size, f"{path}: reading the {what} whole")
         try:
             data = f.read(st.st_size + 1)
             if len(data) > st.st_size:  # it grew since the fstat (or the size was not known)
@@ -107,9 +206,38 @@ def read_input(path: str | Path, *, limit: int, what: str = "input file") -> byt
                 data = b"".join(parts)
         except OSError as exc:
             raise InputFileError(f"{path}: cannot read the {what} ({exc.strerror or exc})") from None
+        except MemoryError:
+            raise MemoryLimitError(
+                f"{path}: the {what} ({format_size(st.st_size)}) does not fit in this process's memory"
+            ) from None
     if len(data) > limit:
         raise InputFileError(f"{path}: the {what} grew past the {limit} bytes it may hold while being read")
     return data
+
+
+def map_input(path: str | Path, *, limit: int, what: str = "input file") -> mmap.mmap | bytes:
+    """The regular file at ``path``, checked as :func:`read_input` checks it, mapped read-only
+    (an empty file: ``b""``, which cannot be mapped). Slices of the map are bytes; arrays made
+    with ``np.frombuffer`` share its pages and keep it open. A file whose size the address-space
+    limit cannot hold is a MemoryLimitError before the mapping is tried; one the kernel still
+    refuses to map is one too."""
+    path = Path(path)
+    fd, st = _open_input(path, limit, what)
+    try:
+        if st.st_size == 0:
+            return b""
+        check_memory(st.st_size, f"{path}: mapping the {what}", mapped=True)
+        try:
+            return mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+        except (OSError, MemoryError) as exc:
+            if isinstance(exc, OSError) and exc.errno not in (errno.ENOMEM, errno.EOVERFLOW):
+                raise InputFileError(f"{path}: cannot map the {what} ({exc.strerror or exc})") from None
+            raise MemoryLimitError(
+                f"{path}: the {what} ({format_size(st.st_size)}) cannot be mapped into this process's "
+                "memory (its address space is too small)"
+            ) from None
+    finally:
+        os.close(fd)
 
 
 def json_error_text(exc: ValueError) -> str:
@@ -118,10 +246,26 @@ def json_error_text(exc: ValueError) -> str:
     return str(exc).split("; use ")[0]
 
 
-def safetensors_header(data: bytes) -> tuple[dict[str, str], dict[str, list[int]]]:
-    """The metadata and the tensor shapes that a safetensors file's bytes declare, from its header
-    alone, so a reader checks them before any tensor is decoded. ValueError (saying what is
-    wrong, for the caller to prefix with the file's name) when the bytes start with no such header."""
+SAFETENSORS_DTYPES = {
+    "BOOL": "?", "U8": "u1", "I8": "i1", "U16": "<u2", "I16": "<i2", "U32": "<u4", "I32": "<i4",
+    "U64": "<u8", "I64": "<i8", "F16": "<f2", "F32": "<f4", "F64": "<f8",
+}  # fmt: skip
+"""safetensors' dtype names, as NumPy spells them (little-endian, as the format stores them)."""
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    """One tensor a safetensors header declares."""
+
+    dtype: str
+    shape: list[int]
+    begin: int
+    """First byte, from the start of the file."""
+    end: int
+
+
+def _safetensors_entries(data: bytes | mmap.mmap) -> tuple[dict[str, str], dict[str, _Tensor]]:
+    """The metadata and each tensor's dtype, shape and byte range, from the header alone."""
     if len(data) < 8:
         raise ValueError(f"{len(data)} bytes, too short for a safetensors file")
     size = int.from_bytes(data[:8], "little")
@@ -136,7 +280,7 @@ def safetensors_header(data: bytes) -> tuple[dict[str, str], dict[str, list[int]
     meta = header.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise ValueError("the safetensors metadata must map names to strings")
-    shapes: dict[str, list[int]] = {}
+    tensors: dict[str, _Tensor] = {}
     held = len(data) - 8 - size
     for name, info in header.items():
         shape = info.get("shape") if isinstance(info, dict) else None
@@ -150,8 +294,45 @@ def safetensors_header(data: bytes) -> tuple[dict[str, str], dict[str, list[int]
             or not 0 <= offsets[0] <= offsets[1] <= held
         ):
             raise ValueError(f"tensor {name!r} declares data outside the {held} bytes the file holds")
-        shapes[name] = shape
-    return meta, shapes
+        dtype = info.get("dtype")
+        tensors[name] = _Tensor(str(dtype), shape, 8 + size + offsets[0], 8 + size + offsets[1])
+    return meta, tensors
+
+
+def safetensors_header(data: bytes | mmap.mmap) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """The metadata and the tensor shapes that a safetensors file's bytes declare, from its header
+    alone, so a reader checks them before any tensor is decoded. ValueError (saying what is
+    wrong, for the caller to prefix with the file's name) when the bytes start with no such header."""
+    meta, tensors = _safetensors_entries(data)
+    return meta, {name: t.shape for name, t in tensors.items()}
+
+
+def safetensors_views(data: bytes | mmap.mmap, names: Iterable[str]) -> dict[str, Any]:
+    """Tensors ``names`` of a safetensors file's bytes as read-only NumPy arrays that share
+    ``data``'s memory (a mapped file's pages: nothing is copied), after checking each one's dtype
+    and that its byte range holds exactly its shape. ValueError as :func:`safetensors_header`."""
+    import numpy as np
+
+    _, tensors = _safetensors_entries(data)
+    views: dict[str, Any] = {}
+    for name in names:
+        t = tensors[name]
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype!r}, which eplb does not read")
+        dtype = np.dtype(SAFETENSORS_DTYPES[t.dtype])
+        count = 1
+        for d in t.shape:
+            count *= d
+        if count * dtype.itemsize != t.end - t.begin:
+            raise ValueError(
+                f"tensor {name!r} declares shape {t.shape} of {t.dtype} ({count * dtype.itemsize} bytes) "
+                f"but holds {t.end - t.begin} bytes"
+            )
+        if count == 0:  # frombuffer refuses an offset at the very end
+            views[name] = np.empty(t.shape, dtype)
+        else:
+            views[name] = np.frombuffer(data, dtype=dtype, count=count, offset=t.begin).reshape(t.shape)
+    return views
 
 
 # ---- output --------------------------------------------------------------------------------------

@@ -5,11 +5,16 @@ Every flag eplb's parsers share is one :class:`Flag`: the server's EPLB flags ar
 parser adds them from there (:meth:`Flag.add_to`), so each has one default and one help text. A
 command that cannot use the default (a demo that must rebalance within 300 passes, a replay whose
 topology comes from its trace) says so in the flag's record, with the reason (:class:`Default`).
+
+A number is read by :func:`int_in` or :func:`float_in`, the one way a flag's value gets bounded
+while it is parsed: NaN, infinities, fractions for counts and values outside the flag's range
+are refused there, in one line naming the flag, before anything is sized from them.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -117,3 +122,67 @@ def add_flags(
 ) -> list[argparse.Action]:
     """Add each of ``flags`` to ``parser`` as ``command`` takes it (None: as a server does)."""
     return [flag.add_to(parser, command) for flag in flags]
+
+
+def _shown(text: str) -> str:
+    """A value as an error shows it: at most 40 characters (a 5000-digit number is not echoed)."""
+    return repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
+
+
+def _range(low: float | None, high: float | None, *, above: bool = False) -> str:
+    """``>= 1``, ``> 0``, ``<= 9``, ``in [0, 1]``, ``in (0, 1]`` or nothing."""
+    lo, hi = ("" if x is None else str(x) for x in (low, high))
+    if low is not None and high is not None:
+        return f"in {'(' if above else '['}{lo}, {hi}]"
+    if low is not None:
+        return f"{'>' if above else '>='} {lo}"
+    return f"<= {hi}" if high is not None else ""
+
+
+def int_in(low: int | None = None, high: int | None = None) -> Callable[[str], int]:
+    """A flag's ``parse`` for a whole number in [low, high] (None: unbounded on that side).
+
+    Refuses, as argparse's one-line error naming the flag, a fraction, a float spelling, a value
+    outside the range and a number of more than 30 digits (Python would take 4300 of them).
+    """
+    wanted = f"a whole number {_range(low, high)}".rstrip()
+
+    def parse(text: str) -> int:
+        stripped = text.strip()
+        digits = stripped.lstrip("+-")
+        if not digits.isdigit() or not digits.isascii() or len(digits) > 30:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {_shown(text)}")
+        value = int(stripped)
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {value}")
+        return value
+
+    parse.__name__ = "int"  # argparse names the type in its own messages
+    return parse
+
+
+def float_in(
+    low: float | None = None, high: float | None = None, *, above: bool = False
+) -> Callable[[str], float]:
+    """A flag's ``parse`` for a finite number in [low, high] (``above``: low excluded; None:
+    unbounded on that side). NaN and infinities are always refused: no flag means "forever" by
+    them, and a NaN compares false with every bound, so it would pass a later range check."""
+    wanted = f"a finite number {_range(low, high, above=above)}".rstrip()
+
+    def parse(text: str) -> float:
+        try:
+            if not text.isascii() or "_" in text:  # float() reads "١" and "1_0"; a flag does not
+                raise ValueError(text)
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {_shown(text)}") from None
+        if (
+            not math.isfinite(value)
+            or (low is not None and (value <= low if above else value < low))
+            or (high is not None and value > high)
+        ):
+            raise argparse.ArgumentTypeError(f"expected {wanted}, got {_shown(text)}")
+        return value
+
+    parse.__name__ = "float"
+    return parse

@@ -97,6 +97,11 @@ SLOW_TESTS: dict[str, str] = {
         "test_a_signal_ends_the_demo_and_every_rank_at_once[group-starting-SIGTERM]",
     ),
     **_each(
+        "test_cli_inputs.py",
+        "a demo in processes with a rank killed; the SIGKILL case runs by default",
+        "test_a_killed_rank_ends_the_demo_in_one_line[SIGSEGV]",
+    ),
+    **_each(
         "test_manager_demo.py",
         "a demo run; mode0 runs by default",
         "test_demo_cli_rebalances_and_reports[mode1]",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from eplb.placement.model import Placement
 from eplb.policy.decision import ONE_GPU, Decider
 from eplb.solver import Topology, solve
 from eplb.solver.types import SolveOptions
+from tests.helpers.demo_session import demo_session, session, wait_for, wait_serving
 
 ROOT = Path(__file__).resolve().parents[1]
 GONE_SECONDS = 2.0
@@ -76,64 +76,27 @@ def test_the_decision_skips_one_gpu_before_planning() -> None:
     assert screen(None) is None  # the caller did not say
 
 
-def _session(sid: int) -> dict[int, str]:
-    """Live processes of session ``sid``: pid -> command line."""
-    found: dict[int, str] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-        except OSError:
-            continue
-        if int(stat[3]) == sid and stat[0] != "Z":
-            found[int(entry)] = cmdline
-    return found
-
-
-def _wait_for(condition: object, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():  # type: ignore[operator]
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 @pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("moment", ["serving", "starting"])
 @pytest.mark.parametrize("target", ["process", "group"])
 def test_a_signal_ends_the_demo_and_every_rank_at_once(sig: str, moment: str, target: str) -> None:
-    demo = subprocess.Popen(
-        [sys.executable, "-m", "eplb", "demo", "--nproc", "2", "--steps", "20000"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=ROOT,
-        start_new_session=True,
-    )
-    try:
-        assert demo.stdout is not None
+    with demo_session("--nproc", "2", "--steps", "20000") as demo:
         if moment == "serving":
-            # A pass line: both ranks joined the group and serve.
-            while "pass" not in (line := demo.stdout.readline()):
-                assert line, "the demo ended before serving"
+            wait_serving(demo)
         else:
             # A rank process exists (still importing torch, or joining the group).
-            _wait_for(
-                lambda: any("spawn_main" in cmd for cmd in _session(demo.pid).values()),
+            wait_for(
+                lambda: any("spawn_main" in cmd for cmd in session(demo.pid).values()),
                 120,
                 "no rank process started",
             )
-        assert len(_session(demo.pid)) >= 2
+        assert len(session(demo.pid)) >= 2
         (os.killpg if target == "group" else os.kill)(demo.pid, getattr(signal, sig))
         sent = time.monotonic()
-        _wait_for(lambda: not _session(demo.pid), 30, "processes of the demo outlived it")
+        wait_for(lambda: not session(demo.pid), 30, "processes of the demo outlived it")
         gone = time.monotonic() - sent
         _, err = demo.communicate(timeout=30)
-    finally:
-        for pid in _session(demo.pid):
-            os.kill(pid, signal.SIGKILL)
     word, code = ("interrupted", 130) if sig == "SIGINT" else ("terminated", 143)
     assert (demo.returncode, err) == (code, f"eplb demo: {word}\n")
     assert gone < GONE_SECONDS

@@ -121,7 +121,8 @@ def test_a_flag_declared_twice_or_with_another_default_is_found() -> None:
     beside the table's, an option two commands share outside the table, and such a call in source."""
     simulate, sweep, demo = (argparse.ArgumentParser() for _ in range(3))
     table.add(simulate, "simulate", "--seed", "--steps")
-    sweep.add_argument("--seed", type=int, default=1, help=table.FLAG["--seed"].help_for("sweep"))
+    seed = table.FLAG["--seed"]
+    sweep.add_argument("--seed", type=seed.parse, default=1, help=seed.help_for("sweep"))
     table.add(demo, "demo", "--steps")
     demo.add_argument("--steps-per-rank", "--fancy", type=int)
     simulate.add_argument("--fancy", type=int)

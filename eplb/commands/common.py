@@ -9,6 +9,7 @@ Ctrl-C does, and it ends with one line and exit status 143 (Ctrl-C: 130).
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import json
 import os
@@ -18,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from eplb.fileio import OutputSet, check_output_path, write_text
 
@@ -81,6 +82,18 @@ def run_until_signalled(command: str, body: Callable[[], int], *, hard_exit: boo
         sys.stdout.flush()
         os._exit(code)
     return code
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr (``eplb demo: error: ...``) and exit
+    status 2, as every other error in what the user gave; argparse's own error prints the whole
+    usage first, twenty lines for a subcommand with many flags. Subparsers take this class too.
+    A value's error names the flag as every other check does: ``--steps: expected ...``."""
+
+    def error(self, message: str) -> NoReturn:
+        text = " ".join(message.split()).removeprefix("argument ")
+        print(f"{self.prog}: error: {text}", file=sys.stderr)
+        sys.exit(2)
 
 
 def json_to_stdout(target: Path | None) -> bool:

@@ -13,7 +13,9 @@ demo's own defaults and why.
 With one rank (``--nproc 1``) there is nothing to balance: every rebalance is skipped, saying so
 (eplb.policy.decision.ONE_GPU), and the run goes to its end. Ctrl-C or SIGTERM ends the demo and
 every rank process within a second or two: one line, exit status 130 or 143
-(eplb.commands.common.run_until_signalled, eplb.moe.spawn).
+(eplb.commands.common.run_until_signalled, eplb.moe.spawn). A rank process that dies (killed,
+out of memory) ends the demo with one line naming the rank and the signal or exit code, and exit
+status :data:`RANK_DIED_EXIT`.
 """
 
 from __future__ import annotations
@@ -23,18 +25,27 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from eplb.commands import flags
 from eplb.commands.common import (
+    Parser,
     check_outputs,
     emit,
     json_to_stdout,
     run_until_signalled,
 )
 from eplb.commands.flags import DEMO_PERIODIC_INTERVAL
+from eplb.commands.sizes import MAX_DEMO_RANKS, check_demo
 from eplb.config import SERVER_GROUP, EplbConfig, add_cli_args, config_from_args
+from eplb.flags import float_in, int_in
 from eplb.metrics.sink import MetricsSink
+
+if TYPE_CHECKING:
+    from eplb.placement.model import Placement
+
+RANK_DIED_EXIT = 1
+"""Exit status when a rank process died: not an error in the flags (2), not a signal to eplb."""
 
 HELP = "run a small MoE model with EPLB on (CPU ranks over Gloo or GPUs over NCCL), printing balancedness"
 
@@ -67,19 +78,25 @@ class DemoConfig:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = DemoConfig(eplb=EplbConfig())
-    parser.add_argument("--nproc", type=int, default=d.nproc, help="EP ranks (default: %(default)s)")
+    parser.add_argument(
+        "--nproc", type=int_in(1, MAX_DEMO_RANKS), default=d.nproc, help="EP ranks (default: %(default)s)"
+    )
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default=d.device, help="cpu (Gloo) or cuda (NCCL)"
     )
     flags.add(parser, "demo", "--steps")
-    parser.add_argument("--duration-s", type=float, default=None, help="stop after this many seconds")
-    flags.add(parser, "demo", "--preset")
-    parser.add_argument("--hidden", type=int, default=d.hidden, help="model width (default: %(default)s)")
     parser.add_argument(
-        "--intermediate", type=int, default=d.intermediate, help="expert width (default: %(default)s)"
+        "--duration-s", type=float_in(0, above=True), default=None, help="stop after this many seconds"
+    )
+    flags.add(parser, "demo", "--preset")
+    parser.add_argument(
+        "--hidden", type=int_in(1), default=d.hidden, help="model width (default: %(default)s)"
     )
     parser.add_argument(
-        "--token-divisor", type=int, default=d.token_divisor, help="scale workload tokens down"
+        "--intermediate", type=int_in(1), default=d.intermediate, help="expert width (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--token-divisor", type=int_in(1), default=d.token_divisor, help="scale workload tokens down"
     )
     # The server's flags, with the demo's own defaults where the table gives it one (the namespace
     # is adjusted, then checked: config_from_namespace).
@@ -87,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add(parser, "demo", "--seed", "--json")
     parser.add_argument(
         "--metrics-port",
-        type=int,
+        type=int_in(0, 65535),
         default=None,
         help="export Prometheus metrics on this port (0: any free one)",
     )
@@ -103,6 +120,12 @@ def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
     periodic interval to ``DEMO_PERIODIC_INTERVAL``."""
     if args.nproc < 1 or args.steps < 0 or args.token_divisor < 1:
         raise ValueError("--nproc and --token-divisor must be >= 1 and --steps >= 0")
+    check_demo(args)
+    if args.ep_size is not None and args.ep_size != args.nproc:
+        raise ValueError(
+            f"--ep-size {args.ep_size}: the demo's EP ranks are the processes --nproc starts "
+            f"({args.nproc}); give --nproc {args.ep_size} instead"
+        )
     args = argparse.Namespace(**vars(args))
     args.ep_size = args.nproc
     if args.ep_num_redundant_experts is None:
@@ -113,7 +136,7 @@ def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
     args.enable_eplb = args.enable_eplb and args.nproc > 1
     if args.eplb_rebalance_num_iterations is None and args.eplb_rebalance_mode == "periodic":
         args.eplb_rebalance_num_iterations = DEMO_PERIODIC_INTERVAL
-    parser = add_cli_args(argparse.ArgumentParser(prog="eplb demo"))
+    parser = add_cli_args(Parser(prog="eplb demo"))
     eplb = config_from_args(parser, args)
     return DemoConfig(
         nproc=args.nproc,
@@ -146,8 +169,13 @@ def _demo(args: argparse.Namespace) -> int:
     stream = sys.stderr if json_to_stdout(args.json_out) else sys.stdout
     if exporter is not None:
         print(f"eplb demo: metrics on {exporter.url}", file=stream, flush=True)
+    from eplb.moe.spawn import RankDied
+
     try:
         result = run_demo(config, sink=sink, out=lambda line: print(line, file=stream, flush=True))
+    except RankDied as exc:
+        print(f"eplb demo: {exc}", file=sys.stderr, flush=True)
+        return RANK_DIED_EXIT
     finally:
         if exporter is not None:
             exporter.stop()
@@ -189,12 +217,13 @@ def run_demo(
             raise ValueError(
                 f"--nproc {config.nproc} needs as many GPUs; {torch.cuda.device_count()} visible"
             )
+    initial = initial_placement(config)  # a bad file fails here, before any rank starts
     printer = out or (lambda line: print(line, file=sys.stdout, flush=True))
     start = time.perf_counter()
     results = run_ranks(
         demo_rank,
         config.nproc,
-        args=(replace(config),),
+        args=(replace(config), initial),
         backend="nccl" if config.device == "cuda" else "gloo",
         timeout_s=timeout_s,
         rank0_in_process=True,
@@ -206,14 +235,44 @@ def run_demo(
     return summary
 
 
+def initial_placement(config: DemoConfig) -> Placement | None:
+    """``--init-expert-location``: None for trivial, else the placement its file or JSON holds,
+    which must fit the demo's model (the preset's layers and experts) on its ranks and slots."""
+    from eplb.placement.model import Placement
+    from eplb.workloads import PRESETS
+
+    source, flags = config.eplb.init_expert_location, config.eplb
+    if source == "trivial":
+        return None
+    if source.endswith(".safetensors"):
+        from eplb.placement.io import load_placement
+
+        placement, _ = load_placement(source)
+    else:
+        placement = Placement.from_sglang(source, flags.ep_size, flags.nnodes)
+    preset = PRESETS[config.preset]
+    want = (preset.num_layers, preset.num_experts, preset.num_experts + flags.ep_num_redundant_experts)
+    want_on = (flags.ep_size, flags.nnodes)
+    have = (placement.num_layers, placement.num_logical, placement.num_physical)
+    if have != want or (placement.num_gpus, placement.num_nodes) != want_on:
+        raise ValueError(
+            f"--init-expert-location: the placement is [L={have[0]}, E={have[1]}, P={have[2]}] on "
+            f"{placement.num_gpus} GPUs / {placement.num_nodes} nodes, but the {config.preset} model on "
+            f"--nproc {config.nproc} needs [L={want[0]}, E={want[1]}, P={want[2]}] on {want_on[0]} / {want_on[1]}"
+        )
+    return placement
+
+
 def demo_rank(
     ctx: Any,
     config: DemoConfig,
+    initial: Placement | None = None,
     *,
     sink: MetricsSink | None = None,
     out: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
-    """One rank's serving loop (``ctx``: eplb.moe.spawn.RankContext). Returns a summary."""
+    """One rank's serving loop (``ctx``: eplb.moe.spawn.RankContext), from ``initial`` (None:
+    the trivial placement). Returns a summary."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -239,7 +298,7 @@ def demo_rank(
         seed=config.seed,
         dtype="bfloat16" if ctx.device.type == "cuda" else "float32",
     )
-    placement = Placement.trivial(
+    placement = initial or Placement.trivial(
         model_cfg.num_layers, model_cfg.num_experts, G, num_redundant=config.eplb.ep_num_redundant_experts
     )
     model = MoEModel(model_cfg, placement, rank=rank, device=ctx.device, mode=config.eplb.dispatch_algorithm)

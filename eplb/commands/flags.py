@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from eplb.config import CONTINUOUS_INTERVAL, SERVER_FLAGS
-from eplb.flags import Default, Flag, add_flags
+from eplb.flags import Default, Flag, add_flags, float_in, int_in
 from eplb.policy.cost_model import DEEPSEEK_V3_BYTES_PER_EXPERT, TRANSFER_KINDS, CostModel
 from eplb.simulate.options import TRACE_TOPOLOGY
 from eplb.traces import FORMATS
@@ -44,6 +44,12 @@ DEMO_PERIODIC_INTERVAL = 100
 WORKLOAD_EP_SIZE = 32
 """``eplb workload``'s ``--ep-size``, for its reported imbalance: DeepSeek-V3's EP32 (or less for
 presets with fewer experts)."""
+
+MAX_SEED = 2**32 - 1
+"""``--seed``: NumPy's legacy seeds' range (the demo seeds torch with seed x 1000 + rank)."""
+MAX_BYTES_PER_EXPERT = 1 << 48
+"""``--bytes-per-expert``: 256 TiB of one expert in one layer, far past any model, so byte counts
+summed over every move of a replay stay within int64."""
 
 _INPUT_TOPOLOGY = (
     "a replay's topology is an input, not a flag default: the preset's serving topology (its "
@@ -129,8 +135,9 @@ _COST = CostModel()
 
 
 def _cost_flag(name: str, field: str, help: str, **spec: Any) -> Flag:
-    """A cost-model flag: its default is ``CostModel``'s ``field`` (a float unless ``spec`` says)."""
-    return Flag.named(name, help=help, default=getattr(_COST, field), **{"parse": float, **spec})
+    """A cost-model flag: its default is ``CostModel``'s ``field`` (a finite float >= 0 unless
+    ``spec`` says)."""
+    return Flag.named(name, help=help, default=getattr(_COST, field), **{"parse": float_in(0), **spec})
 
 
 COMMAND_FLAGS: tuple[Flag, ...] = (
@@ -166,7 +173,7 @@ COMMAND_FLAGS: tuple[Flag, ...] = (
     ),
     Flag.named(
         "--steps",
-        parse=int,
+        parse=int_in(0),
         default=DEFAULT_STEPS,
         help="forward passes of the workload",
         elsewhere=(
@@ -187,25 +194,25 @@ COMMAND_FLAGS: tuple[Flag, ...] = (
     ),
     Flag.named(
         "--prefill-fraction",
-        parse=float,
+        parse=float_in(0, 1),
         shown="the preset's",
         help="share of prefill passes in the workload",
     ),
     Flag.named(
         "--num-groups",
-        parse=int,
+        parse=int_in(1),
         shown="from the trace or preset, else 1",
         help="expert groups of the model",
     ),
     Flag.named(
         "--bytes-per-expert",
-        parse=int,
+        parse=int_in(0, MAX_BYTES_PER_EXPERT),
         shown=f"from the trace or preset, else {DEEPSEEK_V3_BYTES_PER_EXPERT}",
         help="bytes of one expert in one layer",
     ),
     Flag.named(
         "--score-from",
-        parse=int,
+        parse=int_in(0),
         metavar="N",
         shown="the first rebalance",
         help="score every run from pass N on, so runs whose first rebalances differ compare on the "
@@ -223,8 +230,10 @@ COMMAND_FLAGS: tuple[Flag, ...] = (
     _cost_flag("--cost-base-us", "base_us", "a: µs per GPU per layer"),
     _cost_flag("--cost-per-expert-us", "per_expert_us", "b: µs per active expert"),
     _cost_flag("--cost-per-token-us", "per_token_us", "c: µs per routed token"),
-    _cost_flag("--nvlink-gbps", "nvlink_gbps", "intra-node GB/s per GPU"),
-    _cost_flag("--internode-gbps", "internode_gbps", "inter-node GB/s per GPU"),
+    _cost_flag("--nvlink-gbps", "nvlink_gbps", "intra-node GB/s per GPU", parse=float_in(0, above=True)),
+    _cost_flag(
+        "--internode-gbps", "internode_gbps", "inter-node GB/s per GPU", parse=float_in(0, above=True)
+    ),
     _cost_flag(
         "--cost-transfer-kind",
         "transfer_kind",
@@ -245,7 +254,7 @@ COMMAND_FLAGS: tuple[Flag, ...] = (
         shown="",
         help="write PNG plots into DIR (eplb sweep: with --tradeoff, DIR/tradeoff.png)",
     ),
-    Flag.named("--seed", parse=int, default=0, help="random seed"),
+    Flag.named("--seed", parse=int_in(0, MAX_SEED), default=0, help="random seed"),
     Flag.named(
         "--disable-tqdm",
         action="store_true",

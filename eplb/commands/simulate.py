@@ -23,6 +23,7 @@ from eplb.commands.common import (
     require_extra,
     write_json,
 )
+from eplb.commands.sizes import check_slots, check_workload
 from eplb.config import DISPATCH_ALGORITHMS, effective_dispatch
 
 if TYPE_CHECKING:
@@ -93,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError("--plots: not with --rank-failure")
         # Checked before the trace is generated: the flags alone give the topology.
         parse_rank_failures(args.rank_failure, 1 << 62, args.ep_size or 1 << 30)
+    check_slots(args)
+    check_workload(args)
     trace = load_input(args, quiet=args.disable_tqdm)
     config = simulation_config(args, trace)
     initial = initial_placement(args, trace, config)

@@ -28,6 +28,9 @@ from eplb.commands.common import (
     run_until_signalled,
     write_json,
 )
+from eplb.commands.sizes import check_slots, check_workload
+from eplb.flags import int_in
+from eplb.traces.checks import MAX_LAYERS
 
 PLACEMENT_FILE = "placement.safetensors"
 SGLANG_FILE = "init_expert_location.json"
@@ -50,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     flags.add(parser, "solve", "--eplb-algorithm")
     parser.add_argument(
         "--trtllm-layer-offset",
-        type=int,
+        type=int_in(0, MAX_LAYERS),
         default=0,
         metavar="N",
         help="model layer index of the first MoE layer, for TensorRT-LLM's per-layer keys "
@@ -79,6 +82,8 @@ def _solve(args: argparse.Namespace) -> int:
     files = (PLACEMENT_FILE, SGLANG_FILE, trtllm.LOAD_BALANCER_FILE, trtllm.OPTIONS_FILE)
     report = None if json_to_stdout(args.json_out) else args.json_out
     staged.prepare([*(out_dir / name for name in files), report])
+    check_slots(args)
+    check_workload(args)
     trace = load_input(args, quiet=args.disable_tqdm)
     # The window is the whole trace unless --expert-distribution-recorder-buffer-size says less.
     recorded_F = trace.is_prefill_F if args.eplb_record_prefill_only else np.ones(trace.num_steps, dtype=bool)

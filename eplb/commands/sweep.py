@@ -18,7 +18,9 @@ from eplb.commands.common import (
     check_outputs,
     write_json,
 )
-from eplb.config import effective_dispatch
+from eplb.commands.sizes import check_slots, check_workload
+from eplb.config import MAX_WINDOW_PASSES, effective_dispatch
+from eplb.flags import float_in, int_in
 
 HELP = "find the fewest redundant experts and the longest rebalance interval that reach a target balancedness"
 
@@ -27,7 +29,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from eplb.simulate.sweep import METRICS
 
     parser.add_argument(
-        "--target", type=float, default=0.85, help="balancedness to reach (default: %(default)s)"
+        "--target",
+        type=float_in(0, 1, above=True),
+        default=0.85,
+        help="balancedness to reach (default: %(default)s)",
     )
     parser.add_argument(
         "--metric",
@@ -44,14 +49,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--redundant",
-        type=int,
+        type=int_in(0),
         nargs="+",
         default=None,
         help="redundant-expert counts to try (default: every count up to 2 x --ep-size that divides evenly)",
     )
     parser.add_argument(
         "--intervals",
-        type=int,
+        type=int_in(1, MAX_WINDOW_PASSES),
         nargs="+",
         default=[100, 200, 500, 1000, 2000],
         help="rebalance intervals to try, longest first (default: %(default)s)",
@@ -68,14 +73,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--periodic-algorithm", default="deepseek", help="the periodic run (default: %(default)s)")
     t.add_argument(
         "--periodic-intervals",
-        type=int,
+        type=int_in(1, MAX_WINDOW_PASSES),
         nargs="+",
         default=list(PERIODIC_INTERVALS),
         help="its intervals (default: %(default)s)",
     )
     t.add_argument(
         "--budgets",
-        type=int,
+        type=int_in(0),
         nargs="+",
         default=list(CONTINUOUS_BUDGETS),
         help="continuous budgets, expert copies per rebalance (default: %(default)s)",
@@ -91,6 +96,13 @@ def run(args: argparse.Namespace) -> int:
     from eplb.simulate.sweep import SweepPoint, redundant_candidates, sweep
 
     check_outputs(args.json_out)  # an unwritable output fails now, not after the sweep
+    if args.plots is not None and not args.tradeoff:
+        raise ValueError("--plots: only --tradeoff draws a plot")
+    if args.init_expert_location != "trivial":
+        # Each point has its own redundant count or schedule: no one placement starts them all.
+        raise ValueError("--init-expert-location: eplb sweep starts every point from the trivial placement")
+    check_slots(args, redundant=args.redundant)
+    check_workload(args)
     if args.tradeoff:
         return _tradeoff(args)
     if not 0.0 < args.target <= 1.0:

@@ -46,6 +46,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.action == "convert" and args.out is None:
         raise ValueError("convert needs --out")
+    if args.action == "info" and args.out is not None:
+        raise ValueError("--out: info writes no trace (convert does); --json takes the report")
     check_outputs(args.out if args.action == "convert" else None, args.json_out)
     with progress_callback(disable=args.disable_tqdm, desc="read") as report:
         trace = load_trace(args.inputs, args.format, progress=report)

@@ -17,6 +17,7 @@ from eplb.commands.common import (
     progress_callback,
     write_json,
 )
+from eplb.commands.sizes import check_workload
 
 HELP = "generate a synthetic expert-load trace (model presets, seeded)"
 
@@ -48,6 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if ep_size < 1 or num_experts % ep_size:
         raise ValueError(f"--ep-size {ep_size} does not divide the {num_experts} experts")
     check_outputs(args.out, args.json_out)
+    check_workload(args)
     with progress_callback(disable=args.disable_tqdm, desc="generate", unit="step") as report:
         trace = generate(cfg, progress=report)
     result = {

@@ -2,7 +2,9 @@
 
 Gloo on CPU (several processes on one machine) or NCCL with one GPU per rank. Every rank gets a
 :class:`RankContext`; results come back through a queue and must pickle. A rank that raises makes
-:func:`run_ranks` end every other rank and raise with that rank's traceback; a run past
+:func:`run_ranks` end every other rank and raise with that rank's traceback; a rank process that
+dies (killed, or ending without a result) raises :class:`RankDied`, whose message is one line
+saying which rank and how, also when its peers' collectives fail because of it; a run past
 ``timeout_s`` ends all ranks and raises ``TimeoutError``. Collectives inherit the same timeout
 (``init_process_group(timeout=...)``), so a rank stuck in one also fails instead of waiting forever.
 With ``rank0_in_process`` rank 0 runs on a thread of the caller's process while the caller's
@@ -53,6 +55,26 @@ class RankContext:
     """cpu for Gloo, cuda:<rank> for NCCL."""
     backend: str
     """gloo | nccl."""
+
+
+class RankDied(RuntimeError):
+    """A spawned rank's process ended without a result: killed by a signal, or exited."""
+
+    def __init__(self, rank: int, exitcode: int) -> None:
+        self.rank, self.exitcode = rank, exitcode
+        if exitcode < 0:
+            try:
+                how = f"killed by {signal.Signals(-exitcode).name}"
+            except ValueError:
+                how = f"killed by signal {-exitcode}"
+        else:
+            how = f"exit code {exitcode}"
+        super().__init__(f"rank {rank} died ({how})")
+
+
+DEATH_GRACE_S = 0.5
+"""After a rank reports an error, how long to look for a peer process that died: a peer's death
+makes the survivors' collectives fail, and the death, not their tracebacks, is what to report."""
 
 
 def free_port() -> int:
@@ -224,10 +246,13 @@ def run_ranks(
                     if p.exitcode in (None, 0) or rank in out:  # exit 0: its result is on the way
                         continue
                     if rank not in may_die:
-                        raise RuntimeError(f"a rank process died with exit code {p.exitcode}") from None
+                        raise RankDied(rank, p.exitcode) from None
                     out[rank] = None
                 continue
             if status == "error":
+                dead = _dead_rank(procs, first_child, set(may_die) | set(out), DEATH_GRACE_S)
+                if dead is not None:
+                    raise dead from None
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             out[rank] = value
     except KeyboardInterrupt:
@@ -245,6 +270,19 @@ def run_ranks(
                 p.kill()
                 p.join(timeout=5.0)
     return [out[r] for r in range(world_size)]
+
+
+def _dead_rank(procs: Sequence[Any], first: int, skip: Collection[int], wait_s: float) -> RankDied | None:
+    """The first process among ``procs`` (ranks from ``first``, those in ``skip`` aside) that
+    ended non-zero, waiting up to ``wait_s`` for one to; None when all still run or ended 0."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for rank, p in enumerate(procs, start=first):
+            if rank not in skip and p.exitcode not in (None, 0):
+                return RankDied(rank, p.exitcode)
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
 
 
 def _start_holding_signals(procs: Sequence[Any]) -> None:

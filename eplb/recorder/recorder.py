@@ -238,6 +238,10 @@ class ExpertDistributionRecorder:
         """
         if self._pass_open:
             raise RuntimeError("begin_pass called twice without end_pass")
+        for name, given in (("has_prefill", has_prefill), ("any_rank_prefill", any_rank_prefill)):
+            # 'no', 0.5 or a tensor would pass bool() as True: a flag is a bool, nothing else.
+            if not isinstance(given, (bool, np.bool_)) and not (name == "any_rank_prefill" and given is None):
+                raise TypeError(f"{name} must be a bool, got {type(given).__name__} {given!r}")
         if isinstance(num_tokens, bool) or not isinstance(num_tokens, (int, np.integer)):
             raise ValueError(f"num_tokens must be a whole number of tokens, got {num_tokens!r}")
         if not 0 <= int(num_tokens) < 2**31:

@@ -9,13 +9,15 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from eplb.fileio import read_input
+from eplb.fileio import map_input, read_input
 from eplb.traces.checks import MAX_TRACE_FILE_BYTES, TraceFormatError
 from eplb.traces.openevolve import parse_openevolve, read_openevolve, write_openevolve
 from eplb.traces.sglang import parse_sglang_dump, read_sglang_dump, read_sglang_per_pass
 from eplb.traces.trace import ProgressFn, Trace
 
 FORMATS = ("auto", "eplb", "sglang", "openevolve")
+HEAD_BYTES = 512
+"""The first bytes of a file, by which :func:`detect_format` tells its format."""
 
 __all__ = [
     "FORMATS",
@@ -32,7 +34,7 @@ __all__ = [
 
 def detect_format(data: bytes) -> str:
     """Guess a file's format from its first bytes: JSON, torch zip or pickle (SGLang), npz or safetensors."""
-    head = data[:512]
+    head = data[:HEAD_BYTES]
     stripped = head.lstrip()
     if stripped.startswith(b"{"):
         return "openevolve"
@@ -50,8 +52,10 @@ def load_trace(
 ) -> Trace:
     """Read a trace from one file, or from several SGLang per_pass files (one per rank).
 
-    Every file is read through eplb.fileio.read_input: a regular file (symlinks followed) of at
-    most ``MAX_TRACE_FILE_BYTES``, so a FIFO, a device or a folder is refused before it is opened.
+    Every file is checked by eplb.fileio first: a regular file (symlinks followed) of at most
+    ``MAX_TRACE_FILE_BYTES``, so a FIFO, a device or a folder is refused before it is opened. An
+    eplb trace is mapped, not read (eplb.traces.trace); the other formats are parsed from the
+    whole file in memory, once it is known to fit (eplb.fileio.read_input).
     ``progress(done, total)`` follows the slow readers (OpenEvolve JSON, per_pass records).
     """
     if fmt not in FORMATS:
@@ -64,10 +68,14 @@ def load_trace(
             raise ValueError("several files are only accepted as SGLang per_pass dumps (one per rank)")
         return read_sglang_per_pass(path_list, progress=progress)
     path = path_list[0]
+    if fmt == "auto":
+        kind = detect_format(read_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file", head=HEAD_BYTES))
+    else:
+        kind = fmt
+    if kind == "eplb":
+        return Trace.from_bytes(map_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file"), str(path))
+    # JSON and torch's unpickler parse bytes in memory.
     data = read_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file")
-    kind = detect_format(data) if fmt == "auto" else fmt
     if kind == "openevolve":
         return parse_openevolve(data, str(path), progress=progress)
-    if kind == "sglang":
-        return parse_sglang_dump(data, str(path))
-    return Trace.from_bytes(data, str(path))
+    return parse_sglang_dump(data, str(path))

@@ -4,16 +4,21 @@ Shape legend: F steps (forward passes), L layers, E logical experts.
 
 The own format is a safetensors file (or ``.npz``, read with ``allow_pickle=False``) holding
 ``counts`` int32 [F, L, E], ``is_prefill`` uint8 [F] and ``num_tokens`` int64 [F], plus a JSON
-metadata string. The file is read whole through eplb.fileio.read_input (a regular file, at most
-``MAX_TRACE_FILE_BYTES``); neither parser can execute code from it, and both check the shapes it
-declares against the bytes it holds before decoding an array (eplb.traces.checks). Writes are
-atomic (eplb.fileio): a failed or interrupted save leaves no partial file.
+metadata string. The file is mapped through eplb.fileio.map_input (a regular file, at most
+``MAX_TRACE_FILE_BYTES``): a safetensors trace's arrays are read-only views of the mapped pages,
+so even a trace larger than memory costs page cache, not memory the process holds; an ``.npz``
+is inflated into memory, after checking that what its members declare fits
+(eplb.fileio.check_memory). Neither parser can execute code from the file, and both check the
+shapes it declares against the bytes it holds before decoding an array (eplb.traces.checks).
+Writes are atomic (eplb.fileio): a failed or interrupted save leaves no partial file.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import math
+import mmap
 import zipfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -22,7 +27,15 @@ from typing import IO, Any
 
 import numpy as np
 
-from eplb.fileio import OutputSet, atomic_path, read_input, safetensors_header
+from eplb.fileio import (
+    MemoryLimitError,
+    OutputSet,
+    atomic_path,
+    check_memory,
+    map_input,
+    safetensors_header,
+    safetensors_views,
+)
 from eplb.traces.checks import (
     MAX_TRACE_FILE_BYTES,
     TraceFormatError,
@@ -211,14 +224,15 @@ class Trace:
     @classmethod
     def load(cls, path: str | Path) -> Trace:
         """Read the own format (safetensors or npz); corrupt or foreign files raise TraceFormatError."""
-        return cls.from_bytes(read_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file"), str(path))
+        return cls.from_bytes(map_input(path, limit=MAX_TRACE_FILE_BYTES, what="trace file"), str(path))
 
     @classmethod
-    def from_bytes(cls, data: bytes, path: str) -> Trace:
-        """The own format from a file's bytes (``path`` names it in errors)."""
+    def from_bytes(cls, data: bytes | mmap.mmap, path: str) -> Trace:
+        """The own format from a file's bytes or its map (``path`` names it in errors); a
+        safetensors trace's arrays share ``data``'s memory."""
         try:
             header, arrays = _read_npz(data, path) if _is_zip(data) else _read_safetensors(data, path)
-        except TraceFormatError:
+        except (TraceFormatError, MemoryLimitError):
             raise
         except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
             raise TraceFormatError(f"{path}: not a readable eplb trace ({exc})") from None
@@ -264,17 +278,17 @@ def _check_shapes(path: str, shapes: Mapping[str, Any]) -> None:
             raise TraceFormatError(f"{path}: {key} must be [{counts[0]}], got shape {list(shapes[key])}")
 
 
-def _read_safetensors(data: bytes, path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
-    from safetensors.numpy import load
-
+def _read_safetensors(data: bytes | mmap.mmap, path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     header, shapes = safetensors_header(data)
     _check_header(path, header)
     _check_shapes(path, {k: shapes[k] for k in ARRAY_KEYS if k in shapes})
-    tensors = load(data)
-    return header, {k: tensors[k] for k in ARRAY_KEYS}
+    return header, safetensors_views(data, ARRAY_KEYS)
 
 
-def _read_npz(data: bytes, path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+def _read_npz(data: bytes | mmap.mmap, path: str) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    if isinstance(data, mmap.mmap):  # zipfile and np.load read from a copy in memory
+        check_memory(len(data), f"{path}: reading the .npz trace whole")
+        data = data[:]
     infos = check_zip_sizes(data, path, stored_only=False)
     with zipfile.ZipFile(io.BytesIO(data)) as zf:
         declared = {
@@ -286,6 +300,8 @@ def _read_npz(data: bytes, path: str) -> tuple[dict[str, str], dict[str, np.ndar
         header = {k: str(z[k]) for k in HEADER_KEYS if k in declared and declared[k][1].kind == "U"}
         _check_header(path, header)
         _check_shapes(path, {k: shape for k, (shape, _) in declared.items()})
+        inflated = sum(math.prod(declared[k][0]) * declared[k][1].itemsize for k in ARRAY_KEYS)
+        check_memory(inflated, f"{path}: the .npz trace's arrays")
         return header, {k: z[k] for k in ARRAY_KEYS}
 
 
@@ -318,5 +334,5 @@ class _Counting:
         return written
 
 
-def _is_zip(data: bytes) -> bool:
+def _is_zip(data: bytes | mmap.mmap) -> bool:
     return data[:4] == b"PK\x03\x04"
