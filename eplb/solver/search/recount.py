@@ -45,7 +45,7 @@ def stacked_layers(
     phy2log_LP: np.ndarray, scenarios_ZLE: np.ndarray, weights_Z: np.ndarray, G: int
 ) -> np.ndarray:
     """int [l]: the layers whose hot GPU holds two replicas or more of one expert."""
-    L, P = phy2log_LP.shape
+    L = phy2log_LP.shape[0]
     E = scenarios_ZLE.shape[2]
     holds_LGE = holds_per_gpu(phy2log_LP, G, E)
     gpu_ZLG = _gpu_loads(phy2log_LP, scenarios_ZLE, holds_LGE.sum(axis=1), G)
@@ -66,7 +66,7 @@ def recount_phy2log(
     (layers searched) and ``recounted_layers`` (layers changed)."""
     G = num_gpus
     out = np.asarray(phy2log_LP, dtype=np.int64).copy()
-    L, P = out.shape
+    P = out.shape[1]
     E = scenarios_ZLE.shape[2]
     stacked = stacked_layers(out, scenarios_ZLE, weights_Z, G)
     small = math.comb(P - 1, E - 1) <= MAX_COUNT_VECTORS
@@ -223,7 +223,6 @@ def _best_unstack(
     GPUs gives up one replica on each at once (one at a time, each lighter replica left would
     raise the other stacked GPUs: only together do they drop), each freed slot then going to the
     expert that leaves the most soft balancedness, slot by slot."""
-    E = w_ZE.shape[1]
     S = row_P.size // G
     gpu_P = np.arange(row_P.size) // S
     best: np.ndarray | None = None
