@@ -62,8 +62,8 @@ def recount_phy2log(
     stats: dict[str, float],
 ) -> np.ndarray:
     """int64 [L, P]: ``phy2log_LP`` with the layers of :func:`stacked_layers` searched over replica
-    counts and placement (module docstring); the others unchanged. ``stats``: ``recount_layers``
-    (layers searched) and ``recounted_layers`` (layers changed)."""
+    counts and placement (module docstring); the other layers unchanged. ``stats``: ``recount_layers`` (layers searched) and ``recounted_layers``
+    (layers changed)."""
     G = num_gpus
     out = np.asarray(phy2log_LP, dtype=np.int64).copy()
     P = out.shape[1]
@@ -92,6 +92,42 @@ def recount_phy2log(
     stats["recount_layers"] = float(layers.size)
     stats["recounted_layers"] = float(changed)
     return out
+
+
+def spread_over_nodes(row_P: np.ndarray, load_E: np.ndarray, G: int, N: int) -> np.ndarray:
+    """int64 [P]: ``row_P`` with its GPUs (whole, so every GPU's load stays) ordered over the nodes
+    so that each replicated expert's replicas spread over them: GPUs holding the most replicated
+    load first, each into the node with room where its replicas meet the least load of the
+    same experts (ties: the lower node). Kept only where that spreads more than the row given
+    (the sum over experts of load per replica times same-node replica pairs)."""
+    if N <= 1:
+        return row_P
+    E = load_E.size
+    S, gpn = row_P.size // G, G // N
+    holds_GE = np.zeros((G, E), dtype=np.int64)
+    np.add.at(holds_GE, (np.arange(row_P.size) // S, row_P), 1)
+    cnt_E = holds_GE.sum(axis=0)
+    weight_E = np.where(cnt_E >= 2, load_E / cnt_E, 0.0)
+
+    def crowding(node_of_G: np.ndarray) -> float:
+        node_NE = np.zeros((N, E))
+        np.add.at(node_NE, node_of_G, holds_GE)
+        return float((node_NE * (node_NE - 1) * weight_E).sum())
+
+    node_NE = np.zeros((N, E))
+    room_N = np.full(N, gpn)
+    node_of_G = np.empty(G, dtype=np.int64)
+    for g in np.argsort(-(holds_GE * weight_E).sum(axis=1), kind="stable").tolist():
+        cost_N = np.where(room_N > 0, node_NE @ (holds_GE[g] * weight_E), np.inf)
+        n = int(np.argmin(cost_N))
+        node_of_G[g] = n
+        node_NE[n] += holds_GE[g]
+        room_N[n] -= 1
+    if crowding(node_of_G) >= crowding(np.arange(G) // gpn) - 1e-12:
+        return row_P
+    # GPUs of node n, in their old order, fill its positions.
+    order_G = np.argsort(node_of_G, kind="stable")
+    return row_P.reshape(G, S)[order_G].reshape(-1).copy()
 
 
 def _gpu_loads(phy2log_LP: np.ndarray, scenarios_ZLE: np.ndarray, cnt_LE: np.ndarray, G: int) -> np.ndarray:
