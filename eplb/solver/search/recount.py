@@ -1,22 +1,32 @@
-"""Replica counts chosen with the placement: a fresh plan's layers whose busiest GPU stacks replicas.
+"""Replica counts chosen with the placement, where a fresh plan's counts left a layer unbalanced.
 
-Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, S slots per GPU,
-c candidate moves.
+Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, N nodes, S
+slots per GPU, x count vectors (tried side by side, as rows), c candidate moves.
 
 A fresh plan fixes its replica counts first (the largest-load-per-replica greedy) and then packs
 them. An expert given more replicas than it can usefully spread ends with two on one GPU, which
-under an even split carries twice a replica's share there (one expert at 1000 and seven at 1 on
-twelve slots of four GPUs: five replicas, 401 on one GPU against a mean of 252, where four
-replicas, one per GPU, give 252). :func:`recount_phy2log` revisits only the layers whose hot GPU
-(eplb.solver.search.swap.critical_gpu) holds two replicas of one expert, and searches counts and
-placement together there, from two starts: the layer as given, and a fresh packing of counts
-capped at one replica per GPU. Its moves are a swap of two slots on different GPUs, and a
-*recount*: a slot whose expert has another replica is given to another expert (every replica of
-both experts then carries its new share). Each step takes the move that gains the most soft
-balancedness (the expected ``1 / (sum_g x_g**32)**(1/32)`` of loads in units of the mean, as
-eplb.solver.search.moves scores: it sees past ties at the peak); the layer keeps the best row by
-the exact expected balancedness met on the way, and only where it beats the row given: never
-worse, and a plan without stacked replicas on a busiest GPU is left exactly as it was.
+under an even split carries twice a replica's share there (vLLM's ``extreme_weight_imbalance``
+test input: one expert at 1000 and seven at 1 on twelve slots of four GPUs; five replicas put
+401 on one GPU against a mean of 252, where four, one per GPU, give 252). :func:`recount_phy2log`
+searches counts and placement together on the layers whose busiest GPU is over
+:data:`SEARCH_FROM` times the mean and either stacks two replicas of one expert (its hot GPU,
+eplb.solver.search.swap.critical_gpu) or has few count vectors (:data:`MAX_COUNT_VECTORS`):
+
+- a local search from two starts, the layer as given and a fresh packing of the greedy's counts
+  capped at one replica per GPU. Moves: the hot GPU's slot swaps with another GPU's; a *recount*
+  gives one replica of an expert held twice or more (on the hot GPU, or stacked on any) to
+  another expert, every replica of both then carrying its new share; an *unstack* takes one
+  replica off every GPU that stacks an expert at once (one at a time, each raises the other
+  stacked GPUs), each freed slot going to the expert that gains most. Each step takes the move
+  that gains the most soft balancedness (the expected ``1 / (sum_g x_g**32)**(1/32)`` of loads
+  in units of the mean, as eplb.solver.search.moves scores: it sees past ties at the peak);
+- on the small layers, every count vector, each packed heaviest first and polished by the fresh
+  plan's swap search (eplb.solver.search.local_search), all at once as rows.
+
+A layer keeps the best row by the exact expected balancedness and only where it beats the row
+given: never worse, and a layer within :data:`SEARCH_FROM` is left exactly as it was (so are
+ordinary plans). :func:`spread_over_nodes` then orders a changed layer's GPUs over the nodes
+(whole GPUs: every load stays) so that its replicated experts spread across them.
 """
 
 from __future__ import annotations
@@ -33,11 +43,12 @@ from eplb.solver.search.swap import critical_gpu
 
 MAX_MOVES_PER_LAYER = 64
 """Deterministic cap on the moves one start of one layer's search may take."""
+SEARCH_FROM = 1.02
+"""max/mean GPU load (expected over the scenarios) above which a layer is searched: below it the
+plan is within 2% of even and stays exactly as the greedy and its polish made it."""
 MAX_COUNT_VECTORS = 2048
 """Layers with at most this many replica count vectors (``comb(P - 1, E - 1)``) try every one,
-each packed and polished, where their busiest GPU is over :data:`ALL_COUNTS_FROM` times the mean."""
-ALL_COUNTS_FROM = 1.02
-"""max/mean GPU load above which a small layer tries every count vector."""
+each packed and polished, and are searched whether or not their busiest GPU stacks replicas."""
 _MIN_GAIN = 1e-12
 
 
@@ -68,10 +79,11 @@ def recount_phy2log(
     out = np.asarray(phy2log_LP, dtype=np.int64).copy()
     P = out.shape[1]
     E = scenarios_ZLE.shape[2]
-    stacked = stacked_layers(out, scenarios_ZLE, weights_Z, G)
     small = math.comb(P - 1, E - 1) <= MAX_COUNT_VECTORS
-    poor = _imbalanced_layers(out, scenarios_ZLE, weights_Z, G) if small else np.zeros(0, dtype=np.int64)
-    layers = np.union1d(stacked, poor)
+    # Only where the busiest GPU is over SEARCH_FROM times the mean: a plan within it stays as it is.
+    layers = _imbalanced_layers(out, scenarios_ZLE, weights_Z, G)
+    if not small:
+        layers = np.intersect1d(layers, stacked_layers(out, scenarios_ZLE, weights_Z, G))
     changed = 0
     for layer in layers.tolist():
         load_ZE = scenarios_ZLE[:, layer]
@@ -311,10 +323,10 @@ def _pow32(x: np.ndarray) -> np.ndarray:
 def _imbalanced_layers(
     phy2log_LP: np.ndarray, scenarios_ZLE: np.ndarray, weights_Z: np.ndarray, G: int
 ) -> np.ndarray:
-    """int [l]: the layers whose expected max/mean GPU load is over :data:`ALL_COUNTS_FROM`."""
+    """int [l]: the layers whose expected balancedness is below ``1 / SEARCH_FROM``."""
     E = scenarios_ZLE.shape[2]
     gpu_ZLG = _gpu_loads(phy2log_LP, scenarios_ZLE, holds_per_gpu(phy2log_LP, G, E).sum(axis=1), G)
-    return np.flatnonzero(expected_balancedness(gpu_ZLG, weights_Z) * ALL_COUNTS_FROM < 1.0)
+    return np.flatnonzero(expected_balancedness(gpu_ZLG, weights_Z) * SEARCH_FROM < 1.0)
 
 
 def _all_counts(E: int, P: int) -> np.ndarray:
