@@ -1,7 +1,8 @@
 """Replica counts chosen with the placement, where a fresh plan's counts left a layer unbalanced.
 
 Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs, N nodes, S
-slots per GPU, x count vectors (tried side by side, as rows), c candidate moves.
+slots per GPU, x any leading dimensions (count vectors, tried side by side as rows), c candidate
+moves.
 
 A fresh plan fixes its replica counts first (the largest-load-per-replica greedy) and then packs
 them. An expert given more replicas than it can usefully spread ends with two on one GPU, which
