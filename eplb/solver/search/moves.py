@@ -35,7 +35,6 @@ import numpy as np
 from eplb.placement.share import ShareModel
 from eplb.solver.scoring.served import expectation
 from eplb.solver.search.copies import holds_per_gpu
-from eplb.solver.search.recount import SEARCH_FROM
 from eplb.solver.search.swap import SwapCandidates, lightest_partners, swap_slots
 
 GIVER_SLOTS = 8
@@ -404,34 +403,14 @@ def _best_replica_change(ctx: _Context) -> MoveProposal:
     # Receivers: the experts of the hot GPU's heaviest replicas.
     hot_slots_lS = hot_l[:, None] * S + np.arange(S)
     num_receivers = min(RECEIVERS, S)
-    hot_item_lS = item_lP[rows[:, None], hot_slots_lS]
-    hot_expert_lS = p2l_lP[rows[:, None], hot_slots_lS]
-    # A hot GPU over SEARCH_FROM times the mean that holds two replicas of one expert (one with
-    # more replicas than it can spread): those carry twice a replica's share there, and only
-    # giving one up lowers it. Its receivers are distinct experts, and the stacked replicas give first.
-    held_lS = st.holds_LGE[lay_l1, hot_l[:, None], hot_expert_lS]
-    stack_l = (expectation(ctx.weights_Z, ctx.x_ZlG.max(axis=-1)) > SEARCH_FROM) & (held_lS >= 2).any(axis=1)
-    order_lS = np.argsort(-hot_item_lS, axis=1, kind="stable")
-    if stack_l.any():
-        # Within each expert's slots in that order, all but the first go last.
-        sorted_lS = np.take_along_axis(hot_expert_lS, order_lS, axis=1)
-        repeat_lS = (sorted_lS[:, :, None] == sorted_lS[:, None, :]) & np.tri(S, k=-1, dtype=bool)[None]
-        again_lS = repeat_lS.any(axis=2) & stack_l[:, None]
-        order_lS = np.take_along_axis(order_lS, np.argsort(again_lS, axis=1, kind="stable"), axis=1)
-    heavy_le = order_lS[:, :num_receivers]
-    ex_le = hot_expert_lS[rows[:, None], heavy_le]
+    heavy_le = np.argsort(-item_lP[rows[:, None], hot_slots_lS], axis=1, kind="stable")[:, :num_receivers]
+    ex_le = p2l_lP[rows[:, None], hot_slots_lS[rows[:, None], heavy_le]]
     # Givers: slots of experts with another replica, off the hot GPU: light GPUs and a small rise
     # of the giver's other replicas first.
     cnt_lP = cnt_lE[rows[:, None], p2l_lP]
     gpu_P = np.arange(P) // S
     giver_lP = (cnt_lP >= 2) & (gpu_P != hot_l[:, None])
     score_lP = expectation(ctx.weights_Z, ctx.x_ZlG)[:, gpu_P] + item_lP / np.maximum(cnt_lP - 1, 1)
-    if stack_l.any():
-        stacked_lS = (held_lS >= 2) & stack_l[:, None]
-        giver_lP[rows[:, None], hot_slots_lS] |= stacked_lS
-        score_lP[rows[:, None], hot_slots_lS] = np.where(
-            stacked_lS, -np.inf, score_lP[rows[:, None], hot_slots_lS]
-        )
     J = min(GIVER_SLOTS, P)
     slot_lJ = np.argsort(np.where(giver_lP, score_lP, np.inf), axis=1, kind="stable")[:, :J]
     valid_lJ = giver_lP[rows[:, None], slot_lJ]
