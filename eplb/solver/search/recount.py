@@ -10,8 +10,9 @@ under an even split carries twice a replica's share there (vLLM's ``extreme_weig
 test input: one expert at 1000 and seven at 1 on twelve slots of four GPUs; five replicas put
 401 on one GPU against a mean of 252, where four, one per GPU, give 252). :func:`recount_phy2log`
 searches counts and placement together on the layers whose busiest GPU is over
-:data:`SEARCH_FROM` times the mean and either stacks two replicas of one expert (its hot GPU,
-eplb.solver.search.swap.critical_gpu) or has few count vectors (:data:`MAX_COUNT_VECTORS`):
+:data:`SEARCH_FROM` times the mean and has few count vectors (:data:`MAX_COUNT_VECTORS`), or
+is over :data:`STACKED_FROM` times the mean and stacks two replicas of one expert on its hot
+GPU (eplb.solver.search.swap.critical_gpu):
 
 - a local search from two starts, the layer as given and a fresh packing of the greedy's counts
   capped at one replica per GPU. Moves: the hot GPU's slot swaps with another GPU's; a *recount*
@@ -25,7 +26,7 @@ eplb.solver.search.swap.critical_gpu) or has few count vectors (:data:`MAX_COUNT
   plan's swap search (eplb.solver.search.local_search), all at once as rows.
 
 A layer keeps the best row by the exact expected balancedness and only where it beats the row
-given: never worse, and a layer within :data:`SEARCH_FROM` is left exactly as it was (so are
+given: never worse, and a layer within those bounds is left exactly as it was (so are
 ordinary plans). :func:`spread_over_nodes` then orders a changed layer's GPUs over the nodes
 (whole GPUs: every load stays) so that its replicated experts spread across them.
 """
@@ -47,6 +48,10 @@ MAX_MOVES_PER_LAYER = 64
 SEARCH_FROM = 1.02
 """max/mean GPU load (expected over the scenarios) above which a layer is searched: below it the
 plan is within 2% of even and stays exactly as the greedy and its polish made it."""
+STACKED_FROM = 1.05
+"""The same bound for a large layer (more count vectors than :data:`MAX_COUNT_VECTORS`) whose hot
+GPU stacks an expert: its local search costs about a second at DeepSeek-V3's shape, paid where
+the stacking costs 5% of the layer or more (a 1000x expert: 59%), not for a few tenths of one."""
 MAX_COUNT_VECTORS = 2048
 """Layers with at most this many replica count vectors (``comb(P - 1, E - 1)``) try every one,
 each packed and polished, and are searched whether or not their busiest GPU stacks replicas."""
@@ -81,10 +86,15 @@ def recount_phy2log(
     P = out.shape[1]
     E = scenarios_ZLE.shape[2]
     small = math.comb(P - 1, E - 1) <= MAX_COUNT_VECTORS
-    # Only where the busiest GPU is over SEARCH_FROM times the mean: a plan within it stays as it is.
-    layers = _imbalanced_layers(out, scenarios_ZLE, weights_Z, G)
-    if not small:
-        layers = np.intersect1d(layers, stacked_layers(out, scenarios_ZLE, weights_Z, G))
+    # Only where the busiest GPU is over SEARCH_FROM times the mean (STACKED_FROM for a large
+    # layer's local search): a plan within it stays as it is.
+    if small:
+        layers = _imbalanced_layers(out, scenarios_ZLE, weights_Z, G, SEARCH_FROM)
+    else:
+        layers = np.intersect1d(
+            _imbalanced_layers(out, scenarios_ZLE, weights_Z, G, STACKED_FROM),
+            stacked_layers(out, scenarios_ZLE, weights_Z, G),
+        )
     changed = 0
     for layer in layers.tolist():
         load_ZE = scenarios_ZLE[:, layer]
@@ -322,12 +332,12 @@ def _pow32(x: np.ndarray) -> np.ndarray:
 
 
 def _imbalanced_layers(
-    phy2log_LP: np.ndarray, scenarios_ZLE: np.ndarray, weights_Z: np.ndarray, G: int
+    phy2log_LP: np.ndarray, scenarios_ZLE: np.ndarray, weights_Z: np.ndarray, G: int, bound: float
 ) -> np.ndarray:
-    """int [l]: the layers whose expected balancedness is below ``1 / SEARCH_FROM``."""
+    """int [l]: the layers whose expected balancedness is below ``1 / bound``."""
     E = scenarios_ZLE.shape[2]
     gpu_ZLG = _gpu_loads(phy2log_LP, scenarios_ZLE, holds_per_gpu(phy2log_LP, G, E).sum(axis=1), G)
-    return np.flatnonzero(expected_balancedness(gpu_ZLG, weights_Z) * SEARCH_FROM < 1.0)
+    return np.flatnonzero(expected_balancedness(gpu_ZLG, weights_Z) * bound < 1.0)
 
 
 def _all_counts(E: int, P: int) -> np.ndarray:
