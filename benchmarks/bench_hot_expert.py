@@ -9,11 +9,13 @@ shapes of the engine adapters' checks (64 experts on 8 GPUs) and of DeepSeek-V3 
 row: the mean and worst per-layer max/mean GPU load under an even split, and the median solve
 seconds (``eplb.solver.solve``, no current placement).
 
-    python -m benchmarks.bench_hot_expert
+    python -m benchmarks.bench_hot_expert [--json OUT]
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import time
 
 import numpy as np
@@ -66,9 +68,16 @@ def run(layers: int = 8, seed: int = 0) -> list[dict[str, object]]:
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", help="also write the rows here")
+    args = parser.parse_args(argv)
+    rows = run()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows}, f, indent=1)
     print(f"{'case':32} {'algorithm':9} {'max/mean':>9} {'worst':>7} {'solve s':>8} {'recounted':>9}")
-    for row in run():
+    for row in rows:
         print(
             f"{row['case']!s:32} {row['algorithm']!s:9} {row['mean_max_over_mean']:9.3f} "
             f"{row['worst_max_over_mean']:7.3f} {row['solve_seconds']:8.2f} {row['recounted_layers']:9.0f}"
