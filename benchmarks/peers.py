@@ -5,19 +5,30 @@
 ``load_sglang_fused_kernel()`` import them by file path, with the one SGLang import the fused
 kernel needs replaced by a stub. On the device machine (no network), fetch here first
 (``python -m benchmarks.peers``) and pass ``.peers`` in the device tool's ``carry``.
+
+``fetch_vllm_test(name)`` unpacks one test file of vLLM's sdist (its wheel carries no ``tests/``,
+and ``pip download --no-binary :all:`` stops at building the sdist's metadata, which needs
+vLLM's build requirements): the sdist is located through PyPI's JSON simple index (PEP 691),
+checked against the index's sha256 and kept under ``.peers/``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import subprocess
 import sys
+import tarfile
 import types
+import urllib.request
 import zipfile
 from pathlib import Path
 from typing import Any
 
 SGLANG_VERSION = "0.5.23"
+VLLM_VERSION = "0.33.0"
+"""The vLLM release whose tests the hot-expert checks read (the engine tests' pin)."""
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PEERS_DIR = REPO_ROOT / ".peers"
 _WANTED = (
@@ -112,6 +123,46 @@ def load_sglang_fused_kernel(version: str = SGLANG_VERSION, root: Path = PEERS_D
             sys.modules.setdefault(parent, types.ModuleType(parent))
         sys.modules[stub_name] = stub
     return _load_by_path("_peer_sglang_fused", base / _WANTED[1])
+
+
+def fetch_vllm_test(
+    name: str = "tests/distributed/test_eplb_algo.py", version: str = VLLM_VERSION, root: Path = PEERS_DIR
+) -> Path:
+    """Make sure vLLM's test file ``name`` (a path inside its sdist) is unpacked under ``root``;
+    return its path. Raises OSError (no network) or RuntimeError (no such sdist or file)."""
+    dest = root / f"vllm-{version}" / name
+    if dest.is_file():
+        return dest
+    sdist = root / "sdists" / f"vllm-{version}.tar.gz"
+    if not sdist.is_file():
+        request = urllib.request.Request(
+            "https://pypi.org/simple/vllm/", headers={"Accept": "application/vnd.pypi.simple.v1+json"}
+        )
+        with urllib.request.urlopen(request, timeout=60) as response:
+            index = json.load(response)
+        files = [f for f in index["files"] if f["filename"] == sdist.name]
+        if not files:
+            raise RuntimeError(f"PyPI lists no {sdist.name}")
+        with urllib.request.urlopen(files[0]["url"], timeout=300) as response:
+            data = response.read()
+        if hashlib.sha256(data).hexdigest() != files[0]["hashes"]["sha256"]:
+            raise RuntimeError(f"{sdist.name}: sha256 differs from PyPI's")
+        sdist.parent.mkdir(parents=True, exist_ok=True)
+        partial = sdist.with_suffix(".part")
+        partial.write_bytes(data)
+        partial.rename(sdist)
+    member = f"vllm-{version}/{name}"
+    with tarfile.open(sdist) as tar:
+        try:
+            source = tar.extractfile(member)
+        except KeyError:
+            source = None
+        if source is None:
+            raise RuntimeError(f"{sdist.name} has no {name}")
+        content = source.read()
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    dest.write_bytes(content)
+    return dest
 
 
 if __name__ == "__main__":

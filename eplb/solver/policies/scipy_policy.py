@@ -34,6 +34,7 @@ from eplb.solver.search import local_search as ls
 from eplb.solver.search.budget import budget_of, budgeted_phy2log
 from eplb.solver.search.copies import arrivals_L, holds_per_gpu
 from eplb.solver.search.migration import relabel, retarget_replicas
+from eplb.solver.search.recount import recount_phy2log, spread_over_nodes
 from eplb.solver.search.static_pack import static_fresh_phy2log
 from eplb.solver.types import SolveOptions, Topology
 
@@ -148,7 +149,11 @@ def _fresh_phy2log(
     fresh_LP, _, fresh_cnt_LE = deepseek_rebalance(point_LE, P, 1, 1, G)
     state = ls.make_swap_state(fresh_LP, prediction.scenarios_ZLE, fresh_cnt_LE, G)
     stats["fresh_swaps"] = ls.swap_search(state, prediction.scenario_weights_Z, G)
-    fresh_LP = state.phy2log_LP
+    # Layers whose busiest GPU stacks replicas of one expert: counts chosen with the placement.
+    polished_LP = state.phy2log_LP
+    fresh_LP = recount_phy2log(polished_LP, prediction.scenarios_ZLE, prediction.scenario_weights_Z, G, stats)
+    recounted_L = (fresh_LP != polished_LP).any(axis=1)
+    fresh_cnt_LE = holds_per_gpu(fresh_LP, G, point_LE.shape[1]).sum(axis=1)
     if options.milp_max_solves > 0 and options.time_budget_s != 0:
         from eplb.solver.search.milp import milp_polish
 
@@ -161,4 +166,8 @@ def _fresh_phy2log(
             stats,
             time_budget_s=options.time_budget_s,
         )
+    # The recounted layers' GPUs, whole, ordered over the nodes to spread their replicated
+    # experts (every GPU's load stays; the other layers stay as they were).
+    for layer in np.flatnonzero(recounted_L).tolist():
+        fresh_LP[layer] = spread_over_nodes(fresh_LP[layer], point_LE[layer], G, N)
     return fresh_LP
