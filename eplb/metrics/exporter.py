@@ -502,6 +502,9 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server  # type: ignore[assignment]
     # Keep-alive: Prometheus reuses its connection, so a scrape costs no new connection.
     protocol_version = "HTTP/1.1"
+    # Errors in a request line too broken to name its version get a status line too (HTTP/0.9's
+    # bare body would read as garbage to any client today).
+    default_request_version = "HTTP/1.0"
 
     def __init__(self, head: bytes, client_address: Any, server: _Server) -> None:
         # Not BaseRequestHandler's __init__: there is no socket here to set up, read or finish.
