@@ -56,7 +56,7 @@ needs_loopback_sources = pytest.mark.skipif(
 def test_scrapes_are_answered_under_reconnecting_tricklers_and_a_burst(
     sources: list[str], tricklers: int, caps: dict[str, int]
 ) -> None:
-    # The trickled heads are cut at a 1 s deadline and reconnect at once, for 3 s, with a burst of
+    # The trickled heads are cut at a 1 s deadline and reconnect at once, for 4 s, with a burst of
     # 200 connections halfway; a scrape every 0.1 s from 127.0.0.1 must be answered within 1 s.
     # Meanwhile the sink's writer hands over DeepSeek-V3-sized windows and is never held up.
     sink = PrometheusSink()
@@ -76,12 +76,14 @@ def test_scrapes_are_answered_under_reconnecting_tricklers_and_a_burst(
     with MetricsExporter(sink, request_deadline_s=1.0, **caps) as exporter:
         thread.start()
         try:
-            seen = scrape_under_attack(exporter.port, Attack(sources=sources, tricklers=tricklers))
+            # 4 s: 40 scrapes, so the one or two that a same-address burst can cost stay within 5%.
+            attack = Attack(sources=sources, tricklers=tricklers, duration_s=4.0, burst_at_s=2.0)
+            seen = scrape_under_attack(exporter.port, attack)
         finally:
             stop.set()
             thread.join(timeout=CLIENT_TIMEOUT_S)
         assert seen.answered >= 0.95, (seen.statuses, seen.attack)
-        assert len(seen.statuses) >= 20  # a scrape every 0.1 s for 3 s, none hanging
+        assert len(seen.statuses) >= 30  # a scrape every 0.1 s for 4 s, none hanging
         # The attack happened as meant: every trickler was cut off and came back, the burst got
         # answers (served, or refused at once) and no connection was left to time out.
         assert seen.attack["reconnects"] >= tricklers and seen.attack["connect_errors"] == 0, seen.attack

@@ -74,7 +74,7 @@ LINGER_S = 2.0
 MAX_LINGERING = 256
 # Accepts per turn of the loop: heads already received are read before more connections come in,
 # so a burst of connections cannot push a waiting scrape towards eviction.
-ACCEPTS_PER_TURN = 64
+ACCEPTS_PER_TURN = 16
 # Deadlines are checked at least this often (and the loop wakes for nothing else).
 SWEEP_S = 0.05
 # Level 1: a DeepSeek-V3-sized scrape (240 kB) compresses 10x in 0.4 ms; level 6 saves 15% more
