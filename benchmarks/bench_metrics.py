@@ -26,6 +26,14 @@ target is a change below 5%.
 
     python -m benchmarks.bench_metrics --mode demo --json bench_metrics_demo.json
     python -m benchmarks.bench_metrics --mode synthetic --json bench_metrics_synthetic.json
+
+``--mode hostile`` asks instead whether scrapes are still answered under hostile clients: 16 and
+then 20 clients trickling request heads and reconnecting at each cut-off (``--deadline``), with
+a burst of 200 connections halfway, from 127.0.0.2... (the attackers apart) or all from
+127.0.0.1, in a process of their own (tests/helpers/hostile_clients.py); a scrape every 0.1 s
+from 127.0.0.1 for ``--duration`` seconds counts as answered when a whole 200 comes within 1 s.
+
+    python -m benchmarks.bench_metrics --mode hostile --duration 3
 """
 
 from __future__ import annotations
@@ -52,6 +60,7 @@ from eplb.metrics.sink import PassKind
 from eplb.placement.balance import gpu_load
 from eplb.placement.model import Placement
 from eplb.workloads import PRESETS
+from tests.helpers.hostile_clients import Attack, scrape_under_attack
 
 # Reads the "on" blocks' [start, end] wall times from stdin once the process under test is warm.
 SCRAPER = r"""
@@ -316,9 +325,43 @@ def run_demo(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def run_hostile(args: argparse.Namespace) -> dict[str, Any]:
+    """Scrapes answered within 1 s under reconnecting tricklers and a burst (see the docstring)."""
+    runs = []
+    for apart in (True, False):
+        for tricklers in (16, 20):
+            sources = [f"127.0.0.{i}" for i in range(2, 22)] if apart else ["127.0.0.1"]
+            attack = Attack(
+                sources=sources, tricklers=tricklers, duration_s=args.duration, burst_at_s=args.duration / 2
+            )
+            with MetricsExporter(PrometheusSink(), request_deadline_s=args.deadline) as exporter:
+                seen = scrape_under_attack(exporter.port, attack)
+            answered = sum(s == 200 for s in seen.statuses)
+            runs.append(
+                {
+                    "attackers": "127.0.0.2-21" if apart else "127.0.0.1",
+                    "tricklers": tricklers,
+                    "scrapes": len(seen.statuses),
+                    "answered_within_1s": answered,
+                    "answered_fraction": round(seen.answered, 4),
+                    "scrape_p99_ms": round(1e3 * _percentile(seen.latencies_s, 99), 2),
+                    "attack": seen.attack,
+                }
+            )
+            print(
+                f"attackers {runs[-1]['attackers']:>12}, {tricklers} tricklers: {answered} of"
+                f" {len(seen.statuses)} scrapes answered within 1 s ({100 * seen.answered:.1f}%), p99"
+                f" {runs[-1]['scrape_p99_ms']} ms; attack {seen.attack}"
+            )
+    return {"mode": "hostile", "deadline_s": args.deadline, "scrape_seconds": args.duration, "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--mode", choices=("demo", "synthetic"), default="demo")
+    parser.add_argument("--mode", choices=("demo", "synthetic", "hostile"), default="demo")
+    parser.add_argument(
+        "--deadline", type=float, default=1.0, help="hostile: the exporter's request_deadline_s (default 1)"
+    )
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of scraping (default 30)")
     parser.add_argument("--rate", type=float, default=20.0, help="scrapes per second (default 20)")
     parser.add_argument("--blocks", type=int, default=15, help="off/on block pairs (default 15)")
@@ -361,7 +404,17 @@ def main(argv: list[str] | None = None) -> int:
         or args.rebalance_every < 1
     ):
         parser.error("--duration, --rate, --blocks, --window-every and --rebalance-every must be positive")
+    if not 0 < args.deadline < float("inf"):
+        parser.error("--deadline must be a finite number > 0")
     load_before = os.getloadavg()[0]
+    if args.mode == "hostile":
+        hostile = run_hostile(args)
+        hostile.update(
+            loadavg_1m_before_after=[round(load_before, 2), round(os.getloadavg()[0], 2)], cpus=os.cpu_count()
+        )
+        if args.json is not None:
+            write_result(args.json, hostile)
+        return 0
     if args.micro_only:
         rng = np.random.default_rng(args.seed)
         window_LE = rng.integers(0, 10_000, size=(58, 256)).astype(np.float64)
