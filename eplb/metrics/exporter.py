@@ -231,7 +231,7 @@ class _Server:
             self._close_everything()
 
     def _turn(self) -> None:
-        events = self._selector.select(SWEEP_S)
+        events = self._selector.select(self._until_next_deadline())
         accept = False
         for key, mask in events:
             if key.data == "listener":
@@ -430,6 +430,19 @@ class _Server:
         with contextlib.suppress(KeyError, ValueError):
             self._selector.unregister(sock)
         sock.close()
+
+    def _until_next_deadline(self) -> float | None:
+        """How long the loop may wait for events: until the nearest deadline (no sooner than
+        ``SWEEP_S``, the sweep's granularity), or for good when none runs, so an idle endpoint or
+        one idle keep-alive connection costs the serving process no periodic wake-ups."""
+        if self._answered:
+            return 0.0
+        dues = list(self._lingering.values())
+        idle_s = self.idle_timeout_s
+        dues += [min(c.due, c.active + idle_s) for c in self._conns.values() if c.state is not _State.QUEUED]
+        if not dues:
+            return None
+        return max(SWEEP_S, min(dues) - time.monotonic())
 
     def _sweep(self) -> None:
         """Close what is past its deadline: heads and answers (silently), idle keep-alives, lingerers."""
