@@ -138,6 +138,7 @@ TINY = ["--preset", "tiny", "--steps", "40", "--disable-tqdm"]
         (["sweep", *TINY, "--intervals", "20", "--plots", "out"], "--plots: only --tradeoff draws a plot"),
         (["sweep", *TINY, "--init-expert-location", "x.json"], "--init-expert-location: eplb sweep starts every point"),
         (["demo", "--nproc", "1", "--init-expert-location", "/dev/null"], "/dev/null"),
+        (["demo", "--nproc", "1", "--ep-dispatch-algorithm", "auto"], "the demo's model runs one dispatch mode"),
     ],
 )  # fmt: skip
 def test_bad_values_end_in_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:

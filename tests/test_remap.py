@@ -158,6 +158,7 @@ def test_int64_ids_are_refused_with_the_dtype_named() -> None:
         ({"num_valid_tokens": torch.zeros(2, dtype=torch.int32)}, ValueError, "one element"),
         ({"record": torch.zeros(1, dtype=torch.bool)}, TypeError, "record must be torch.int32"),
         ({"mode": "random"}, ValueError, "unknown dispatch mode"),
+        ({"mode": "auto"}, ValueError, "picks static or lp per pass: call with the pass's mode"),
         ({"backend": "cuda"}, ValueError, "unknown remap backend"),
         ({"layer": 2}, ValueError, r"layer 2 outside \[0, 2\)"),
     ],

@@ -40,6 +40,7 @@ from eplb.commands.sizes import MAX_DEMO_RANKS, check_demo
 from eplb.config import SERVER_GROUP, EplbConfig, add_cli_args, config_from_args
 from eplb.flags import float_in, int_in
 from eplb.metrics.sink import MetricsSink
+from eplb.policy.dispatch import dispatch_mode
 
 if TYPE_CHECKING:
     from eplb.placement.model import Placement
@@ -121,6 +122,12 @@ def config_from_namespace(args: argparse.Namespace) -> DemoConfig:
     if args.nproc < 1 or args.steps < 0 or args.token_divisor < 1:
         raise ValueError("--nproc and --token-divisor must be >= 1 and --steps >= 0")
     check_demo(args)
+    if args.ep_dispatch_algorithm is not None and dispatch_mode(args.ep_dispatch_algorithm).per_pass:
+        raise ValueError(
+            f"--ep-dispatch-algorithm {args.ep_dispatch_algorithm}: the demo's model runs one dispatch "
+            "mode on every pass (static, lp, ...); per-pass choice is served through SGLang's lp path "
+            "and modeled by eplb simulate"
+        )
     if args.ep_size is not None and args.ep_size != args.nproc:
         raise ValueError(
             f"--ep-size {args.ep_size}: the demo's EP ranks are the processes --nproc starts "

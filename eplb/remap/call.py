@@ -22,14 +22,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from eplb.policy.dispatch import dispatch_mode_names
+from eplb.policy.dispatch import dispatch_mode, dispatch_mode_names
 
 if TYPE_CHECKING:
     from eplb.remap.exchange import LpExchange
     from eplb.remap.tables import DispatchTables
 
-MODES = dispatch_mode_names()
-"""The dispatch modes a call may name (eplb.policy.dispatch)."""
+MODES = tuple(name for name in dispatch_mode_names() if not dispatch_mode(name).per_pass)
+"""The dispatch modes a call may name (eplb.policy.dispatch): one call runs one mode, so a mode
+that picks among others pass by pass (``auto``) is resolved by the caller to the pass's mode."""
 
 
 # Slotted and not frozen: built on every call of every MoE layer, and a frozen dataclass's __init__
@@ -174,6 +175,9 @@ def check_remap_args(
     counts_P, logical_counts_E = args.counts_P, args.logical_counts_E
     check_ids(topk_ids_TK)
     if mode not in MODES:
+        if mode in dispatch_mode_names():
+            picks = " or ".join(dispatch_mode(mode).per_pass)
+            raise ValueError(f"dispatch mode {mode!r} picks {picks} per pass: call with the pass's mode")
         raise ValueError(f"unknown dispatch mode {mode!r}; choose from {MODES}")
     if map_padded_rows is not False and map_padded_rows is not True:
         raise TypeError(f"map_padded_rows must be a bool, got {type(map_padded_rows).__name__}")
