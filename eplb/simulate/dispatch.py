@@ -25,7 +25,7 @@ from eplb.config import DISPATCH_ALGORITHMS
 from eplb.placement.balance import balancedness
 from eplb.placement.model import Placement
 from eplb.placement.share import ShareModel, gpu_share_LEG
-from eplb.simulate.dispatch_lp import lp_matrices_parts
+from eplb.simulate.dispatch_lp import lp_matrices_parts, take_gpus
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,11 @@ class DispatchMatrices:
     """float32 [L, E, G]: fraction of an expert's tokens each GPU receives."""
     replicas_LEG: np.ndarray
     """float32 [L, E, G]: replicas of an expert on a GPU that receive tokens (active experts when loaded)."""
+
+    def take_gpus(self, keep_G: np.ndarray) -> DispatchMatrices:
+        """These matrices over the GPUs ``keep_G`` (a bool mask or indices over G): the same
+        routing, the other GPUs' columns dropped (a lost rank under a placement not replanned)."""
+        return DispatchMatrices(take_gpus(self.share_LEG, keep_G), self.replicas_LEG[:, :, keep_G])
 
     def summed_balancedness(self, load_LE: np.ndarray) -> float:
         """Model balancedness (mean over layers) of a summed logical load [L, E] under these matrices

@@ -32,7 +32,7 @@ from eplb.placement.degraded import orphans
 from eplb.placement.model import Placement
 from eplb.policy.decision import RankLoss, Request
 from eplb.simulate.config import SimulationConfig
-from eplb.simulate.dispatch import DispatchMatrices
+from eplb.simulate.dispatch_lp import join_gpus, take_gpus
 from eplb.simulate.engine import Chunk, plan_chunks, planner_for, rebalance_steps, recorded_steps_mask
 from eplb.simulate.failure_results import FailureResult, FailureRun, LossEvent, RankFailure
 from eplb.simulate.planners import RunSpec
@@ -219,18 +219,13 @@ def _lose(item: _Run, failure: RankFailure, step: int, config: SimulationConfig,
         "orphaned_load": orphaned,
     }
     if item.kind == "none":
-        share_LEG, replicas_LEG = state.matrices.share_LEG, state.matrices.replicas_LEG
         dead = item.dead_share_LEG
-        lost_now = share_LEG[:, :, ~alive_G]
-        item.dead_share_LEG = lost_now if dead is None else np.concatenate([dead, lost_now], axis=2)
+        lost_now = take_gpus(state.matrices.share_LEG, ~alive_G)
+        item.dead_share_LEG = lost_now if dead is None else join_gpus(dead, lost_now)
         if item.lost_tokens_F is None:
             item.lost_tokens_F = np.zeros(state.trace.num_steps)
         state.planner = None
-        state.lose_ranks(
-            current,
-            state.weights_LER,
-            DispatchMatrices(share_LEG[:, :, alive_G], replicas_LEG[:, :, alive_G]),
-        )
+        state.lose_ranks(current, state.weights_LER, state.matrices.take_gpus(alive_G))
         item.ranks_G = item.ranks_G[alive_G]
         item.losses.append(LossEvent(**facts, reason="no replanning"))
         return
