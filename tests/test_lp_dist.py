@@ -15,11 +15,11 @@ import pytest
 
 import tests.helpers.lp_workers as w
 from tests.helpers.remap_reference import brute_lp
-from tests.helpers.spawn import free_port, run_spawned
+from tests.helpers.spawn import rendezvous, run_spawned
 
 
 def _run(world: int, out: Path) -> list[dict]:
-    run_spawned(w.run, world, world, free_port(), str(out), timeout=240)
+    run_spawned(w.run, world, world, rendezvous(out), str(out), timeout=240)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 

@@ -15,7 +15,7 @@ import torch
 
 import tests.helpers.recorder_workers as w
 from eplb.traces import load_trace
-from tests.helpers.spawn import free_port, run_spawned
+from tests.helpers.spawn import rendezvous, run_spawned
 
 
 def _expected() -> tuple[list[bool], list[np.ndarray], list[bool], list[int]]:
@@ -41,7 +41,7 @@ def _expected() -> tuple[list[bool], list[np.ndarray], list[bool], list[int]]:
 @pytest.fixture(scope="module")
 def run_two_ranks(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("recorder_dist")
-    run_spawned(w.run, w.G, free_port(), str(out))
+    run_spawned(w.run, w.G, rendezvous(out), str(out))
     return out
 
 

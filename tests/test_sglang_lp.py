@@ -29,7 +29,7 @@ from eplb.placement.model import Placement
 from eplb.remap.lp_rule import lp_quotas, lp_tables
 from tests.helpers import sglang_lp_ranks as lp_ranks
 from tests.helpers.remap_reference import brute_lp
-from tests.helpers.spawn import free_port, run_spawned
+from tests.helpers.spawn import rendezvous, run_spawned
 from tests.test_lp_optimum import _optimum
 
 
@@ -179,7 +179,7 @@ def test_the_triton_kernels_split_as_the_rule_says_on_cuda() -> None:
 def test_real_gloo_ranks_with_an_idle_one(tmp_path: Path) -> None:
     batch = lp_ranks.Batch(1, "idle", 5)
     world = lp_ranks.SHAPES[1][2]
-    run_spawned(lp_ranks.gloo_rank, world, world, free_port(), str(tmp_path), timeout=240)
+    run_spawned(lp_ranks.gloo_rank, world, world, rendezvous(tmp_path), str(tmp_path), timeout=240)
     phys = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
     pl = lp_ranks.placement(1)
     ids_by_rank = batch.ids()

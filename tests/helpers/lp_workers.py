@@ -5,9 +5,7 @@ Shape legend: L layers, E logical experts, P physical slots, T tokens, K top-k.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +16,7 @@ from eplb.placement.model import Placement
 from eplb.remap.api import DispatchTables, remap_and_record
 from eplb.remap.exchange import LpExchange
 from tests.helpers.placements import random_phy2log
+from tests.helpers.spawn import init_gloo
 
 L, E, K = 2, 12, 4
 IDLE_RANK = 1
@@ -38,9 +37,8 @@ def rank_ids(world: int, rank: int, call: int) -> torch.Tensor:
     return torch.from_numpy(ids)
 
 
-def run(rank: int, world: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+def run(rank: int, world: int, init: str, out_dir: str) -> None:
+    init_gloo(init, rank, world)
     try:
         pl = placement(world)
         tables = DispatchTables.from_placement(pl, rank)

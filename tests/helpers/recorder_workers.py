@@ -5,9 +5,7 @@ Shape legend: L layers, E logical experts, P physical slots, T tokens, K top-k.
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +15,7 @@ import torch.distributed as dist
 from eplb.placement.model import Placement
 from eplb.recorder.recorder import ExpertDistributionRecorder, RecorderConfig
 from eplb.remap.api import DispatchTables
+from tests.helpers.spawn import init_gloo
 
 L, E, K, G = 2, 6, 2, 2
 # (has_prefill, tokens) per rank, per pass. Pass 1: rank 0 idle while rank 1 has prefill.
@@ -43,9 +42,8 @@ def pass_ids(pass_index: int, rank: int, tokens: int) -> torch.Tensor:
     return torch.from_numpy(ids)
 
 
-def run(rank: int, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=G, timeout=datetime.timedelta(seconds=60))
+def run(rank: int, init: str, out_dir: str) -> None:
+    init_gloo(init, rank, G)
     try:
         _scenario(rank, Path(out_dir))
     finally:

@@ -13,9 +13,7 @@ own, and fills the gathered rows. :func:`gloo_rank` is one rank of the multi-pro
 
 from __future__ import annotations
 
-import datetime
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ import numpy as np
 
 from eplb.placement.model import Placement
 from tests.helpers.placements import random_phy2log
+from tests.helpers.spawn import init_gloo
 
 K = 8
 KINDS = ("random", "heavy", "one_hot", "replicated", "idle")
@@ -123,15 +122,14 @@ def local_counts(ids_TK: np.ndarray, num_logical: int) -> np.ndarray:
     return np.bincount(flat[(flat >= 0) & (flat < num_logical)], minlength=num_logical)
 
 
-def gloo_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+def gloo_rank(rank: int, world: int, init: str, out_dir: str) -> None:
     """One real process of the Gloo test: eplb's SGLang ``lp`` solvers over a real EP group."""
     import torch
     import torch.distributed as dist
 
     from eplb.integrations.sglang_lp import LpServing, gather_for
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    init_gloo(init, rank, world)
     try:
         pl = placement(1)
         group = _GlooGroup(world, rank)

@@ -2,16 +2,27 @@
 
 from __future__ import annotations
 
+import datetime
 import multiprocessing as mp
-import socket
+import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def rendezvous(folder: str | Path) -> str:
+    """A fresh file rendezvous in ``folder`` for one spawned group: no TCP port to pick, so no other
+    process on the machine can take it between the pick and the bind (EADDRINUSE under load)."""
+    return f"file://{Path(folder).resolve() / f'rendezvous-{uuid.uuid4().hex}'}"
+
+
+def init_gloo(init: str, rank: int, world: int, timeout_s: float = 60) -> None:
+    """Join the Gloo group of :func:`rendezvous` ``init`` as ``rank`` of ``world`` (in a spawned rank)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
 
 
 def run_spawned(target: Callable[..., Any], world: int, *args: Any, timeout: float = 150) -> None:
