@@ -31,7 +31,6 @@ import multiprocessing as mp
 import os
 import queue
 import signal
-import socket
 import threading
 import time
 import traceback
@@ -75,13 +74,6 @@ class RankDied(RuntimeError):
 DEATH_GRACE_S = 0.5
 """After a rank reports an error, how long to look for a peer process that died: a peer's death
 makes the survivors' collectives fail, and the death, not their tracebacks, is what to report."""
-
-
-def free_port() -> int:
-    """A TCP port that was free a moment ago on 127.0.0.1 (for the rendezvous)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def host_store(timeout_s: float = 120.0) -> dist.TCPStore:
