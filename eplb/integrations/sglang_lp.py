@@ -267,18 +267,21 @@ def set_window(window_WLE: np.ndarray | None) -> None:
 def pass_of(forward_batch: Any) -> tuple[int, bool]:
     """A pass's global token count and phase from SGLang's ``ForwardBatch``, as every rank holds them.
 
-    With SGLang's DP sync (``global_num_tokens_cpu`` set: each DP rank's tokens, gathered) the sum
-    and ``is_extend_in_batch`` (whether any DP rank extends, gathered alike), so an idle DP rank
-    takes its busy peers' mode; without it every rank runs the same batch: its own tokens
-    (``input_ids``' rows, else ``batch_size``) and ``forward_mode.is_extend()``.
+    Tokens: with SGLang's DP sync (``global_num_tokens_cpu`` set: each DP rank's tokens, gathered)
+    their sum; without it every rank runs the same batch: its own (``input_ids``' rows, else
+    ``batch_size``). Prefill: ``forward_mode.is_extend()`` or ``is_extend_in_batch`` (the DP sync's
+    gathered "some DP rank extends", so an idle DP rank takes its busy peers' phase); a capture
+    batch sets only its mode (EXTEND for the prefill graphs, DECODE or a verify mode for decode's).
     """
     counts = getattr(forward_batch, "global_num_tokens_cpu", None)
     if counts is not None:
-        return int(sum(int(n) for n in counts)), bool(getattr(forward_batch, "is_extend_in_batch", False))
-    ids = getattr(forward_batch, "input_ids", None)
-    tokens = int(ids.shape[0]) if ids is not None else int(getattr(forward_batch, "batch_size", 0) or 0)
+        tokens = int(sum(int(n) for n in counts))
+    else:
+        ids = getattr(forward_batch, "input_ids", None)
+        tokens = int(ids.shape[0]) if ids is not None else int(getattr(forward_batch, "batch_size", 0) or 0)
     mode = getattr(forward_batch, "forward_mode", None)
-    return tokens, bool(mode is not None and mode.is_extend())
+    extend = mode is not None and bool(mode.is_extend())
+    return tokens, extend or bool(getattr(forward_batch, "is_extend_in_batch", False))
 
 
 def forward_hook(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
