@@ -476,9 +476,10 @@ def register() -> None:
 
     Idempotent. ``EPLB_SGLANG=0`` registers nothing; ``EPLB_SGLANG_FUSED_REMAP=1`` also replaces
     the fused map+record kernel; ``EPLB_SGLANG_LP=1`` the ``lp`` solver and map, ``auto`` also
-    hooks the model runner's forward and graph capture to begin each pass. A bad value of any variable stops SGLang at start-up with a
-    message naming it: SGLang's ``load_plugins`` logs a plugin's ``Exception`` and goes on, so the
-    ValueError leaves as :class:`SettingsExit` (a ``SystemExit``), which it does not catch.
+    hooks the model runner's forward and graph capture to begin each pass. A bad value of any
+    variable stops SGLang at start-up with a message naming it: SGLang's ``load_plugins`` logs a
+    plugin's ``Exception`` and goes on, so the ValueError leaves as :class:`SettingsExit` (a
+    ``SystemExit``), which it does not catch.
     """
     from eplb.integrations import sglang_updater
 
