@@ -210,7 +210,7 @@ def env_flag(environ: Mapping[str, str], var: str, default: bool) -> bool:
     raise ValueError(f"{var} must be one of {_TRUE + _FALSE}, got {environ[var]!r}")
 
 
-def sglang_lp_mode(environ: Mapping[str, str] | None = None) -> str:
+def sglang_lp_mode(environ: Mapping[str, str] | None = None) -> Literal["off", "lp", "auto"]:
     """What ``EPLB_SGLANG_LP`` asks for under SGLang (:data:`SGLANG_LP_MODES`): a boolean's
     ``off`` or ``lp``, or ``auto``; ValueError naming the variable for anything else."""
     env = os.environ if environ is None else environ

@@ -1,4 +1,4 @@
-"""eplb's ``lp`` dispatch behind SGLang's ``--ep-dispatch-algorithm lp`` (``EPLB_SGLANG_LP=1``).
+"""eplb's ``lp`` dispatch behind SGLang's ``--ep-dispatch-algorithm lp`` (``EPLB_SGLANG_LP=1``, or ``auto``).
 
 Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, G GPUs (EP ranks).
 
