@@ -35,6 +35,12 @@ from eplb.config import (
     flag_env,
 )
 from eplb.metrics import names
+from eplb.policy.cost_model import (
+    DEFAULT_DISPATCH_COST,
+    DISPATCH_KERNEL_TABLES,
+    DispatchKernelCost,
+    dispatch_kernel_cost,
+)
 
 MODE_ENV = flag_env("--eplb-rebalance-mode")
 MAX_MOVED_ENV = flag_env("--eplb-max-moved-experts")
@@ -53,6 +59,7 @@ SGLANG_PLUGIN_ENV = "EPLB_SGLANG"
 SGLANG_FUSED_ENV = "EPLB_SGLANG_FUSED_REMAP"
 SGLANG_BACKEND_ENV = "EPLB_SGLANG_REMAP_BACKEND"
 SGLANG_LP_ENV = "EPLB_SGLANG_LP"
+DISPATCH_COST_ENV = "EPLB_DISPATCH_COST"
 SGLANG_UPDATER_ENV = "EPLB_SGLANG_WEIGHT_UPDATER"
 SGLANG_GBPS_ENV = "EPLB_SGLANG_TRANSFER_GBPS"
 SGLANG_TIMEOUT_ENV = "EPLB_SGLANG_SWAP_TIMEOUT_S"
@@ -63,8 +70,15 @@ ENGINES = (VLLM, SGLANG)
 """The engines whose adapters read the environment (TensorRT-LLM reads a file instead)."""
 
 EnvKind = Literal[
-    "choice", "int", "float", "flag", "json", "label", "host", "port", "policy", "backend", "dir"
-]
+    "choice", "int", "float", "flag", "json", "label", "host", "port", "policy", "backend", "dir",
+    "dispatch_cost",
+]  # fmt: skip
+
+_TRUE = ("1", "true", "on", "yes")
+_FALSE = ("0", "false", "off", "no")
+SGLANG_LP_MODES = ("off", "lp", "auto")
+"""What ``EPLB_SGLANG_LP`` asks for (:func:`sglang_lp_mode`): nothing, eplb's ``lp`` on every pass,
+or ``auto`` (each pass ``lp`` or static, whichever eplb.policy.auto_dispatch prices lower)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,8 +146,14 @@ ENV_VARS: tuple[EnvVar, ...] = (
            help="1 replaces the MegaMoE fused map+record with eplb's kernel"),
     EnvVar(name=SGLANG_BACKEND_ENV, kind="backend", bound="auto or a remap backend usable in the process",
            engines=(SGLANG,), default="auto", bad="magic", help="that kernel's backend"),
-    EnvVar(name=SGLANG_LP_ENV, kind="flag", bound="boolean", engines=(SGLANG,), default="0", bad="2",
-           help="1 serves --ep-dispatch-algorithm lp with eplb's lp kernels instead of SGLang's LP solver"),
+    EnvVar(name=SGLANG_LP_ENV, kind="choice", choices=("auto", *_TRUE, *_FALSE), bound="boolean or auto",
+           engines=(SGLANG,), default="0", bad="2",
+           help="1 serves --ep-dispatch-algorithm lp with eplb's lp kernels instead of SGLang's LP solver; "
+           "auto: each pass by lp or statically, whichever eplb's cost model prices lower"),
+    EnvVar(name=DISPATCH_COST_ENV, kind="dispatch_cost", bound="a --eplb-dispatch-cost table: "
+           f"{', '.join(DISPATCH_KERNEL_TABLES)}, JSON or a JSON file", engines=(SGLANG,),
+           default=DEFAULT_DISPATCH_COST, bad="h300",
+           help="EPLB_SGLANG_LP=auto: the dispatch kernels' µs per layer it prices each pass with"),
     EnvVar(name=SGLANG_UPDATER_ENV, kind="flag", bound="boolean", engines=(SGLANG,), default="0", bad="sure",
            help="1 moves the expert weights with eplb's hot-swap instead of SGLang's updater"),
     EnvVar(name=SGLANG_GBPS_ENV, kind="float", low=0.0, bound="finite number > 0", engines=(SGLANG,),
@@ -172,8 +192,6 @@ SHARED_ENV = tuple(var.name for var in ENV_VARS if set(var.engines) == set(ENGIN
 OTHER_EPLB_ENV = ("EPLB_ENGINES_DIR", "EPLB_DASHBOARDS_DIR")
 """``EPLB_*`` variables of eplb's tests and tools, not of the adapters (never warned about)."""
 
-_TRUE = ("1", "true", "on", "yes")
-_FALSE = ("0", "false", "off", "no")
 _FLAG_TO_ENV = {flag.name: flag.env for flag in SERVER_FLAGS if flag.env is not None}
 """The variable of each flag the adapters mirror (eplb.config.SERVER_FLAGS), to name in errors."""
 
@@ -192,10 +210,36 @@ def env_flag(environ: Mapping[str, str], var: str, default: bool) -> bool:
     raise ValueError(f"{var} must be one of {_TRUE + _FALSE}, got {environ[var]!r}")
 
 
+def sglang_lp_mode(environ: Mapping[str, str] | None = None) -> Literal["off", "lp", "auto"]:
+    """What ``EPLB_SGLANG_LP`` asks for under SGLang (:data:`SGLANG_LP_MODES`): a boolean's
+    ``off`` or ``lp``, or ``auto``; ValueError naming the variable for anything else."""
+    env = os.environ if environ is None else environ
+    raw = env.get(SGLANG_LP_ENV, "").strip().lower()
+    if raw == "auto":
+        return "auto"
+    if raw and raw not in (*_TRUE, *_FALSE):
+        raise ValueError(
+            f"{SGLANG_LP_ENV} must be a boolean {_TRUE + _FALSE} or auto, got {env[SGLANG_LP_ENV]!r}"
+        )
+    return "lp" if env_flag(env, SGLANG_LP_ENV, False) else "off"
+
+
 def sglang_lp_requested(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``EPLB_SGLANG_LP`` asks for eplb's ``lp`` dispatch under SGLang (ValueError naming
-    the variable for a value that is not a boolean)."""
-    return env_flag(os.environ if environ is None else environ, SGLANG_LP_ENV, False)
+    """Whether ``EPLB_SGLANG_LP`` asks for eplb's ``lp`` dispatch under SGLang, ``auto`` included
+    (ValueError naming the variable for a value that is neither a boolean nor ``auto``)."""
+    return sglang_lp_mode(environ) != "off"
+
+
+def dispatch_cost_from_env(environ: Mapping[str, str] | None = None) -> DispatchKernelCost:
+    """The dispatch kernels' cost table ``EPLB_DISPATCH_COST`` names (``--eplb-dispatch-cost``'s
+    names, JSON or a JSON file, read by the flag's own parser; unset: the flag's default);
+    ValueError naming the variable."""
+    env = os.environ if environ is None else environ
+    raw = env.get(DISPATCH_COST_ENV, "").strip() or DEFAULT_DISPATCH_COST
+    try:
+        return dispatch_kernel_cost(raw)
+    except ValueError as exc:
+        raise ValueError(f"{DISPATCH_COST_ENV}: {exc}") from None
 
 
 def env_int(environ: Mapping[str, str], var: str, *, low: int, high: int | None = None) -> int | None:
@@ -294,6 +338,8 @@ def check_var(var: EnvVar, environ: Mapping[str, str]) -> None:
     elif kind == "choice":
         if raw.lower() not in var.choices:
             raise ValueError(f"{var.name} must be one of {var.choices}, got {raw!r}")
+    elif kind == "dispatch_cost":
+        dispatch_cost_from_env({var.name: raw})
     elif kind == "json":
         check_solver_options(solver_options_from_env(environ=environ))
     elif kind == "label":

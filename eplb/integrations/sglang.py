@@ -18,6 +18,9 @@ when it is unset) in each of its processes. Ours, :func:`register`, wraps two fu
 
 So nothing changes until ``--eplb-algorithm`` names an eplb algorithm. ``EPLB_SGLANG_FUSED_REMAP=1``
 also puts eplb's remap kernel behind SGLang's fused map+record (eplb.integrations.sglang_remap);
+``EPLB_SGLANG_LP=1`` serves ``--ep-dispatch-algorithm lp`` with eplb's ``lp`` kernels, ``auto``
+also picks each pass's mode (``lp`` or static, priced by ``EPLB_DISPATCH_COST``), modeled on the
+window of each rebalance (eplb.integrations.sglang_lp);
 ``EPLB_SGLANG=0`` (or an ``SGLANG_PLUGINS`` list without ``eplb``) keeps the plugin out entirely.
 
 ``EPLB_REBALANCE_MODE=continuous`` (eplb.integrations.engine_env) makes every eplb rebalance a
@@ -46,6 +49,7 @@ import numpy as np
 
 from eplb.config import even_nodes
 from eplb.integrations.engine_env import (
+    DISPATCH_COST_ENV,
     SGLANG,
     SGLANG_BACKEND_ENV,
     SGLANG_FUSED_ENV,
@@ -53,10 +57,11 @@ from eplb.integrations.engine_env import (
     SHARED_ENV,
     EngineEnv,
     check_engine_env,
+    dispatch_cost_from_env,
     engine_vars,
     env_flag,
     read_engine_env,
-    sglang_lp_requested,
+    sglang_lp_mode,
 )
 from eplb.integrations.engine_metrics import EngineMetrics
 from eplb.integrations.engine_plan import EngineDecisions, EnginePlan, engine_placement, make_planner
@@ -382,9 +387,11 @@ def rebalance_experts_hook(
     num_nodes: int,
     algorithm: Any,
 ) -> Any:
-    """AROUND ``rebalance_experts``: eplb's solver for an :class:`EplbSolverAlgorithm`, SGLang's code otherwise."""
+    """AROUND ``rebalance_experts``: eplb's solver for an :class:`EplbSolverAlgorithm`, SGLang's code
+    otherwise; either way, ``EPLB_SGLANG_LP=auto`` then models its choice on the window planned
+    from (:func:`hand_window_to_auto`)."""
     if isinstance(algorithm, EplbSolverAlgorithm):
-        return rebalance_with_eplb(
+        result = rebalance_with_eplb(
             sglang_time_order(tokens_per_expert),
             num_physical_experts,
             num_local_physical_experts,
@@ -392,14 +399,38 @@ def rebalance_experts_hook(
             num_nodes,
             algorithm,
         )
-    return original(
-        tokens_per_expert=tokens_per_expert,
-        num_physical_experts=num_physical_experts,
-        num_local_physical_experts=num_local_physical_experts,
-        num_groups=num_groups,
-        num_nodes=num_nodes,
-        algorithm=algorithm,
-    )
+    else:
+        result = original(
+            tokens_per_expert=tokens_per_expert,
+            num_physical_experts=num_physical_experts,
+            num_local_physical_experts=num_local_physical_experts,
+            num_groups=num_groups,
+            num_nodes=num_nodes,
+            algorithm=algorithm,
+        )
+    hand_window_to_auto(tokens_per_expert)
+    return result
+
+
+def hand_window_to_auto(tokens_per_expert: Any) -> None:
+    """``EPLB_SGLANG_LP=auto``: the window a rebalance planned from ([W, L, E] or [L, E] global
+    logical counts, the same on every rank: SGLang's recorder sums them over the ranks) becomes the
+    load auto's choice is modeled on; SGLang then applies the plan and ``init_lplb_solvers`` models
+    the new placement on it (eplb.integrations.sglang_lp.set_window). Nothing without auto."""
+    if "auto" not in _REGISTERED:
+        return
+    from eplb.integrations import sglang_lp
+
+    try:
+        window = (
+            tokens_per_expert.detach().cpu().numpy()
+            if hasattr(tokens_per_expert, "detach")
+            else tokens_per_expert
+        )
+        window = np.asarray(window, dtype=np.float64)
+        sglang_lp.set_window(window[None] if window.ndim == 2 else window)
+    except Exception:  # the choice falls back to the replica counts; serving goes on
+        _LOG.exception("eplb: handing the rebalance window to auto dispatch failed")
 
 
 def eplb_manager_init_hook(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -444,9 +475,11 @@ def register() -> None:
     (SGLang applies them after).
 
     Idempotent. ``EPLB_SGLANG=0`` registers nothing; ``EPLB_SGLANG_FUSED_REMAP=1`` also replaces
-    the fused map+record kernel. A bad value of any variable stops SGLang at start-up with a
-    message naming it: SGLang's ``load_plugins`` logs a plugin's ``Exception`` and goes on, so the
-    ValueError leaves as :class:`SettingsExit` (a ``SystemExit``), which it does not catch.
+    the fused map+record kernel; ``EPLB_SGLANG_LP=1`` the ``lp`` solver and map, ``auto`` also
+    hooks the model runner's forward and graph capture to begin each pass. A bad value of any
+    variable stops SGLang at start-up with a message naming it: SGLang's ``load_plugins`` logs a
+    plugin's ``Exception`` and goes on, so the ValueError leaves as :class:`SettingsExit` (a
+    ``SystemExit``), which it does not catch.
     """
     from eplb.integrations import sglang_updater
 
@@ -457,9 +490,12 @@ def register() -> None:
         # Every variable of eplb.integrations.engine_env.ENV_VARS, used or not; the metrics endpoint probed.
         _STATE["settings"] = config = check_engine_env(SGLANG)
         fused = _enabled(FUSED_ENV, default=False)
-        lp = sglang_lp_requested()  # EPLB_SGLANG_LP: eplb.integrations.sglang_lp
+        lp = sglang_lp_mode()  # EPLB_SGLANG_LP (off, lp or auto): eplb.integrations.sglang_lp
+        kernels = dispatch_cost_from_env()  # EPLB_DISPATCH_COST: auto's kernel table
         if os.environ.get(BACKEND_ENV, "").strip() and not fused:
             _LOG.warning("eplb: %s has no effect without %s=1", BACKEND_ENV, FUSED_ENV)
+        if os.environ.get(DISPATCH_COST_ENV, "").strip() and lp != "auto":
+            _LOG.warning("eplb: %s has no effect without EPLB_SGLANG_LP=auto", DISPATCH_COST_ENV)
         make_planner("auto", "--eplb-algorithm", settings=config)  # EPLB_SOLVER_OPTIONS checked now
         updater_config = sglang_updater.UpdaterConfig.from_env()  # checked with the updater off too
     except ValueError as exc:
@@ -497,11 +533,16 @@ def register() -> None:
         except ValueError as exc:
             raise SettingsExit(exc) from exc
         _REGISTERED.append("fused")
-    if lp and "lp" not in _REGISTERED:
+    if lp != "off" and "lp" not in _REGISTERED:
         from eplb.integrations.sglang_lp import register_lp
 
         register_lp(HookRegistry, HookType)
         _REGISTERED.append("lp")
+    if lp == "auto" and "auto" not in _REGISTERED:
+        from eplb.integrations.sglang_lp import register_auto
+
+        register_auto(HookRegistry, HookType, kernels)  # every pass begun before its first layer
+        _REGISTERED.append("auto")
     # Further opt-in hooks register here, each behind its own variable and _REGISTERED name.
 
 

@@ -1,4 +1,4 @@
-"""eplb's ``lp`` dispatch behind SGLang's ``--ep-dispatch-algorithm lp`` (``EPLB_SGLANG_LP=1``).
+"""eplb's ``lp`` dispatch behind SGLang's ``--ep-dispatch-algorithm lp`` (``EPLB_SGLANG_LP=1``, or ``auto``).
 
 Shape legend: T tokens, K top-k, L layers, E logical experts, P physical slots, G GPUs (EP ranks).
 
@@ -37,6 +37,16 @@ it; under CUDA graphs the captured batch size's padded count, so a graph keeps t
 captured with) and whether it is prefill, values every rank holds alike, so all take the same mode
 without a collective. Until a pass is begun every layer runs ``lp``. The ids returned are physical
 either way, so SGLang's recorder counts either.
+
+``EPLB_SGLANG_LP=auto`` (:func:`register_auto`, with SGLang's ``--ep-dispatch-algorithm lp``: SGLang
+has no ``auto`` choice of its own) adds AROUND hooks that begin every pass: ``ModelRunner.forward``
+(each pass, from its ``ForwardBatch``: :func:`pass_of`) and the CUDA graph runners'
+``capture_prepare`` (each captured shape, from the padded batch it builds: a replayed graph runs
+the kernels of the mode it was captured with, whatever a later choice says). The kernels are
+priced by ``EPLB_DISPATCH_COST`` (``--eplb-dispatch-cost``'s tables), the MoE time by the default
+:class:`~eplb.policy.cost_model.CostModel`, the routed copies by the model's top-k (read from
+SGLang's model config at ``init_lplb_solvers``); after every rebalance the adapter hands over the
+window it planned from (:func:`set_window`, eplb.integrations.sglang).
 """
 
 from __future__ import annotations
@@ -61,6 +71,13 @@ if TYPE_CHECKING:
 
 _SETUP = "sglang.srt.model_executor.model_runner_components.moe_ep_setup.init_lplb_solvers"
 _DISPATCH = "sglang.srt.eplb.expert_location_dispatch.topk_ids_logical_to_physical"
+_FORWARD = "sglang.srt.model_executor.model_runner.ModelRunner.forward"
+_CAPTURES = (
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.capture_prepare",
+    "sglang.srt.model_executor.runner.prefill_cuda_graph_runner.PrefillCudaGraphRunner.capture_prepare",
+)
+"""SGLang 0.5.23's CUDA graph runners' ``capture_prepare``: each returns the padded batch a graph is
+captured with (its ``ForwardBatch`` first)."""
 BACKEND = "auto"
 """The remap backend of the ``lp`` kernels (Triton on a GPU, torch on the CPU)."""
 
@@ -210,7 +227,9 @@ def _replicated_layers(placement: Placement) -> list[bool]:
 
 _STATE: dict[str, Any] = {}
 """``serving``: this process's :class:`LpServing`; ``logged``: the start-up line was written;
-``auto``: the :class:`AutoSettings` :func:`enable_auto` gave."""
+``auto``: the :class:`AutoSettings` :func:`enable_auto` gave; ``auto_kernels``: the kernel table
+:func:`register_auto` gave (auto starts once the model's top-k is known); ``window``: the window
+:func:`set_window` gave."""
 
 
 def enable_auto(settings: AutoSettings | None) -> None:
@@ -226,6 +245,88 @@ def begin_pass(global_tokens: int, prefill: bool) -> str:
     """The mode of the pass about to run (:meth:`LpServing.begin_pass`; ``lp`` before the solvers exist)."""
     found = serving()
     return "lp" if found is None else found.begin_pass(global_tokens, prefill)
+
+
+def set_window(window_WLE: np.ndarray | None) -> None:
+    """``auto``: model the choice on these recorded passes [W, L, E] of global counts (the window a
+    rebalance planned from, the same on every rank), in this process's serving state and in any
+    made later; only its largest passes are kept (eplb.policy.auto_dispatch.largest_passes). Without
+    ``auto``: nothing is kept."""
+    if _STATE.get("auto") is None and _STATE.get("auto_kernels") is None:
+        return
+    if window_WLE is not None:
+        from eplb.policy.auto_dispatch import largest_passes
+
+        window_WLE = largest_passes(window_WLE)
+    _STATE["window"] = window_WLE
+    found = serving()
+    if found is not None:
+        found.set_window(window_WLE)
+
+
+def pass_of(forward_batch: Any) -> tuple[int, bool]:
+    """A pass's global token count and phase from SGLang's ``ForwardBatch``, as every rank holds them.
+
+    Tokens: with SGLang's DP sync (``global_num_tokens_cpu`` set: each DP rank's tokens, gathered)
+    their sum; without it every rank runs the same batch: its own (``input_ids``' rows, else
+    ``batch_size``). Prefill: ``forward_mode.is_extend()`` or ``is_extend_in_batch`` (the DP sync's
+    gathered "some DP rank extends", so an idle DP rank takes its busy peers' phase); a capture
+    batch sets only its mode (EXTEND for the prefill graphs, DECODE or a verify mode for decode's).
+    """
+    counts = getattr(forward_batch, "global_num_tokens_cpu", None)
+    if counts is not None:
+        tokens = int(sum(int(n) for n in counts))
+    else:
+        ids = getattr(forward_batch, "input_ids", None)
+        tokens = int(ids.shape[0]) if ids is not None else int(getattr(forward_batch, "batch_size", 0) or 0)
+    mode = getattr(forward_batch, "forward_mode", None)
+    extend = mode is not None and bool(mode.is_extend())
+    return tokens, extend or bool(getattr(forward_batch, "is_extend_in_batch", False))
+
+
+def forward_hook(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND ``ModelRunner.forward(forward_batch, ...)``: begin the pass (:func:`pass_of`), then
+    SGLang's forward."""
+    batch = args[0] if args else kwargs["forward_batch"]
+    begin_pass(*pass_of(batch))
+    return original(runner, *args, **kwargs)
+
+
+def capture_prepare_hook(original: Any, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND a CUDA graph runner's ``capture_prepare``: SGLang's padded capture batch, then the
+    pass begun from it, so the graph captured next holds the mode of its padded size."""
+    prepared = original(runner, *args, **kwargs)
+    begin_pass(*pass_of(prepared[0]))
+    return prepared
+
+
+def top_k_of(model_config: Any) -> int | None:
+    """Experts per token from SGLang's ``ModelConfig`` (its text config's, else its HF config's
+    ``num_experts_per_tok``); None where neither has one."""
+    for config in (getattr(model_config, "hf_text_config", None), getattr(model_config, "hf_config", None)):
+        top_k = getattr(config, "num_experts_per_tok", None)
+        if isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1:
+            return top_k
+    return None
+
+
+def _start_auto(model_config: Any) -> None:
+    """``EPLB_SGLANG_LP=auto``: the :class:`AutoSettings` once the model's top-k is known (the
+    first ``init_lplb_solvers``); without one, ``lp`` on every pass, logged."""
+    kernels = _STATE.get("auto_kernels")
+    if kernels is None or _STATE.get("auto") is not None:
+        return
+    from eplb.policy.cost_model import CostModel
+
+    top_k = top_k_of(model_config)
+    if top_k is None:
+        _STATE["auto_kernels"] = None
+        _LOG.warning("eplb: EPLB_SGLANG_LP=auto found no top-k in the model config; every pass runs lp")
+        return
+    enable_auto(AutoSettings(kernels=kernels, cost=CostModel(), top_k=top_k))
+    _LOG.info(
+        "eplb: auto dispatch: each pass by lp or statically (%s kernel table, top-%d)", kernels.name, top_k
+    )
 
 
 def serving() -> LpServing | None:
@@ -285,6 +386,7 @@ def serve(metadata: Any, rank: int, group: Any) -> LpServing:
         found.update(placement)
     else:
         found = LpServing(placement, rank, device, gather_for(group, placement.num_gpus, rank))
+        found.window_WLE = _STATE.get("window")
         found.set_auto(_STATE.get("auto"))
         _STATE["serving"] = found
     maps = metadata.logical_to_all_physical_map
@@ -336,6 +438,7 @@ def init_lplb_solvers(*args: Any, **kwargs: Any) -> None:
     from sglang.srt.eplb.lplb_solver import clear_global_lplb_solvers, set_global_lplb_solver
     from sglang.srt.runtime_context import get_parallel
 
+    _start_auto(kwargs.get("model_config", args[0] if args else None))
     metadata = get_global_expert_location_metadata()
     if metadata is None:
         return
@@ -384,20 +487,36 @@ def register_lp(registry: Any, hook_type: Any) -> None:
     registry.register(_DISPATCH, topk_ids_logical_to_physical_hook, hook_type.AROUND)
 
 
+def register_auto(registry: Any, hook_type: Any, kernels: DispatchKernelCost) -> None:
+    """``EPLB_SGLANG_LP=auto``: priced by ``kernels``, every pass begun before its first layer
+    (``ModelRunner.forward`` and each graph runner's ``capture_prepare``, AROUND); with
+    :func:`register_lp`'s hooks."""
+    _STATE["auto_kernels"] = kernels
+    registry.register(_FORWARD, forward_hook, hook_type.AROUND)
+    for target in _CAPTURES:
+        registry.register(target, capture_prepare_hook, hook_type.AROUND)
+
+
 __all__ = [
     "AutoSettings",
     "EplbLpSolver",
     "LpDispatch",
     "LpServing",
     "begin_pass",
+    "capture_prepare_hook",
     "enable_auto",
+    "forward_hook",
     "gather_for",
     "init_lplb_solvers",
+    "pass_of",
     "placement_of",
+    "register_auto",
     "register_lp",
     "reset",
     "serve",
     "serving",
+    "set_window",
     "sglang_solver_unavailable",
+    "top_k_of",
     "topk_ids_logical_to_physical_hook",
 ]
