@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
-from eplb.flags import Flag, add_flags, dest_of
+from eplb.flags import Flag, add_flags, dest_of, float_in, int_in
 from eplb.policy.cost_model import (
     DEFAULT_DISPATCH_COST,
     DISPATCH_KERNEL_TABLES,
@@ -28,6 +28,7 @@ from eplb.policy.cost_model import (
 )
 from eplb.policy.dispatch import dispatch_mode, dispatch_mode_names
 from eplb.policy.registry import policy_names
+from eplb.traces.checks import MAX_EXPERTS, MAX_LAYERS, MAX_SLOTS
 
 SHIFT_BURST = 8
 """Default of ``--eplb-shift-burst``: a domain shift may spend up to 8 rebalances' budgets at once."""
@@ -86,6 +87,12 @@ MAX_WINDOW_PASSES = 1_000_000
 """Upper bound of --eplb-rebalance-num-iterations and --expert-distribution-recorder-buffer-size:
 both size the recorder's window, which is allocated up front ([W, L, P] int32; DeepSeek-V3 at
 EP32 takes 67 kB per pass, so the bound is already 67 GB there)."""
+MAX_MOVED_EXPERTS = MAX_LAYERS * MAX_SLOTS
+"""Upper bound of --eplb-max-moved-experts: every slot of the largest placement a trace may have
+(eplb.traces.checks.MAX_LAYERS x MAX_SLOTS); a larger budget moves no more than this one."""
+MAX_SHIFT_BURST = MAX_WINDOW_PASSES
+"""Upper bound of --eplb-shift-burst: a burst to repay over more rebalances than a window may
+hold passes is never repaid; the bound keeps burst x budget a modest integer."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -356,7 +363,7 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     ),
     _server_flag(
         "--expert-distribution-recorder-buffer-size",
-        parse=int,
+        parse=int_in(1, MAX_WINDOW_PASSES),
         shown=f"the rebalance interval; continuous: {CONTINUOUS_BUFFER_SIZE} or the interval if longer",
         help=f"recorder window in passes, at most {MAX_WINDOW_PASSES:,}; only continuous mode may exceed "
         "the interval",
@@ -370,26 +377,26 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     ),
     _server_flag(
         "--eplb-rebalance-num-iterations",
-        parse=int,
+        parse=int_in(1, MAX_WINDOW_PASSES),
         shown=f"{PERIODIC_INTERVAL}, SGLang's; continuous: {CONTINUOUS_INTERVAL}",
         help=f"rebalance every N counted forward passes, at most {MAX_WINDOW_PASSES:,}",
     ),
     _server_flag(
         "--eplb-rebalance-layers-per-chunk",
-        parse=int,
+        parse=int_in(1, MAX_LAYERS),
         shown="all at once; paced: 1",
         help="layers hot-swapped per chunk, one chunk per pass unless paced",
     ),
     _server_flag(
         "--eplb-max-moved-experts",
-        parse=int,
+        parse=int_in(0, MAX_MOVED_EXPERTS),
         env="EPLB_MAX_MOVED_EXPERTS",
         shown=f"none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS}, on average: see --eplb-shift-burst",
         help="cross-GPU expert copies per rebalance, a solver budget",
     ),
     _server_flag(
         "--eplb-shift-burst",
-        parse=int,
+        parse=int_in(1, MAX_SHIFT_BURST),
         env="EPLB_SHIFT_BURST",
         help="continuous mode: on a domain shift a plan may move up to this many rebalances' "
         "--eplb-max-moved-experts, repaid by the following ones; 1: never",
@@ -404,13 +411,13 @@ SERVER_FLAGS: tuple[Flag, ...] = (
     ),
     _server_flag(
         "--eplb-transfer-gbps",
-        parse=float,
+        parse=float_in(0, above=True),
         shown="unpaced",
         help="continuous mode: pace each swap beside the passes at this many GB/s per GPU",
     ),
     _server_flag(
         "--eplb-min-rebalancing-utilization-threshold",
-        parse=float,
+        parse=float_in(0, 1),
         help="skip a rebalance when the window's balancedness is above this",
     ),
     _server_flag(
@@ -427,7 +434,9 @@ SERVER_FLAGS: tuple[Flag, ...] = (
         "rank reload the experts it alone held from there",
     ),
     _server_flag(
-        "--ep-num-redundant-experts", parse=int, help="physical slots beyond one per logical expert"
+        "--ep-num-redundant-experts",
+        parse=int_in(0, MAX_SLOTS),
+        help="physical slots beyond one per logical expert",
     ),
     _server_flag(
         "--ep-dispatch-algorithm",
@@ -451,11 +460,11 @@ SERVER_FLAGS: tuple[Flag, ...] = (
         "(file or string: physical_to_logical_map or logical_count), or offline a placement "
         ".safetensors from 'eplb solve'",
     ),
-    _server_flag("--ep-size", "--expert-parallel-size", parse=int, help="EP ranks (GPUs)"),
-    _server_flag("--nnodes", parse=int, help="nodes the EP ranks span"),
+    _server_flag("--ep-size", "--expert-parallel-size", parse=int_in(1, MAX_SLOTS), help="EP ranks (GPUs)"),
+    _server_flag("--nnodes", parse=int_in(1, MAX_SLOTS), help="nodes the EP ranks span"),
     _server_flag(
         "--num-experts",
-        parse=int,
+        parse=int_in(1, MAX_EXPERTS),
         shown="",
         help="logical experts per layer, to check the slot layout at parse time",
     ),

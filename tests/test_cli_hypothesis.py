@@ -33,6 +33,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from eplb.cli import build_parser, main
+from eplb.config import SERVER_FLAGS
 from eplb.traces import Trace
 
 EXAMPLES = int(os.environ.get("EPLB_SWEEP_EXAMPLES", "50"))
@@ -248,6 +249,20 @@ def test_every_subcommand_has_swept_arguments() -> None:
     for command, parser in _subcommands().items():
         assert _swept(parser), command
     assert {a.name for a in _swept(_subcommands()["demo"])} >= {"--hidden", "--duration-s", "--json"}
+
+
+def test_the_server_flags_are_swept_in_every_command_that_takes_them() -> None:
+    """Every numeric server flag (SGLang's names, eplb.config.SERVER_FLAGS) is among the swept
+    arguments of each subcommand whose parser has it, so the oracle sees their bounds too."""
+    numeric = {flag.name for flag in SERVER_FLAGS if getattr(flag.parse, "__name__", "") in ("int", "float")}
+    assert "--eplb-transfer-gbps" in numeric and "--ep-num-redundant-experts" in numeric
+    taken = {}
+    for command, parser in _subcommands().items():
+        declared = {action.option_strings[0] for action in parser._actions if action.option_strings}
+        taken[command] = declared & numeric
+        assert taken[command] <= {arg.name for arg in _swept(parser)}, command
+    for command in ("simulate", "sweep", "solve", "demo"):
+        assert taken[command], command
 
 
 @pytest.mark.parametrize("command", COMMANDS)

@@ -24,6 +24,7 @@ import torch
 
 from eplb.cli import main
 from eplb.commands.sizes import MAX_DEMO_RANKS, workload_bytes
+from eplb.config import SERVER_FLAGS, parse_config
 from eplb.fileio import MemoryLimitError, check_memory, memory_headroom
 from eplb.flags import float_in, int_in
 from eplb.placement.model import Placement
@@ -139,10 +140,56 @@ TINY = ["--preset", "tiny", "--steps", "40", "--disable-tqdm"]
         (["sweep", *TINY, "--init-expert-location", "x.json"], "--init-expert-location: eplb sweep starts every point"),
         (["demo", "--nproc", "1", "--init-expert-location", "/dev/null"], "/dev/null"),
         (["demo", "--nproc", "1", "--ep-dispatch-algorithm", "auto"], "the demo's model runs one dispatch mode"),
+        # The server's flags (SGLang's names), in every command that takes them.
+        (["simulate", *TINY, "--eplb-rebalance-num-iterations", "0"], "error: --eplb-rebalance-num-iterations: expected a whole number in [1, 1000000], got 0"),
+        (["sweep", *TINY, "--eplb-rebalance-num-iterations", "-5"], "--eplb-rebalance-num-iterations"),
+        (["solve", *TINY, "--out", "o", "--expert-distribution-recorder-buffer-size", "0"], "--expert-distribution-recorder-buffer-size"),
+        (["simulate", *TINY, "--expert-distribution-recorder-buffer-size", "1e3"], "--expert-distribution-recorder-buffer-size"),
+        (["demo", "--nproc", "1", "--expert-distribution-recorder-buffer-size", str(10**7)], "--expert-distribution-recorder-buffer-size"),
+        (["simulate", *TINY, "--ep-num-redundant-experts", "-1"], "error: --ep-num-redundant-experts: expected a whole number"),
+        (["sweep", *TINY, "--ep-num-redundant-experts", str(10**11)], "--ep-num-redundant-experts"),
+        (["demo", "--nproc", "1", "--ep-num-redundant-experts", "nan"], "--ep-num-redundant-experts"),
+        (["simulate", *TINY, "--eplb-max-moved-experts", "-1"], "--eplb-max-moved-experts"),
+        (["demo", "--nproc", "1", "--eplb-max-moved-experts", "1.5"], "--eplb-max-moved-experts"),
+        (["simulate", *TINY, "--eplb-shift-burst", "0"], "--eplb-shift-burst"),
+        (["simulate", *TINY, "--eplb-rebalance-layers-per-chunk", "0"], "--eplb-rebalance-layers-per-chunk"),
+        (["demo", "--nproc", "1", "--eplb-rebalance-layers-per-chunk", "-1"], "--eplb-rebalance-layers-per-chunk"),
+        (["simulate", *TINY, "--eplb-rebalance-mode", "continuous", "--eplb-transfer-gbps", "nan"], "error: --eplb-transfer-gbps: expected a finite number > 0, got 'nan'"),
+        (["simulate", *TINY, "--eplb-rebalance-mode", "continuous", "--eplb-transfer-gbps", "inf"], "--eplb-transfer-gbps"),
+        (["demo", "--nproc", "1", "--eplb-transfer-gbps", "0"], "--eplb-transfer-gbps"),
+        (["simulate", *TINY, "--eplb-min-rebalancing-utilization-threshold", "nan"], "--eplb-min-rebalancing-utilization-threshold"),
+        (["sweep", *TINY, "--eplb-min-rebalancing-utilization-threshold", "1.5"], "--eplb-min-rebalancing-utilization-threshold"),
+        (["solve", *TINY, "--out", "o", "--ep-size", "0"], "--ep-size"),
+        (["simulate", *TINY, "--ep-size", "-4"], "--ep-size"),
+        (["simulate", *TINY, "--nnodes", "0"], "--nnodes"),
+        (["demo", "--nproc", "1", "--num-experts", "-1"], "--num-experts"),
+        (["demo", "--nproc", "1", "--num-experts", str(10**6)], "--num-experts"),
     ],
 )  # fmt: skip
 def test_bad_values_end_in_one_line(capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
     assert needle in _error(capsys, argv)
+
+
+def test_every_numeric_server_flag_is_bounded_where_parsed(capsys: pytest.CaptureFixture[str]) -> None:
+    """The server's flags (eplb.config.SERVER_FLAGS) read numbers through int_in/float_in only: an
+    engine's own parser (eplb.config.add_cli_args) refuses NaN, infinities, fractions and values out
+    of range when it parses, in one line naming the flag, as eplb's commands do."""
+    numeric = [flag for flag in SERVER_FLAGS if getattr(flag.parse, "__name__", "") in ("int", "float")]
+    assert {flag.name for flag in numeric} >= {
+        "--ep-num-redundant-experts", "--eplb-rebalance-num-iterations", "--expert-distribution-recorder-buffer-size",
+        "--eplb-transfer-gbps", "--eplb-min-rebalancing-utilization-threshold", "--ep-size",
+    }  # fmt: skip
+    for flag in numeric:
+        assert flag.parse not in (int, float), f"{flag.name} is parsed plainly"
+        for bad in ("nan", "inf", "-1", "1e400", "x"):
+            capsys.readouterr()
+            with pytest.raises(SystemExit) as exc:
+                parse_config([flag.name, bad], prog="server")
+            err = capsys.readouterr().err.splitlines()
+            assert exc.value.code == 2 and err[-1].startswith(f"server: error: argument {flag.name}"), (
+                bad,
+                err,
+            )
 
 
 def test_huge_sizes_are_refused_before_allocation(
@@ -165,7 +212,7 @@ def test_huge_sizes_are_refused_before_allocation(
         err = _error(capsys, [*command, "--preset", "tiny", "--steps", steps])
         assert f"--steps {steps} of the tiny workload" in err and "more than this process can have" in err
     for command in (["simulate", *TINY], ["solve", "--out", out, *TINY], ["demo", "--nproc", "1"]):
-        err = _error(capsys, [*command, "--ep-num-redundant-experts", str(10**11)])
+        err = _error(capsys, [*command, "--ep-num-redundant-experts", str(MAX_SLOTS)])
         assert f"past the {MAX_SLOTS} physical slots" in err
     assert f"past the {MAX_SLOTS}" in _error(capsys, ["sweep", *TINY, "--redundant", "4", str(MAX_SLOTS)])
     assert "--ep-size" in _error(capsys, ["simulate", *TINY, "--ep-size", str(MAX_SLOTS + 1)])

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
+import re
 import stat
 import struct
 import subprocess
 import sys
+import time
 import zipfile
 import zlib
 from pathlib import Path
@@ -27,6 +30,7 @@ from eplb.fileio import OutputPathError, OutputSet, write_text
 from eplb.placement.io import save_placement
 from eplb.placement.model import Placement
 from eplb.traces import Trace, TraceFormatError, load_trace, write_openevolve
+from eplb.traces import trace as trace_module
 
 CAP = 1 << 30
 """Address space the bomb subprocess may add to what its imports mapped: 1 GiB."""
@@ -102,6 +106,27 @@ def _npz_bomb(path: Path, *, lie: bool) -> Path:
         "num_tokens": np.zeros(T, np.int64),
     }
     return _write_zip(path, [counts, *(_stored(f"{k}.npy", _npy(v)) for k, v in small.items())])
+
+
+def _npz_deflated(path: Path, key: str, descr: str, shape: tuple[int, ...]) -> Path:
+    """An eplb npz trace whose member ``key`` is deflated zeros of ``descr`` and ``shape`` (a
+    multiple of 16 MiB, within the zip-bomb check's free expansion: a few kB of file), its other
+    members as eplb writes them (counts [F, 2, 4] zeros, F from a counts ``shape`` or 4)."""
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": descr, "fortran_order": False, "shape": shape})
+    payload, crc, size = _deflated_zeros(header.getvalue(), math.prod(shape) * np.dtype(descr).itemsize)
+    F = shape[0] if key == "counts" else 4
+    members = {
+        "format": np.array("eplb-trace"),
+        "version": np.array("1"),
+        "meta": np.array("{}"),
+        "counts": np.zeros((F, 2, 4), np.int32),
+        "is_prefill": np.zeros(F, np.uint8),
+        "num_tokens": np.zeros(F, np.int64),
+    }
+    del members[key]
+    deflated = (f"{key}.npy", payload, zipfile.ZIP_DEFLATED, crc, size)
+    return _write_zip(path, [deflated, *(_stored(f"{k}.npy", _npy(v)) for k, v in members.items())])
 
 
 def _torch_bomb(path: Path) -> Path:
@@ -210,6 +235,48 @@ def test_size_bombs_are_refused_under_a_memory_cap_in_seconds(tmp_path: Path) ->
         expected = "ValueError" if path.suffix == ".json" else "TraceFormatError"
         assert outcome.startswith(expected) and needle in outcome, (path.name, outcome)
         assert seconds < 5, (path.name, seconds)
+
+
+META_BOMB = 48 << 20
+"""What the npz bombs below inflate to: within the zip-bomb check's free expansion (64 MiB)."""
+
+
+def test_npz_members_are_bounded_by_their_npy_headers_before_any_is_inflated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An npz trace's members are sized from their npy headers (eplb.traces.checks.npy_header)
+    and refused past MAX_NPZ_HEADER_BYTES each (format, version, metadata) or MAX_NPZ_ARRAY_BYTES
+    together (the arrays) before np.load inflates any: a few kB of deflated zeros claim 48 MiB
+    here, and every limit's refusal is one line with exit 2."""
+    meta = _npz_deflated(tmp_path / "meta.npz", "meta", f"<U{META_BOMB // 4}", ())
+    counts = _npz_deflated(tmp_path / "counts.npz", "counts", "<i4", (META_BOMB // (64 * 256 * 4), 64, 256))
+    assert meta.stat().st_size < 64 << 10 and counts.stat().st_size < 64 << 10
+
+    def no_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("np.load was called before the members' sizes were checked")
+
+    monkeypatch.setattr(trace_module, "MAX_NPZ_ARRAY_BYTES", META_BOMB - 1)
+    with monkeypatch.context() as patched:
+        patched.setattr(np, "load", no_load)
+        for path, needle in (
+            (meta, f"header member 'meta' would inflate to {META_BOMB} bytes; refusing more than 1048576"),
+            (counts, f"the arrays would inflate to {META_BOMB + 768 * 9} bytes; refusing more than"),
+        ):
+            start = time.perf_counter()
+            with pytest.raises(TraceFormatError, match=re.escape(needle)):
+                load_trace(path)
+            assert time.perf_counter() - start < 1.0
+            assert needle in _one_line_error(capsys, ["trace", "info", str(path)])
+    # The limit is what refused: a trace of 48 MiB inflates when the limit allows it, and an npz
+    # trace reads back as its safetensors form does.
+    monkeypatch.setattr(trace_module, "MAX_NPZ_ARRAY_BYTES", META_BOMB * 2)
+    assert load_trace(counts).counts_FLE.shape == (768, 64, 256)
+    rng = np.random.default_rng(3)
+    trace = Trace.from_counts(
+        rng.integers(0, 99, (50, 3, 8)), is_prefill=np.arange(50) % 4 == 0, meta={"k": 2}
+    )
+    npz, st = load_trace(trace.save(tmp_path / "t.npz")), load_trace(trace.save(tmp_path / "t.safetensors"))
+    assert npz.equals(trace) and npz.equals(st) and npz.counts_FLE.dtype == st.counts_FLE.dtype
 
 
 def test_sane_limits_on_dimensions(tmp_path: Path) -> None:

@@ -26,6 +26,8 @@ from eplb.metrics.sink import MetricsSink, RebalanceOutcome
 from eplb.placement.model import Placement
 from eplb.policy.base import Planner
 from eplb.policy.decision import Outcome
+from eplb.policy.plan_check import SHAPE as SHAPE_CAUSE
+from eplb.policy.plan_check import shape_reason
 
 if TYPE_CHECKING:
     from eplb.manager.recovery import RecoveryRecord
@@ -203,20 +205,24 @@ def encode_plan(
     """Rank 0: the rebalance's outcome (or the planner's failure) as the tensors it broadcasts,
     plus the reason. A plan that does not fit the model served on ``current`` is never copied
     into the buffers: it is sent as SHAPE (eplb.manager.plan_check)."""
+    refused: str | None = None  # why the plan does not fit the model (None: it does)
     try:
         outcome = future.result()
-        if outcome.plan is not None:
+        if outcome.cause == SHAPE_CAUSE:  # the Decider refused it (eplb.policy.plan_check)
+            refused = outcome.reason
+        elif outcome.plan is not None:
             check_plan(outcome.plan, current)
     except Exception as exc:
-        if getattr(exc, "cause", None) == "shape":
-            reason = str(exc)
+        if getattr(exc, "cause", None) == SHAPE_CAUSE:
+            refused = str(exc)
         elif refused_by_the_diff(exc):
-            reason = f"shape: rank 0's plan does not fit the model: {exc}"
+            refused = shape_reason([str(exc)])
         else:
             header[:] = torch.tensor([FAILED, 0.0, float("nan"), 0.0], dtype=torch.float64)
             return header, phy2log, weights, f"planner failed: {type(exc).__name__}: {exc}"
+    if refused is not None:
         header[:] = torch.tensor([SHAPE, 0.0, float("nan"), 0.0], dtype=torch.float64)
-        return header, phy2log, weights, reason
+        return header, phy2log, weights, refused
     placement = outcome.placement
     assert placement is not None, "a planned rebalance has a plan"
     status = APPLY if outcome.applied else SKIP

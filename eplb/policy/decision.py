@@ -43,6 +43,7 @@ from eplb.placement.diff import PlacementDiff, diff_placements
 from eplb.placement.model import Placement
 from eplb.policy.base import LoadHistory, PlanLike, Planner
 from eplb.policy.cost_model import CostModel, PassTimes, TransferCost, transfer_cost
+from eplb.policy.plan_check import SHAPE, plan_problems, shape_reason
 
 PERSISTENCE_PASSES = 1000
 """Passes a migration-aware plan's moves are valued over, when the interval is shorter: the next
@@ -404,6 +405,9 @@ class Outcome:
     """A degraded plan's reloads and copies."""
     solve_seconds: float = 0.0
     """Wall time of the planner (for reports only: nothing decides on it)."""
+    cause: str | None = None
+    """``shape`` (eplb.policy.plan_check.SHAPE) when the planner's plan does not fit the model:
+    not applied, and ``plan`` None so that no caller acts on it; else None."""
 
     @property
     def placement(self) -> Placement | None:
@@ -427,8 +431,10 @@ def plan_and_judge(request: Request) -> Outcome:
     From a current placement, ``planner(window, current[, history])``; without one, the
     planner's fresh plan on its topology; with ranks lost, the planner's degraded plan (its
     ``for_lost_ranks``; a planner without it is asked as it is, set up for the loss by its
-    caller). The verdict is :func:`judge`'s on the plan's own verdict (and the loss). Changes
-    nothing but what it returns: it may run on a thread of its own.
+    caller). The verdict is :func:`judge`'s on the plan's own verdict (and the loss); a plan
+    from the live placement that does not fit the model (eplb.policy.plan_check) is not applied,
+    with cause ``shape`` and no plan. Changes nothing but what it returns: it may run on a
+    thread of its own.
     """
     planner, current, loss = request.planner, request.current, request.loss
     if loss is not None:
@@ -451,6 +457,16 @@ def plan_and_judge(request: Request) -> Outcome:
     else:
         plan = planner(request.window_WLE, current, request.history)
     seconds = time.perf_counter() - started
+    if loss is None and current is not None:
+        problems = plan_problems(plan.placement, plan.dispatch_weights_LER, current)
+        if problems:  # never applied, never diffed: the caller's run goes on
+            return Outcome(
+                applied=False,
+                reason=shape_reason(problems),
+                planner=planner,
+                cause=SHAPE,
+                solve_seconds=seconds,
+            )
     proposed = Verdict(plan.apply, plan.reason)
     if loss is None or current is None:
         verdict = judge(Facts(proposed=proposed))

@@ -32,6 +32,13 @@ COUNT_LIMIT = int(np.iinfo(np.int32).max)
 MAX_TRACE_FILE_BYTES = 16 << 30
 """Most bytes a trace file may hold (read whole through eplb.fileio.read_input before parsing; a
 DeepSeek-V3 trace of 4000 passes is 240 MB)."""
+MAX_NPZ_ARRAY_BYTES = MAX_TRACE_FILE_BYTES
+"""Most bytes a ``.npz`` trace's arrays may inflate to, together: what a trace file may hold (its
+safetensors form holds the same arrays uncompressed). A few MB of deflated zeros can claim that
+much, so it is checked, with this process's memory, before any member is inflated."""
+MAX_NPZ_HEADER_BYTES = 1 << 20
+"""Most bytes each of a ``.npz`` trace's header members (format tag, version, JSON metadata) may
+inflate to; eplb writes a few hundred."""
 
 
 class TraceFormatError(ValueError):

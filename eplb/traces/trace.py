@@ -7,7 +7,8 @@ The own format is a safetensors file (or ``.npz``, read with ``allow_pickle=Fals
 metadata string. The file is mapped through eplb.fileio.map_input (a regular file, at most
 ``MAX_TRACE_FILE_BYTES``): a safetensors trace's arrays are read-only views of the mapped pages,
 so even a trace larger than memory costs page cache, not memory the process holds; an ``.npz``
-is inflated into memory, after checking that what its members declare fits
+is inflated into memory, after checking that what its members' npy headers declare fits the
+limits (eplb.traces.checks.MAX_NPZ_ARRAY_BYTES, MAX_NPZ_HEADER_BYTES) and this process's memory
 (eplb.fileio.check_memory). Neither parser can execute code from the file, and both check the
 shapes it declares against the bytes it holds before decoding an array (eplb.traces.checks).
 Writes are atomic (eplb.fileio): a failed or interrupted save leaves no partial file.
@@ -37,6 +38,8 @@ from eplb.fileio import (
     safetensors_views,
 )
 from eplb.traces.checks import (
+    MAX_NPZ_ARRAY_BYTES,
+    MAX_NPZ_HEADER_BYTES,
     MAX_TRACE_FILE_BYTES,
     TraceFormatError,
     check_dims,
@@ -296,13 +299,33 @@ def _read_npz(data: bytes | mmap.mmap, path: str) -> tuple[dict[str, str], dict[
             for key in (*HEADER_KEYS, *ARRAY_KEYS)
             if f"{key}.npy" in infos
         }
+    _check_npz_sizes(path, declared)
     with np.load(io.BytesIO(data), allow_pickle=False) as z:
         header = {k: str(z[k]) for k in HEADER_KEYS if k in declared and declared[k][1].kind == "U"}
         _check_header(path, header)
         _check_shapes(path, {k: shape for k, (shape, _) in declared.items()})
-        inflated = sum(math.prod(declared[k][0]) * declared[k][1].itemsize for k in ARRAY_KEYS)
-        check_memory(inflated, f"{path}: the .npz trace's arrays")
         return header, {k: z[k] for k in ARRAY_KEYS}
+
+
+def _check_npz_sizes(path: str, declared: Mapping[str, tuple[tuple[int, ...], np.dtype]]) -> None:
+    """Refuse an npz trace whose members (their npy headers' shapes and dtypes, ``declared``) would
+    inflate past the limits (eplb.traces.checks.MAX_NPZ_HEADER_BYTES each for the header members,
+    MAX_NPZ_ARRAY_BYTES for the arrays together) or past this process's memory, before any member
+    is inflated: a small deflated file can hold gigabytes of zeros."""
+    nbytes = {key: math.prod(shape) * dtype.itemsize for key, (shape, dtype) in declared.items()}
+    for key in HEADER_KEYS:
+        if nbytes.get(key, 0) > MAX_NPZ_HEADER_BYTES:
+            raise TraceFormatError(
+                f"{path}: header member {key!r} would inflate to {nbytes[key]} bytes; refusing more "
+                f"than {MAX_NPZ_HEADER_BYTES}"
+            )
+    inflated = sum(nbytes.get(key, 0) for key in ARRAY_KEYS)
+    if inflated > MAX_NPZ_ARRAY_BYTES:
+        raise TraceFormatError(
+            f"{path}: the arrays would inflate to {inflated} bytes; refusing more than "
+            f"{MAX_NPZ_ARRAY_BYTES} (what a trace file may hold)"
+        )
+    check_memory(inflated, f"{path}: the .npz trace's arrays")
 
 
 def _write_npz(path: Path, entries: Mapping[str, np.ndarray], progress: ProgressFn | None) -> None:
