@@ -33,9 +33,9 @@ if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
 # First among the implementations: the slow marks must be on before ``-m`` deselects by them.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Mark what tests/suite.py lists as ``slow``; skip ``gpu`` tests without CUDA, and ``interpreter``
-    tests where kernels are compiled."""
-    slow = pytest.mark.slow
+    """Mark what tests/suite.py lists as ``slow`` and what installs the engines' wheels as
+    ``engines``; skip ``gpu`` tests without CUDA, and ``interpreter`` tests where kernels are compiled."""
+    slow, engines = pytest.mark.slow, pytest.mark.engines
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     # Interpreter-only tests pass CPU tensors or stand-ins for compiled kernels, which a compiled
     # kernel cannot take; their compiled counterparts are gpu tests.
@@ -44,6 +44,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if slow_reason(item.nodeid, getattr(item, "fixturenames", ())) is not None:
             item.add_marker(slow)
+        if "engine_site" in getattr(item, "fixturenames", ()):
+            item.add_marker(engines)
         if not _HAS_CUDA and item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
         if not interpreting and item.get_closest_marker("interpreter") is not None:

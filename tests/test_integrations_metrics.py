@@ -3,6 +3,7 @@ against values recomputed here in plain numpy; nothing without a port."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -14,6 +15,8 @@ from eplb.integrations.engine_metrics import EngineMetrics
 from eplb.integrations.engine_plan import EngineDecisions, make_planner
 from eplb.metrics import names
 from eplb.placement.model import Placement
+from eplb.policy.base import Proposal
+from eplb.solver.planner import SolverPlanner
 
 
 def _balancedness(load_LE: np.ndarray, phy2log_LP: np.ndarray, G: int) -> float:
@@ -137,3 +140,34 @@ def test_an_exporter_that_cannot_bind_is_logged_not_raised(caplog: Any) -> None:
         metrics.start()
         metrics.forward_pass(kind="decode", recorded=True)  # a no-op, no error
     assert metrics.exporter is None and "no metrics" in caplog.text
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _WrongShapePlanner(SolverPlanner):
+    """The solver's planner, but its plans carry one more GPU's worth of slots than the model."""
+
+    def __call__(self, window_WLE: np.ndarray, current: Placement, history: Any = None) -> Any:
+        L, E, G = current.num_layers, current.num_logical, current.num_gpus
+        return Proposal(Placement.trivial(L, E, G, num_redundant=current.num_physical - E + G), apply=True)
+
+
+def test_a_plan_of_the_wrong_shape_is_counted_as_failed_shape_and_the_placement_kept() -> None:
+    L, E, G, P = 2, 8, 4, 12
+    settings = read_engine_env({"EPLB_METRICS_PORT": "0", "EPLB_MODEL_NAME": "m"})
+    metrics = EngineMetrics(settings, logging.getLogger("test"))
+    try:
+        decisions = EngineDecisions(num_gpus=G, num_nodes=1, passes_per_rebalance=5, settings=settings,
+                                    history_rows=10, metrics=metrics)  # fmt: skip
+        planner = _WrongShapePlanner(options=make_planner("auto", "flag", settings=settings).options)
+        live = Placement.trivial(L, E, G, P - E)
+        window = np.random.default_rng(3).poisson(40.0, size=(5, L, E))
+        plan = decisions.rebalance(window, num_physical=P, num_gpus=G, num_nodes=1, num_groups=1,
+                                   planner=planner, current=live)  # fmt: skip
+        assert (plan.applied, plan.failed, plan.placement) == (False, True, live)
+        assert plan.reason.startswith("shape")
+        got = _samples(metrics.sink.render().decode())  # type: ignore[union-attr]
+        labels = (("cause", "failed_shape"), ("engine", "0"), ("model_name", "m"), ("outcome", "failed"))
+        assert got[(names.REBALANCES, labels)] == 1.0
+        assert sum(v for (n, _), v in got.items() if n == names.REBALANCES) == 1
+    finally:
+        metrics.close()

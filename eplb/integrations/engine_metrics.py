@@ -65,6 +65,8 @@ class RebalanceReport:
     applied: bool
     reason: str
     solve_seconds: float
+    failed: bool = False
+    """Whether the rebalance failed (a plan that did not fit the model) rather than was skipped."""
     copies: int
     """Expert copies across GPUs the plan moves (0 when kept)."""
     bytes_per_expert: int
@@ -162,7 +164,7 @@ class EngineMetrics:
         # beside what that rebalance predicted for it.
         realized = before if self._last_predicted is not None else None
         rebalance = dict(
-            outcome="applied" if event.applied else "skipped",
+            outcome="applied" if event.applied else "failed" if event.failed else "skipped",
             reason=event.reason,
             solve_seconds=max(event.solve_seconds, 0.0),
             experts_moved=event.copies,

@@ -34,6 +34,7 @@ from eplb.placement.model import Placement
 from eplb.policy import check_policy_name
 from eplb.policy.clock import RebalanceClock
 from eplb.policy.decision import Decider, Outcome, RankLoss, Request
+from eplb.policy.plan_check import SHAPE
 from eplb.solver.planner import SolverPlanner
 from eplb.solver.types import SolveOptions, Topology, as_load_array
 
@@ -74,6 +75,9 @@ class EnginePlan:
     -1); ``placement`` is then the survivors' placement (live GPU i = the i-th live rank)."""
     reload: ReloadReport | None = None
     """With ranks lost: the experts to reload (none of their replicas survived) and the copies."""
+    failed: bool = False
+    """Whether the rebalance failed rather than chose to keep ``placement`` (a plan that does not
+    fit the model: eplb.policy.plan_check); the metrics count it as failed, not skipped."""
 
     def phy2log_int64(self) -> np.ndarray:
         """int64 [L, P]: the engine's layout of ``placement``."""
@@ -295,6 +299,7 @@ class EngineDecisions:
                     or _trivial(newest_WLE.shape[1], newest_WLE.shape[2], num_gpus, num_physical, num_nodes),
                     placement=plan.placement,
                     applied=plan.applied,
+                    failed=plan.failed,
                     reason=plan.reason,
                     solve_seconds=time.monotonic() - started,
                     copies=plan.copies,
@@ -415,6 +420,7 @@ def _engine_plan(outcome: Outcome, keep: Placement) -> EnginePlan:
             reason=outcome.reason,
             predicted=None if kept is None else float(kept),
             solve_seconds=outcome.solve_seconds,
+            failed=outcome.cause == SHAPE,
         )
     report = outcome.reload
     return EnginePlan(
