@@ -22,6 +22,7 @@ from eplb.policy.plan_check import SHAPE
 from eplb.simulate.config import SimulationConfig
 from eplb.simulate.engine import simulate
 from eplb.simulate.planners import RunSpec
+from eplb.solver.types import Topology
 from eplb.traces import Trace
 
 L, E, G = 2, 8, 4
@@ -133,3 +134,26 @@ def test_eplb_solve_writes_the_start_when_the_plan_does_not_fit(
     assert result["solver_predicted_balancedness"] is None
     assert result["moves"]["experts_moved_across_gpus"] == 0  # the start (trivial) placement is written
     assert result["balancedness_on_window"] == result["balancedness_on_window_before"]
+
+
+class _FreshWrongFirst(_WrongFirst):
+    """The same, planning fresh (no live placement) on a topology of its own."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind, CURRENT)
+        self.topology = Topology(num_gpus=G, num_physical=E)
+
+    def plan_fresh(self, window: np.ndarray) -> Proposal:
+        return self(window, CURRENT)
+
+
+@pytest.mark.parametrize("kind", ["more_slots", "fewer_layers", "ids_out_of_range", "nan_weights"])
+def test_a_fresh_plan_of_the_wrong_shape_is_refused_on_the_planners_topology(kind: str) -> None:
+    decider = Decider(EplbConfig(ep_size=G, eplb_rebalance_num_iterations=10))
+    planner = _FreshWrongFirst(kind)
+    request = Request(window_WLE=np.ones((10, L, E), np.int64), current=None, planner=planner)
+    bad = decider.rebalance(request, counted_pass=10, window_balancedness=0.5)
+    assert (bad.applied, bad.cause, bad.plan) == (False, SHAPE, None)
+    assert KINDS[kind] in bad.reason
+    good = decider.rebalance(request, counted_pass=20, window_balancedness=0.5)
+    assert good.applied and good.cause is None and good.placement is CURRENT

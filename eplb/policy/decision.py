@@ -425,6 +425,19 @@ class Outcome:
         return None if self.plan is None else self.plan.predicted_balancedness
 
 
+def _fresh_model(planner: object, window_WLE: np.ndarray) -> Placement | None:
+    """The model a fresh plan must fit: the window's layers and experts on the planner's topology
+    (None where the planner has none, or it cannot hold the experts: its plan then fails itself)."""
+    topology = getattr(planner, "topology", None)
+    if topology is None or np.ndim(window_WLE) != 3:
+        return None
+    _, L, E = np.shape(window_WLE)
+    try:
+        return Placement.trivial(L, E, topology.num_gpus, topology.num_physical - E, topology.num_nodes)
+    except ValueError:
+        return None
+
+
 def plan_and_judge(request: Request) -> Outcome:
     """The plan and judge steps of one rebalance with ``request``'s planner as it is.
 
@@ -432,8 +445,8 @@ def plan_and_judge(request: Request) -> Outcome:
     planner's fresh plan on its topology; with ranks lost, the planner's degraded plan (its
     ``for_lost_ranks``; a planner without it is asked as it is, set up for the loss by its
     caller). The verdict is :func:`judge`'s on the plan's own verdict (and the loss); a plan
-    from the live placement that does not fit the model (eplb.policy.plan_check) is not applied,
-    with cause ``shape`` and no plan. Changes nothing but what it returns: it may run on a
+    that does not fit the model (the live placement's, or a fresh plan's window on the planner's
+    topology; eplb.policy.plan_check) is not applied, with cause ``shape`` and no plan. Changes nothing but what it returns: it may run on a
     thread of its own.
     """
     planner, current, loss = request.planner, request.current, request.loss
@@ -457,8 +470,9 @@ def plan_and_judge(request: Request) -> Outcome:
     else:
         plan = planner(request.window_WLE, current, request.history)
     seconds = time.perf_counter() - started
-    if loss is None and current is not None:
-        problems = plan_problems(plan.placement, plan.dispatch_weights_LER, current)
+    model = current if current is not None else _fresh_model(planner, request.window_WLE)
+    if loss is None and model is not None:
+        problems = plan_problems(plan.placement, plan.dispatch_weights_LER, model)
         if problems:  # never applied, never diffed: the caller's run goes on
             return Outcome(
                 applied=False,
