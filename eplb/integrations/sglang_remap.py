@@ -40,14 +40,16 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from eplb.integrations.engine_env import SGLANG_BACKEND_ENV
 from eplb.recorder.recorder import CUDA_COUNT_ROWS
 from eplb.remap import DispatchTables, available_backends, remap_and_record
 
 if TYPE_CHECKING:
     import torch
 
-BACKEND_ENV = "EPLB_SGLANG_REMAP_BACKEND"
-"""Environment variable: the remap backend (auto | triton | torch | aiter; default auto)."""
+BACKEND_ENV = SGLANG_BACKEND_ENV
+"""Environment variable: the remap backend (auto | triton | torch | aiter; default auto; its entry
+in eplb.integrations.engine_env.ENV_VARS)."""
 _MODULE = "sglang.srt.eplb"
 _GATHERER = f"{_MODULE}.expert_distribution._SelectExpertsSinglePassGatherer"
 """SGLang's per-pass buffer owner on the select-experts path (the only one whose
