@@ -252,7 +252,9 @@ class SwapControl:
         heartbeat has stood still for long enough to name its rank (about ``lost_after``).
         """
         detail = f"{what}: {type(error).__name__}: {str(error)[:200]}"
-        stop = time.monotonic() + 2 * self.watch.lost_after + 5 * BEAT_S
+        started = time.monotonic()
+        first = self._store(self.watch.read)
+        stop = started + 2 * self.watch.lost_after + 5 * BEAT_S
         while time.monotonic() < stop:
             try:
                 self.poll()
@@ -260,6 +262,19 @@ class SwapControl:
                 failure.detail = f"{failure.detail}; {detail}"
                 return failure
             time.sleep(POLL_S)
+        # The watch discounts gaps in this rank's own looks (a busy machine spaces them out), so it
+        # may not have named the rank yet: one whose heartbeat stood still over the whole wait is it.
+        beats = self._store(self.watch.read)
+        still = [r for r in sorted(first) if beats.get(r) == first[r]]
+        if still:
+            r, waited = still[0], time.monotonic() - started
+            return SwapFailure(
+                "peer lost",
+                r,
+                f"peer lost: rank {r}'s heartbeat stood still for the {waited:.1f} s waited "
+                f"(at {label_of(first[r])}); {detail}",
+                alive=False,
+            )
         return SwapFailure("peer lost", None, f"peer lost: {detail}", alive=False)
 
     # ---- exchanges and the decision -----------------------------------------------------------
