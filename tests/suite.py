@@ -119,6 +119,18 @@ SLOW_TESTS: dict[str, str] = {
         "test_solve_stopped_at_every_rename_leaves_the_old_or_the_new_set[two-renames]",
     ),
     **_each(
+        "test_suite.py",
+        "the whole suite collected three times in subprocesses (about 20 s); slow_reason's rules run by default",
+        "test_the_default_and_slow_sets_split_the_whole_suite",
+        "test_the_suite_is_every_test_file_on_disk",
+        "test_every_name_in_the_slow_lists_marks_a_test",
+    ),
+    **_each(
+        "test_manager.py",
+        "two Gloo ranks in processes; test_manager_continuous's paced ranks switch on one pass by default",
+        "test_two_ranks_adopt_the_same_plan_on_the_same_pass",
+    ),
+    **_each(
         "test_decisions_agree.py",
         "thousands of passes through the manager and the simulator; the idle-passes case runs by default",
         "test_the_manager_and_the_simulator_take_the_same_decisions[periodic]",
