@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from eplb.config import (
     CONTINUOUS_BUFFER_SIZE,
@@ -76,7 +76,8 @@ EnvKind = Literal[
 
 _TRUE = ("1", "true", "on", "yes")
 _FALSE = ("0", "false", "off", "no")
-SGLANG_LP_MODES = ("off", "lp", "auto")
+SglangLpMode = Literal["off", "lp", "auto"]
+SGLANG_LP_MODES: tuple[SglangLpMode, ...] = get_args(SglangLpMode)
 """What ``EPLB_SGLANG_LP`` asks for (:func:`sglang_lp_mode`): nothing, eplb's ``lp`` on every pass,
 or ``auto`` (each pass ``lp`` or static, whichever eplb.policy.auto_dispatch prices lower)."""
 
@@ -210,7 +211,7 @@ def env_flag(environ: Mapping[str, str], var: str, default: bool) -> bool:
     raise ValueError(f"{var} must be one of {_TRUE + _FALSE}, got {environ[var]!r}")
 
 
-def sglang_lp_mode(environ: Mapping[str, str] | None = None) -> Literal["off", "lp", "auto"]:
+def sglang_lp_mode(environ: Mapping[str, str] | None = None) -> SglangLpMode:
     """What ``EPLB_SGLANG_LP`` asks for under SGLang (:data:`SGLANG_LP_MODES`): a boolean's
     ``off`` or ``lp``, or ``auto``; ValueError naming the variable for anything else."""
     env = os.environ if environ is None else environ

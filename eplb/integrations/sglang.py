@@ -67,6 +67,7 @@ from eplb.integrations.engine_metrics import EngineMetrics
 from eplb.integrations.engine_plan import EngineDecisions, EnginePlan, engine_placement, make_planner
 from eplb.placement.model import Placement
 from eplb.policy import check_policy_name, policy_names, resolve_policy_name
+from eplb.solver.types import as_load_array
 
 if TYPE_CHECKING:
     import torch
@@ -422,13 +423,7 @@ def hand_window_to_auto(tokens_per_expert: Any) -> None:
     from eplb.integrations import sglang_lp
 
     try:
-        window = (
-            tokens_per_expert.detach().cpu().numpy()
-            if hasattr(tokens_per_expert, "detach")
-            else tokens_per_expert
-        )
-        window = np.asarray(window, dtype=np.float64)
-        sglang_lp.set_window(window[None] if window.ndim == 2 else window)
+        sglang_lp.set_window(as_load_array(tokens_per_expert))
     except Exception:  # the choice falls back to the replica counts; serving goes on
         _LOG.exception("eplb: handing the rebalance window to auto dispatch failed")
 
