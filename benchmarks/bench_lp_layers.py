@@ -12,7 +12,9 @@ ranks' counts fixed, exchanged by a device copy, so no network is in these figur
    reference's (``layers_mismatched`` must read 0);
 2. one CUDA graph of L = 58 calls, call i on layer i, replayed ``--reps`` times: median µs per
    call, for the copy of the same bytes, static remap+record (one count row and 16), the exchange
-   alone, and ``lp`` with each ``--passes`` (re-fill passes, eplb.remap.lp_rule.LP_PASSES), each
+   alone, and ``lp`` with each ``--scale-rounds`` (rounds of the proportional start,
+   eplb.remap.lp_rule.LP_SCALE_ROUNDS; every setting's outputs checked against the torch reference
+   at the same setting), each ``--passes`` (re-fill passes, eplb.remap.lp_rule.LP_PASSES), each
    ``--quota-warps`` (warps of the quota kernel's one program) and each ``--lp-programs``
    (programs of the count and the map kernel, eplb.kernels.remap_lp_launch.LP_PROGRAMS) and
    each ``--lp-max-chunk`` (ids per program at most, LP_MAX_CHUNK);
@@ -30,11 +32,12 @@ ranks' counts fixed, exchanged by a device copy, so no network is in these figur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,7 @@ import torch
 from benchmarks.harness import capture_graph, event_us
 from benchmarks.remap_inputs import RANK, router_ids, stub_exchange, triton_copy
 from eplb.remap.api import remap_and_record
+from eplb.remap.lp_rule import LP_PASSES, LP_SCALE_ROUNDS
 from eplb.remap.tables import DispatchTables
 from eplb.solver import solve
 from eplb.solver.types import SolveOptions, Topology
@@ -57,6 +61,24 @@ def solved_tables(device: torch.device) -> DispatchTables:
     topology = Topology(num_gpus=G, num_nodes=NODES, num_physical=P, num_groups=8)
     plan = solve(trace.counts_FLE, topology, options=SolveOptions(dispatch="lp"))
     return DispatchTables.from_placement(plan.placement, RANK, device)
+
+
+@contextlib.contextmanager
+def rule_setting(scale_rounds: int, passes: int) -> Iterator[None]:
+    """The rule's rounds for the kernels' launcher and the torch reference alike, for a while."""
+    import eplb.kernels.remap_lp_launch as launch
+    import eplb.remap.lp as reference
+
+    names = ("LP_SCALE_ROUNDS", "LP_PASSES")
+    modules: tuple[Any, ...] = (launch, reference)
+    saved = [tuple(getattr(m, name) for name in names) for m in modules]
+    for m in modules:
+        m.LP_SCALE_ROUNDS, m.LP_PASSES = scale_rounds, passes
+    try:
+        yield
+    finally:
+        for m, values in zip(modules, saved, strict=True):
+            m.LP_SCALE_ROUNDS, m.LP_PASSES = values
 
 
 def graph_us(fn: Callable[[int], object], layers: int, reps: int) -> float:
@@ -155,6 +177,7 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
     row["static rows"] = graph_us(lambda i: call(i, "static", rows), L, args.reps)
     row["exchange"] = graph_us(lambda i: lp.exchange(), L, args.reps)
     saved = launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS, launch.LP_MAX_CHUNK
+    default_setting = f"scale={launch.LP_SCALE_ROUNDS} passes={launch.LP_PASSES}"
     try:
         for programs in args.lp_programs:
             for max_chunk in args.lp_max_chunk or [saved[3]]:
@@ -163,14 +186,19 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
                 suffix += "" if max_chunk == saved[3] else f" max_chunk={max_chunk}"
                 if max_chunk != saved[3]:
                     row[f"layers_mismatched{suffix}"] = mismatched()
-                for passes in args.passes:
-                    for warps in args.quota_warps:
-                        launch.LP_PASSES, launch.QUOTA.num_warps = passes, warps
-                        row[f"lp passes={passes} quota_warps={warps}{suffix}"] = graph_us(
-                            lambda i: call(i, "lp", counts), L, args.reps
-                        )
+                for scale_rounds in args.scale_rounds:
+                    for passes in args.passes:
+                        with rule_setting(scale_rounds, passes):
+                            setting = f"scale={scale_rounds} passes={passes}"
+                            if not suffix and setting != default_setting:
+                                row[f"layers_mismatched {setting}"] = mismatched()
+                            for warps in args.quota_warps:
+                                launch.QUOTA.num_warps = warps
+                                row[f"lp {setting} quota_warps={warps}{suffix}"] = graph_us(
+                                    lambda i: call(i, "lp", counts), L, args.reps
+                                )
     finally:
-        launch.LP_PASSES, launch.QUOTA.num_warps, launch.LP_PROGRAMS, launch.LP_MAX_CHUNK = saved
+        launch.QUOTA.num_warps, launch.LP_PROGRAMS, launch.LP_MAX_CHUNK = saved[1:]
     if args.parts:
         default_chunk = launch.LP_MAX_CHUNK
         try:
@@ -194,7 +222,8 @@ def run_tokens(T: int, tables: DispatchTables, args: argparse.Namespace) -> dict
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[64, 4096, 16384, 65536])
-    ap.add_argument("--passes", type=int, nargs="+", default=[2, 4])
+    ap.add_argument("--passes", type=int, nargs="+", default=[LP_PASSES])
+    ap.add_argument("--scale-rounds", type=int, nargs="+", default=[LP_SCALE_ROUNDS])
     ap.add_argument("--quota-warps", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument(
         "--lp-programs",

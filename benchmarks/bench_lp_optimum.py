@@ -7,6 +7,7 @@ For a fixed placement and one batch's global counts, the split of each replicate
 over its GPUs that minimises the busiest GPU is a linear program; its optimum (rounded up to an
 integer) is the floor any integer split can reach. This benchmark measures the rule of
 eplb.remap.lp_rule (even split, then re-fill passes colour by colour) at 1, 2, 3, 4 and 6 passes,
+with the proportional start (``LP_SCALE_ROUNDS``) at 4 and 8 rounds before 1, 2 and 4 passes,
 and the rule before colours (heaviest expert first, two passes; restated here), as the busiest
 GPU's excess over that floor:
 
@@ -90,14 +91,17 @@ def heaviest_first_peak(counts_E: np.ndarray, tables: rule.LpTables, layer: int,
     return int(loads[:G].max())
 
 
-def colour_peaks(counts_LnE: np.ndarray, placement: Placement, passes: int) -> np.ndarray:
-    """int64 [L, n]: the busiest GPU under eplb.remap.lp_rule with ``passes`` re-fill passes."""
-    saved = rule.LP_PASSES
-    rule.LP_PASSES = passes
+def colour_peaks(
+    counts_LnE: np.ndarray, placement: Placement, passes: int, scale_rounds: int = 0
+) -> np.ndarray:
+    """int64 [L, n]: the busiest GPU under eplb.remap.lp_rule with ``scale_rounds`` rounds of the
+    proportional start and ``passes`` re-fill passes."""
+    saved = rule.LP_PASSES, rule.LP_SCALE_ROUNDS
+    rule.LP_PASSES, rule.LP_SCALE_ROUNDS = passes, scale_rounds
     try:
         _, loads_LnG = rule.lp_quotas(counts_LnE, rule.lp_tables(placement))
     finally:
-        rule.LP_PASSES = saved
+        rule.LP_PASSES, rule.LP_SCALE_ROUNDS = saved
     return loads_LnG.max(axis=2)
 
 
@@ -114,6 +118,10 @@ def score(name: str, placement: Placement, counts_nLE: np.ndarray, layers: range
     peaks = {
         f"colours, {p} passes": colour_peaks(counts_LnE, placement, p)[list(layers)] for p in (1, 2, 3, 4, 6)
     }
+    for rounds, passes in ((4, 1), (4, 2), (4, 4), (8, 1), (8, 2)):
+        peaks[f"start {rounds} rounds, {passes} passes"] = colour_peaks(
+            counts_LnE, placement, passes, rounds
+        )[list(layers)]
     peaks["heaviest first, 2 passes"] = np.array(
         [
             [heaviest_first_peak(counts_LnE[layer, b], tables, layer) for b in range(counts_LnE.shape[1])]
@@ -183,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         for key, stats in row.items():
             if isinstance(stats, dict):
                 print(
-                    f"  {key:26s} mean {stats['mean']:+.4f}  p90 {stats['p90']:+.4f}  max {stats['max']:+.4f}"
+                    f"  {key:28s} mean {stats['mean']:+.4f}  p90 {stats['p90']:+.4f}  max {stats['max']:+.4f}"
                 )
     if args.json is not None:
         tmp = args.json.with_suffix(".tmp")

@@ -14,7 +14,8 @@ the same in both, so "earlier programs" means "earlier ids":
    slot is known without the exchange).
 2. The exchange all-gathers ``local_E`` into int32 [G, E] (eplb.remap.lp.LpExchange).
 3. ``_lp_quota_kernel``, one program: the per-replica quotas from the gathered counts (even
-   split, then re-fill passes colour by colour, eplb.remap.lp_rule), in row form: every replicated
+   split, the proportional start's rounds over every replicated expert at once, then re-fill
+   passes colour by colour, eplb.remap.lp_rule), in row form: every replicated
    expert is a row of an [X, G] tile and water-fills along the GPU axis (sorted levels and prefix
    sums), the rows of one colour at once (they share no GPU). It writes the quotas' running starts
    (int32 [X, G] scratch) and, when recording, the rank's per-replica token counts to the slot
@@ -156,6 +157,7 @@ def _lp_quota_kernel(  # type: ignore[no-untyped-def]
     GBINS: tl.constexpr,
     NBINS: tl.constexpr,
     CBINS: tl.constexpr,
+    SCALE_ROUNDS: tl.constexpr,
     PASSES: tl.constexpr,
     COUNT_PHYS: tl.constexpr,
     HAS_RECORD: tl.constexpr,
@@ -213,6 +215,30 @@ def _lp_quota_kernel(  # type: ignore[no-untyped-def]
     even_X = amount_X // width_X
     nth_XG = tl.cumsum(held_XG.to(tl.int32), axis=1) - 1
     quota_XG = tl.where(held_XG, even_X[:, None] + (nth_XG < (amount_X - even_X * width_X)[:, None]), 0)
+    k_G = g_ + 1
+    if SCALE_ROUNDS > 0:
+        # The proportional start: the water level of every replicated token over the base loads
+        # of the GPUs holding any, then rounds that scale every row at once (int64 products).
+        used_G = tl.sum(held_XG.to(tl.int32), axis=0) > 0
+        num_used = tl.sum(used_G.to(tl.int32), axis=0)
+        usable_G = k_G <= num_used
+        sorted_G = tl.sort(tl.where(used_G, loads_G, 2147483647), dim=0)
+        prefix_G = tl.cumsum(tl.where(usable_G, sorted_G, 0).to(tl.int64), axis=0)
+        cand_G = (tl.sum(amount_X.to(tl.int64), axis=0) + prefix_G) // k_G
+        level = tl.min(tl.where(usable_G & (cand_G >= sorted_G), cand_G, 9223372036854775807), axis=0)
+        level = tl.where(num_used > 0, level, 0)
+        room_G = tl.maximum(level - loads_G, 0) + 1
+        amount_X1 = amount_X.to(tl.int64)[:, None]
+        for _ in tl.static_range(SCALE_ROUNDS):
+            demand_G = tl.maximum(tl.sum(quota_XG, axis=0), 1).to(tl.int64)
+            scaled_XG = tl.where(held_XG, quota_XG.to(tl.int64) * room_G[None, :] // demand_G[None, :], 0)
+            cum_XG = tl.cumsum(scaled_XG, axis=1)
+            total_X1 = tl.sum(scaled_XG, axis=1)[:, None]
+            div_X1 = tl.maximum(total_X1, 1)
+            rescaled_XG = (cum_XG * amount_X1 // div_X1 - (cum_XG - scaled_XG) * amount_X1 // div_X1).to(
+                tl.int32
+            )
+            quota_XG = tl.where(total_X1 > 0, rescaled_XG, quota_XG)
     loads_G += tl.sum(quota_XG, axis=0)
     # Re-fill passes in row form: every replicated expert is a row of the [X, G] tile and
     # water-fills along the GPU axis (its levels sorted, their prefix sums), so each reduction runs
@@ -220,7 +246,6 @@ def _lp_quota_kernel(  # type: ignore[no-untyped-def]
     # active in its round (they share no GPU). Measured faster than a compact [X, F] form.
     num_colors = tl.load(colors_ptr + layer)
     color_X = tl.load(color_ptr + layer * X + n_, mask=n_ < X, other=-1)
-    k_G = g_ + 1
     usable_XG = k_G[None, :] <= width_X[:, None]
     for _ in tl.static_range(PASSES):
         for c in range(num_colors):

@@ -32,7 +32,7 @@ from eplb.kernels.remap_lp import (
 from eplb.kernels.remap_record import HAS_GATHER, HIST_MASK, MAX_NUMEL, _num_bins, num_compute_units
 from eplb.remap.call import RemapCall
 from eplb.remap.exchange import LpExchange
-from eplb.remap.lp_rule import LP_PASSES
+from eplb.remap.lp_rule import LP_PASSES, LP_SCALE_ROUNDS
 
 SHARED_BINS = shared_bins.shared_bins_supported(_lp_count_kernel)
 """Whether the count kernel counts in shared-memory bins (it compiles to PTX, not interpreted)."""
@@ -132,8 +132,18 @@ def remap_record_lp_triton(call: RemapCall) -> None:
             record,
         ),
         (E, P, G, tables.slots_per_gpu, tables.rank, call.layer, programs),
-        # X, EBINS, GBINS, NBINS, CBINS, PASSES, COUNT_PHYS, HAS_RECORD
-        (X, ebins, gbins, nbins, _pow2(programs), LP_PASSES, call.counts_P is not None, has_record),
+        # X, EBINS, GBINS, NBINS, CBINS, SCALE_ROUNDS, PASSES, COUNT_PHYS, HAS_RECORD
+        (
+            X,
+            ebins,
+            gbins,
+            nbins,
+            _pow2(programs),
+            LP_SCALE_ROUNDS,
+            LP_PASSES,
+            call.counts_P is not None,
+            has_record,
+        ),
     )
     MAP.launch(
         programs,

@@ -59,6 +59,7 @@ SLOW_TESTS: dict[str, str] = {
         "test_an_expert_wider_than_the_fill_width_keeps_the_even_split",
         "test_one_exchange_serves_call_after_call_and_survives_a_failed_gather",
         "test_direct_launches_of_the_lp_kernels_equal_the_reference",
+        "test_the_proportional_start_is_one_rule_in_every_backend[8-2]",
     ),
     **_each(
         "test_remap_kernel.py", "interpreted; the weighted shares run by default on one shape", "*[*weighted]"

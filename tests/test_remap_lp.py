@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from eplb.placement.model import Placement
+from eplb.remap import lp_rule
 from eplb.remap.api import remap_and_record
 from eplb.remap.exchange import LpExchange
 from eplb.remap.lp import lp_quotas_torch
@@ -207,6 +208,54 @@ def test_an_expert_wider_than_the_fill_width_keeps_the_even_split() -> None:
     ref = _play_ranks(pl, ids, [None] * 12, "torch", device=DEVICE)
     got = _play_ranks(pl, ids, [None] * 12, "triton", device=DEVICE)
     for (o1, c1, l1), (o2, c2, l2) in zip(ref, got, strict=True):
+        assert torch.equal(o1, o2) and torch.equal(c1, c2) and torch.equal(l1, l2)
+
+
+@on_kernel_device
+@pytest.mark.parametrize(("scale_rounds", "passes"), [(4, 1), (8, 2)])
+def test_the_proportional_start_is_one_rule_in_every_backend(
+    scale_rounds: int, passes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numpy, torch, the kernels and the brute force agree with the start's rounds switched on."""
+    import eplb.kernels.remap_lp_launch as launch
+    import eplb.remap.lp as reference
+
+    rng = np.random.default_rng(300 + scale_rounds)
+    E, P, G = CASES[2]
+    pl = _placement(rng, E, P, G)
+    tables, torch_tables = lp_tables(pl), DispatchTables.from_placement(pl, 0)
+    hot = np.zeros(E, int)
+    hot[np.argmax(pl.logcnt_LE[1])] = 5_000
+    batches = [
+        np.rint(200 * (rng.pareto(1.2, size=E) + 0.05)).astype(int),
+        np.zeros(E, int),
+        np.where(pl.logcnt_LE[1] >= 2, rng.integers(1, 5_000, size=E), 0),
+        hot,
+        rng.integers(0, 3, size=E),
+    ]
+    counts_LnE = np.stack([np.stack(batches)] * 2)
+    even_LnXD, _ = lp_quotas(counts_LnE, tables)
+    for module in (lp_rule, reference, launch):
+        monkeypatch.setattr(module, "LP_SCALE_ROUNDS", scale_rounds)
+        monkeypatch.setattr(module, "LP_PASSES", passes)
+    quota_LnXD, loads_LnG = lp_quotas(counts_LnE, tables)
+    assert not np.array_equal(quota_LnXD, even_LnXD)  # the start changes some split
+    for b, counts in enumerate(batches):
+        want = brute_lp_quotas(counts.tolist(), pl, 1, scale_rounds=scale_rounds, passes=passes)
+        got_torch = lp_quotas_torch(torch.from_numpy(counts.astype(np.int64)), torch_tables, 1)
+        assert torch.equal(got_torch, torch.from_numpy(quota_LnXD[1, b]))
+        for n, expert in enumerate(tables.expert_LX[1][tables.expert_LX[1] >= 0]):
+            gpus = tables.slot_LXD[1, n][tables.slot_LXD[1, n] >= 0] // pl.slots_per_gpu
+            got = dict(zip(gpus.tolist(), quota_LnXD[1, b, n, : gpus.size].tolist(), strict=True))
+            assert got == want[expert] and sum(got.values()) == counts[expert]
+        assert loads_LnG[1, b].sum() == counts.sum()
+    # The kernels on a smaller placement (the interpreter runs every round op by op).
+    E, P, G = CASES[0]
+    pl = _placement(rng, E, P, G)
+    ids = [random_ids(rng, int(rng.integers(0, 80)), 4, E, style) for style in ("skewed", "nasty") * (G // 2)]
+    ref = _play_ranks(pl, ids, [None] * G, "torch", record=1, device=DEVICE)
+    got_kernels = _play_ranks(pl, ids, [None] * G, "triton", record=1, device=DEVICE)
+    for (o1, c1, l1), (o2, c2, l2) in zip(ref, got_kernels, strict=True):
         assert torch.equal(o1, o2) and torch.equal(c1, c2) and torch.equal(l1, l2)
 
 

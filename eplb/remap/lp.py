@@ -15,13 +15,15 @@ from __future__ import annotations
 import torch
 
 from eplb.remap.call import RemapCall
-from eplb.remap.lp_rule import LP_PASSES, fill_columns
+from eplb.remap.lp_rule import LP_PASSES, LP_SCALE_ROUNDS, fill_columns
 from eplb.remap.tables import DispatchTables
 from eplb.remap.torch_backend import count_elements, valid_elements
 
 
-def water_fill_torch(amount_x: torch.Tensor, levels_xD: torch.Tensor, valid_xD: torch.Tensor) -> torch.Tensor:
-    """int64 [x, D]: each row's ``amount`` over its valid columns by the rule's water-filling.
+def water_level_torch(
+    amount_x: torch.Tensor, levels_xD: torch.Tensor, valid_xD: torch.Tensor
+) -> torch.Tensor:
+    """int64 [x]: the level each row's ``amount`` reaches over its valid columns (eplb.remap.lp_rule).
 
     Pairwise form: with ``I_j`` the valid columns at or below column j's level, the level reached
     is the smallest ``floor((amount + sum_{I_j} level) / |I_j|)`` that reaches ``level_j``.
@@ -32,12 +34,43 @@ def water_fill_torch(amount_x: torch.Tensor, levels_xD: torch.Tensor, valid_xD: 
     s_xD = torch.where(inc_xDD, levels_xD[:, :, None], 0).sum(dim=1)
     cand_xD = (amount_x[:, None] + s_xD) // n_xD.clamp(min=1)
     feasible = valid_xD & (cand_xD >= levels_xD)
-    level_x = torch.where(feasible, cand_xD, big).min(dim=1).values
+    return torch.where(feasible.any(dim=1), torch.where(feasible, cand_xD, big).min(dim=1).values, 0)
+
+
+def water_fill_torch(amount_x: torch.Tensor, levels_xD: torch.Tensor, valid_xD: torch.Tensor) -> torch.Tensor:
+    """int64 [x, D]: each row's ``amount`` over its valid columns by the rule's water-filling."""
+    level_x = water_level_torch(amount_x, levels_xD, valid_xD)
     quota_xD = torch.where(valid_xD, (level_x[:, None] - levels_xD).clamp(min=0), 0)
     rest_x = amount_x - quota_xD.sum(dim=1)
     eligible = valid_xD & (levels_xD <= level_x[:, None])
     first = torch.cumsum(eligible.to(torch.int64), 1) <= rest_x[:, None]
     return quota_xD + (eligible & first).to(torch.int64)
+
+
+def scale_start_torch(
+    quota_XD: torch.Tensor,
+    base_G: torch.Tensor,
+    gpu_XD: torch.Tensor,
+    valid_XD: torch.Tensor,
+    amount_X: torch.Tensor,
+) -> torch.Tensor:
+    """int64 [X, D]: the proportional start's rounds (eplb.remap.lp_rule, step 2) from the even split."""
+    G = base_G.shape[0]
+    flat = gpu_XD.reshape(-1)
+    used_G = torch.zeros(G, dtype=torch.int64, device=base_G.device).scatter_add_(
+        0, flat, valid_XD.reshape(-1).to(torch.int64)
+    )
+    level = water_level_torch(amount_X.sum().reshape(1), base_G[None, :], (used_G > 0)[None, :])
+    room_XD = ((level - base_G).clamp(min=0) + 1)[gpu_XD]
+    for _ in range(LP_SCALE_ROUNDS):
+        demand_G = torch.zeros_like(base_G).scatter_add_(0, flat, quota_XD.reshape(-1))
+        scaled_XD = torch.where(valid_XD, quota_XD * room_XD // demand_G[gpu_XD].clamp(min=1), 0)
+        cum_XD = torch.cumsum(scaled_XD, dim=1)
+        total_X1 = cum_XD[:, -1:]
+        floor_XD = cum_XD * amount_X[:, None] // total_X1.clamp(min=1)
+        rescaled_XD = floor_XD - torch.nn.functional.pad(floor_XD[:, :-1], (1, 0))
+        quota_XD = torch.where(valid_XD & (total_X1 > 0), rescaled_XD, quota_XD)
+    return quota_XD
 
 
 def lp_quotas_torch(counts_E: torch.Tensor, tables: DispatchTables, layer: int) -> torch.Tensor:
@@ -64,6 +97,8 @@ def lp_quotas_torch(counts_E: torch.Tensor, tables: DispatchTables, layer: int) 
     quota_XD = torch.where(
         valid_XD, (amount_X // width_X)[:, None] + (d_D[None, :] < (amount_X % width_X)[:, None]), 0
     )
+    if LP_SCALE_ROUNDS:
+        quota_XD = scale_start_torch(quota_XD, loads_G, gpu_XD, valid_XD, amount_X)
     loads_G.scatter_add_(0, gpu_XD.reshape(-1), quota_XD.reshape(-1))
     # Colour by colour: one colour's experts share no GPU, so they re-fill at once.
     F = fill_columns(D)
@@ -123,4 +158,10 @@ def remap_record_lp_torch(call: RemapCall) -> None:
     count_elements(call, valid & (phys >= 0) & (phys < P), phys, safe)
 
 
-__all__ = ["lp_quotas_torch", "remap_record_lp_torch", "water_fill_torch"]
+__all__ = [
+    "lp_quotas_torch",
+    "remap_record_lp_torch",
+    "scale_start_torch",
+    "water_fill_torch",
+    "water_level_torch",
+]

@@ -9,7 +9,16 @@ Per layer, from the batch's global counts ``c[E]`` (summed over the EP ranks):
 
 1. An expert with one replica sends everything there; these fix each GPU's base load.
 2. Each replicated expert starts split evenly over the distinct GPUs holding it (each GPU's first
-   replica of the expert; ``c // D`` each, one more for the first ``c % D`` GPUs by ascending id).
+   replica of the expert; ``c // D`` each, one more for the first ``c % D`` GPUs by ascending id),
+   then :data:`LP_SCALE_ROUNDS` times (none by default) every replicated expert at once rescales its split towards
+   the room its GPUs leave below the layer's water level: ``W`` is the level the replicated
+   experts' total tokens would reach poured over the base loads of the GPUs holding any of them
+   (the largest integer ``w`` with ``sum_g max(0, w - b_g) <= sum_x c_x``), ``room_g = max(0, W -
+   b_g) + 1``; each round scales ``q_xg`` by ``room_g / demand_g`` (``demand_g`` the replicated
+   tokens on GPU g now), then rescales the row to ``c_x`` by cumulative floors along ascending GPU
+   id (``floor(C_j c / C)`` minus the same at the column before; a row scaled to nothing keeps
+   its split). A proportional fitting: no dependent chain, integers only, so every backend and
+   rank computes the same quotas, and the re-fills of step 3 start near the level.
 3. :data:`LP_PASSES` times, colour by colour, the replicated experts of one colour take their
    tokens back and water-fill them over their GPUs against the loads of all the others: with
    levels ``b_d``, the level reached is the largest integer ``w`` with ``sum_d max(0, w - b_d) <=
@@ -19,7 +28,7 @@ Per layer, from the batch's global counts ``c[E]`` (summed over the EP ranks):
    one colour share no GPU and re-fill at once, in parallel, exactly as one after another would. A
    re-fill never raises the highest of its GPUs, so each pass keeps or lowers the layer's peak (a
    block coordinate descent on the min-max split that SGLang solves as an LP). An expert on one
-   GPU, or on more than :data:`LP_FILL_WIDTH` GPUs, keeps the even split (no colour): spread that
+   GPU, or on more than :data:`LP_FILL_WIDTH` GPUs, keeps its start (no colour): spread that
    wide, the even split is close to level already (on the solved plans measured, capping the width
    at 8 changed no batch's busiest GPU), and the bound keeps a colour's rounds small.
 4. A token's global position among its expert's tokens orders ranks by rank, then the rank's
@@ -39,13 +48,18 @@ import numpy as np
 
 from eplb.placement.model import Placement
 
+LP_SCALE_ROUNDS = 0
+"""Rounds of the proportional start (step 2); 0: the even split alone. Each round is a few
+reductions over every replicated expert at once, where a re-fill pass is a chain of one sorted
+round per colour. The busiest GPU's mean excess over the exact optimum (benchmarks/bench_lp_optimum.py,
+docs/benchmarks.md "Balance against the exact optimum"): 8 rounds and 2 passes beat 0 and 4 on
+every solved plan's mean, p90 and worst batch; the default stays 0 until the kernel's rounds are
+timed on a GPU (an 8-round start replaces two of the four passes only if it costs less)."""
 LP_PASSES = 4
-"""Re-fill passes over the colours. The busiest GPU's mean excess over the exact optimum (SciPy
-HiGHS, rounded up) on prefill batches of scipy's plans at EP32 (benchmarks/bench_lp_optimum.py):
-deepseek-v3 0.78% / 0.51% / 0.38% with two, three and four passes (the rule before colours,
-heaviest expert first, two passes: 0.77%), qwen3-235b-a22b 0.93% / 0.74% / 0.63% (before:
-0.73%). Four passes beat the old rule on every case's mean and p90; the kernel pays about 5 µs
-per pass (docs/benchmarks.md, "lp on 58 solved layers")."""
+"""Re-fill passes over the colours (step 3). Mean excess over the optimum on prefill batches of
+scipy's plans at EP32 with the even start: deepseek-v3 0.78% / 0.51% / 0.38% with two, three and
+four passes, qwen3-235b-a22b 0.93% / 0.74% / 0.63%; the kernel pays about 5 µs per pass
+(docs/benchmarks.md, "lp on 58 solved layers")."""
 LP_FILL_WIDTH = 8
 """Most GPUs an expert may span and still re-fill (step 3); wider ones keep the even split."""
 
@@ -143,29 +157,56 @@ def lp_tables(placement: Placement) -> LpTables:
     )
 
 
-def water_fill(amount_x: np.ndarray, levels_xD: np.ndarray, valid_xD: np.ndarray) -> np.ndarray:
-    """int64 [x, D]: ``amount`` split over the valid columns by the rule's water-filling (step 2).
+def water_level(amount_x: np.ndarray, levels_xD: np.ndarray, valid_xD: np.ndarray) -> np.ndarray:
+    """int64 [x]: the level ``amount`` reaches poured over the valid columns' ``levels``.
 
-    ``levels`` are the columns' current loads. Every row needs at least one valid column when its
-    amount is positive.
+    The largest integer ``w`` with ``sum_d max(0, w - level_d) <= amount``: the smallest candidate
+    floor((c + sum of the k lowest levels) / k) that reaches the k-th lowest level (a prefix whose
+    candidate stays below its own top overshoots). 0 where a row has no valid column.
     """
     amount = amount_x.astype(np.int64)
     levels = levels_xD.astype(np.int64)
     big = np.iinfo(np.int64).max
-    # Level reached: the smallest candidate floor((c + sum of the k lowest levels) / k) that
-    # reaches the k-th lowest level (a prefix whose candidate stays below its own top overshoots).
     sorted_xD = np.sort(np.where(valid_xD, levels, big), axis=-1)
     k_D = np.arange(1, levels.shape[-1] + 1)
     usable_xD = k_D <= valid_xD.sum(axis=-1, keepdims=True)
     prefix_xD = np.cumsum(np.where(usable_xD, sorted_xD, 0), axis=-1)
     cand_xD = (amount[..., None] + prefix_xD) // k_D
     feasible_xD = usable_xD & (cand_xD >= sorted_xD)
-    level_x = np.where(feasible_xD.any(axis=-1), np.min(np.where(feasible_xD, cand_xD, big), axis=-1), 0)
+    return np.where(feasible_xD.any(axis=-1), np.min(np.where(feasible_xD, cand_xD, big), axis=-1), 0)
+
+
+def water_fill(amount_x: np.ndarray, levels_xD: np.ndarray, valid_xD: np.ndarray) -> np.ndarray:
+    """int64 [x, D]: ``amount`` split over the valid columns by the rule's water-filling (step 3).
+
+    ``levels`` are the columns' current loads. Every row needs at least one valid column when its
+    amount is positive.
+    """
+    amount = amount_x.astype(np.int64)
+    levels = levels_xD.astype(np.int64)
+    level_x = water_level(amount, levels, valid_xD)
     quota_xD = np.where(valid_xD, np.maximum(level_x[..., None] - levels, 0), 0)
     rest_x = amount - quota_xD.sum(axis=-1)
     eligible = valid_xD & (levels <= level_x[..., None])
     extra = eligible & (np.cumsum(eligible, axis=-1) <= rest_x[..., None])
     return quota_xD + extra
+
+
+def scale_rows(
+    quota_xD: np.ndarray, room_xD: np.ndarray, demand_xD: np.ndarray, amount_x: np.ndarray
+) -> np.ndarray:
+    """int64 [x, D]: one round of the proportional start (step 2).
+
+    ``room`` and ``demand`` are those of each entry's GPU (0 on padding entries, whose quota is
+    0); each entry scales to ``q * room // demand``, then the row is rescaled to ``amount`` by
+    cumulative floors; a row scaled to nothing keeps ``quota``.
+    """
+    scaled_xD = quota_xD * room_xD // np.maximum(demand_xD, 1)
+    cum_xD = np.cumsum(scaled_xD, axis=-1)
+    total_x = cum_xD[..., -1:]
+    floor_xD = cum_xD * amount_x[..., None] // np.maximum(total_x, 1)
+    rescaled_xD = np.diff(floor_xD, axis=-1, prepend=0)
+    return np.where(total_x > 0, rescaled_xD, quota_xD)
 
 
 def lp_quotas(counts_LnE: np.ndarray, tables: LpTables) -> tuple[np.ndarray, np.ndarray]:
@@ -202,11 +243,27 @@ def lp_quotas(counts_LnE: np.ndarray, tables: LpTables) -> tuple[np.ndarray, np.
     flat_LnXD = (
         np.arange(L * n_batches).reshape(L, n_batches)[..., None, None] * (G + 1) + gpu_LXD[:, None]
     ).ravel()
-    loads_LnG += (
-        np.bincount(flat_LnXD, weights=quota_LnXD.ravel(), minlength=L * n_batches * (G + 1))
-        .reshape(L, n_batches, G + 1)
-        .astype(np.int64)
-    )
+
+    def per_gpu(quota: np.ndarray) -> np.ndarray:  # int64 [L, n, G + 1]: quotas summed by GPU
+        total = np.bincount(flat_LnXD, weights=quota.ravel(), minlength=L * n_batches * (G + 1))
+        return total.reshape(L, n_batches, G + 1).astype(np.int64)
+
+    gather_LnQ = np.broadcast_to(gpu_LXD.reshape(L, 1, -1), (L, n_batches, gpu_LXD[0].size))
+
+    def at_gpu(value_LnG: np.ndarray) -> np.ndarray:  # [L, n, X, D]: each entry's GPU's value
+        return np.take_along_axis(value_LnG, gather_LnQ, axis=2).reshape(quota_LnXD.shape)
+
+    if LP_SCALE_ROUNDS:
+        used_LG = np.zeros((L, G + 1), dtype=bool)
+        used_LG[np.nonzero(valid_LXD)[0], gpu_LXD[valid_LXD]] = True
+        level_Ln = water_level(amount_LnX.sum(axis=2), loads_LnG[..., :G], used_LG[:, None, :G])
+        room_LnXD = at_gpu(np.maximum(level_Ln[..., None] - loads_LnG, 0) + 1)
+        for _ in range(LP_SCALE_ROUNDS):
+            demand_LnXD = at_gpu(per_gpu(quota_LnXD))
+            quota_LnXD = np.where(
+                valid_LXD[:, None], scale_rows(quota_LnXD, room_LnXD, demand_LnXD, amount_LnX), 0
+            )
+    loads_LnG += per_gpu(quota_LnXD)
     # Step 3: re-fill passes, colour by colour; one colour's experts share no GPU, so their
     # updates land on distinct columns of each (layer, batch) row.
     F = fill_columns(D)
@@ -233,10 +290,13 @@ def lp_quotas(counts_LnE: np.ndarray, tables: LpTables) -> tuple[np.ndarray, np.
 __all__ = [
     "LP_FILL_WIDTH",
     "LP_PASSES",
+    "LP_SCALE_ROUNDS",
     "LpTables",
     "fill_columns",
     "lp_capacity",
     "lp_quotas",
     "lp_tables",
+    "scale_rows",
     "water_fill",
+    "water_level",
 ]

@@ -179,6 +179,8 @@ def run_remap(
 # ---- lp dispatch (eplb.remap.lp_rule), one token at a time --------------------------------------
 LP_PASSES_REFERENCE = 4
 """Re-fill passes of the rule (eplb.remap.lp_rule.LP_PASSES), restated so the reference stays independent."""
+LP_SCALE_ROUNDS_REFERENCE = 0
+"""Rounds of the proportional start (eplb.remap.lp_rule.LP_SCALE_ROUNDS), restated likewise."""
 LP_FILL_WIDTH_REFERENCE = 8
 """Widest expert that re-fills (eplb.remap.lp_rule.LP_FILL_WIDTH), restated likewise."""
 
@@ -194,7 +196,37 @@ def _pour(amount: int, levels: list[int]) -> list[int]:
     return got
 
 
-def brute_lp_quotas(counts_E: list[int], placement: Placement, layer: int) -> dict[int, dict[int, int]]:
+def _scale_start(
+    quota: dict[int, dict[int, int]], base: list[int], amount: dict[int, int], rounds: int
+) -> None:
+    """The proportional start, in place: the water level found by bisection, then the rounds."""
+    used = sorted({g for split in quota.values() for g in split})
+    total = sum(amount.values())
+    lo, hi = 0, max([base[g] for g in used], default=0) + total + 1  # lo reachable, hi not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if sum(max(0, mid - base[g]) for g in used) <= total else (lo, mid)
+    room = {g: max(0, lo - base[g]) + 1 for g in used}
+    for _ in range(rounds):
+        demand = {g: sum(split.get(g, 0) for split in quota.values()) for g in used}
+        for e, split in quota.items():
+            gpus = sorted(split)
+            scaled = [split[g] * room[g] // max(demand[g], 1) for g in gpus]
+            if sum(scaled) == 0:
+                continue
+            cum = [sum(scaled[: i + 1]) for i in range(len(gpus))]
+            floors = [0] + [c * amount[e] // cum[-1] for c in cum]
+            quota[e] = {g: floors[i + 1] - floors[i] for i, g in enumerate(gpus)}
+
+
+def brute_lp_quotas(
+    counts_E: list[int],
+    placement: Placement,
+    layer: int,
+    *,
+    scale_rounds: int = LP_SCALE_ROUNDS_REFERENCE,
+    passes: int = LP_PASSES_REFERENCE,
+) -> dict[int, dict[int, int]]:
     """expert -> {gpu: tokens} for every replicated expert of ``layer``, from global counts."""
     S, G = placement.slots_per_gpu, placement.num_gpus
     p2l = placement.phy2log_LP[layer].tolist()
@@ -214,6 +246,9 @@ def brute_lp_quotas(counts_E: list[int], placement: Placement, layer: int) -> di
         gpus = sorted(gpus_of[e])
         c, w = counts_E[e], len(gpus)
         quota[e] = {g: c // w + (1 if i < c % w else 0) for i, g in enumerate(gpus)}
+    if scale_rounds:
+        _scale_start(quota, loads, {e: counts_E[e] for e in replicated}, scale_rounds)
+    for e in replicated:
         for g, q in quota[e].items():
             loads[g] += q
     # Colours: in ascending expert id, the lowest colour that no earlier expert sharing a GPU has
@@ -225,7 +260,7 @@ def brute_lp_quotas(counts_E: list[int], placement: Placement, layer: int) -> di
         clash = {color[f] for f in color if set(gpus_of[f]) & set(gpus_of[e])}
         color[e] = min(c for c in range(len(replicated) + 1) if c not in clash)
     order = sorted(color, key=lambda e: (color[e], e))
-    for _ in range(LP_PASSES_REFERENCE):
+    for _ in range(passes):
         for e in order:
             gpus = sorted(quota[e])
             for g in gpus:
