@@ -5,7 +5,8 @@ Shape legend: Z scenarios, L layers, E logical experts, P physical slots, G GPUs
 From the current placement, every layer proposes its best move (eplb.solver.search.moves): a swap (a
 slot of the layer's hot GPU trades its expert with a slot of one of the lightest GPUs: a replica
 moves, or two trade places) or a replica change (a slot whose expert has another replica is given
-to one of the hot GPU's heaviest experts: one expert gains a replica, another loses one). A move's
+to one of the hot GPU's heaviest experts: one expert gains a replica, another loses one; a replica
+stacked on the hot GPU may go to an expert the hot GPU lacks). A move's
 gain is the change of the layer's soft balancedness (a smooth maximum of the GPU loads, so that
 lowering one of several equally busy GPUs counts); its cost is exact: the expert copies across
 GPUs it adds to the transfer from ``current``, a copy to a node that held no replica of the
