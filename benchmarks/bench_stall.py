@@ -140,7 +140,7 @@ def run_point(
             "algorithm": algorithm,
             "interval": flags.rebalance_interval,
             "window": flags.recorder_buffer_size,
-            "move_budget": flags.max_moved_experts,
+            "move_budget": flags.for_layers(trace.num_layers).max_moved_experts,
             **stall_figures(result.runs[0], trace.num_steps, flags.rebalance_interval),
             "wall_seconds": clock.wall_s,
         }

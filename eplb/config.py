@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from eplb.flags import Flag, add_flags, dest_of, float_in, int_in
@@ -32,6 +32,15 @@ from eplb.traces.checks import MAX_EXPERTS, MAX_LAYERS, MAX_SLOTS
 
 SHIFT_BURST = 8
 """Default of ``--eplb-shift-burst``: a domain shift may spend up to 8 rebalances' budgets at once."""
+
+
+def continuous_move_budget(num_layers: int) -> int:
+    """Continuous mode's default move budget on a model of ``num_layers`` MoE layers: 160 copies
+    per 58 layers, rounded, at least one. DeepSeek's periodic plans move a share of every layer, so
+    its bytes (what the default is sized against) scale with the layers; one model-wide figure
+    would starve a 94-layer model and let a 6-layer one move 9 copies a layer."""
+    assert num_layers >= 1, num_layers
+    return max(1, round(CONTINUOUS_MAX_MOVED_EXPERTS * num_layers / CONTINUOUS_BUDGET_LAYERS))
 
 
 def initial_full_plan_on(*, continuous: bool, enabled: bool, budget: int | None) -> bool:
@@ -77,8 +86,12 @@ PERIODIC_INTERVAL = 1000
 CONTINUOUS_INTERVAL = 50
 """Continuous mode's default --eplb-rebalance-num-iterations."""
 CONTINUOUS_MAX_MOVED_EXPERTS = 160
-"""Continuous mode's default --eplb-max-moved-experts (cross-GPU expert copies per rebalance; chosen by
-benchmarks/bench_continuous.py: at most a quarter of the bytes periodic DeepSeek moves every 1000 passes)."""
+"""Continuous mode's default --eplb-max-moved-experts on a model of :data:`CONTINUOUS_BUDGET_LAYERS`
+MoE layers (cross-GPU expert copies per rebalance; chosen by benchmarks/bench_continuous.py: at most
+a quarter of the bytes periodic DeepSeek moves every 1000 passes); other models scale it by their
+layers (:func:`continuous_move_budget`)."""
+CONTINUOUS_BUDGET_LAYERS = 58
+"""The MoE layers :data:`CONTINUOUS_MAX_MOVED_EXPERTS` was chosen on (DeepSeek-V3's)."""
 CONTINUOUS_BUFFER_SIZE = 200
 """Continuous mode's default --expert-distribution-recorder-buffer-size (at least the interval)."""
 SERVER_GROUP = "expert-parallel load balancing"
@@ -116,7 +129,8 @@ class EplbConfig:
     one chunk runs per pass; paced, as many as the transfer credit covers."""
     eplb_max_moved_experts: int | None = None
     """Budget of one rebalance in cross-GPU expert copies, passed to the solver; None: no budget
-    (periodic) or ``CONTINUOUS_MAX_MOVED_EXPERTS`` (continuous). 0 moves nothing."""
+    (periodic) or :func:`continuous_move_budget` of the model's layers (continuous: 160 on 58).
+    0 moves nothing."""
     eplb_shift_burst: int = SHIFT_BURST
     """Continuous mode: a plan made when the window shows a domain shift may move up to this many
     rebalances' budgets at once, repaid by the following rebalances (their budgets shrink by what
@@ -155,6 +169,18 @@ class EplbConfig:
     """Nodes the EP ranks span."""
     num_experts: int | None = None
     """Logical experts per layer, when known at parse time (checks that slots divide evenly)."""
+    num_layers: int | None = None
+    """MoE layers of the model, when known (the manager, the simulator and the engine adapters set
+    it from the placement, trace or window): continuous mode's default move budget scales with them
+    (:func:`continuous_move_budget`); None: :data:`CONTINUOUS_BUDGET_LAYERS`."""
+
+    def for_layers(self, num_layers: int) -> EplbConfig:
+        """These flags on a model of ``num_layers`` MoE layers (ValueError where they name another)."""
+        if self.num_layers is None:
+            return replace(self, num_layers=num_layers)
+        if self.num_layers != num_layers:
+            raise ValueError(f"the flags are for {self.num_layers} MoE layers, the model has {num_layers}")
+        return self
 
     def __post_init__(self) -> None:
         _check(self.ep_size >= 1, "--ep-size", f"must be >= 1, got {self.ep_size}")
@@ -193,6 +219,12 @@ class EplbConfig:
             interval is None or 1 <= interval <= MAX_WINDOW_PASSES,
             "--eplb-rebalance-num-iterations",
             f"must lie in [1, {MAX_WINDOW_PASSES}], got {interval} (it sizes the recorder's window)",
+        )
+        layers = self.num_layers
+        _check(
+            layers is None or 1 <= layers <= MAX_LAYERS,
+            "--num-layers",
+            f"must lie in [1, {MAX_LAYERS}], got {layers}",
         )
         budget = self.eplb_max_moved_experts
         _check(budget is None or budget >= 0, "--eplb-max-moved-experts", f"must be >= 0, got {budget}")
@@ -299,7 +331,7 @@ class EplbConfig:
         """The solver's move budget per rebalance (the mode's default unless given)."""
         budget = self.eplb_max_moved_experts
         if budget is None and self.continuous:
-            return CONTINUOUS_MAX_MOVED_EXPERTS
+            return continuous_move_budget(self.num_layers or CONTINUOUS_BUDGET_LAYERS)
         return budget
 
     @property
@@ -391,7 +423,8 @@ SERVER_FLAGS: tuple[Flag, ...] = (
         "--eplb-max-moved-experts",
         parse=int_in(0, MAX_MOVED_EXPERTS),
         env="EPLB_MAX_MOVED_EXPERTS",
-        shown=f"none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS}, on average: see --eplb-shift-burst",
+        shown=f"none; continuous: {CONTINUOUS_MAX_MOVED_EXPERTS} per {CONTINUOUS_BUDGET_LAYERS} MoE layers, "
+        "on average: see --eplb-shift-burst",
         help="cross-GPU expert copies per rebalance, a solver budget",
     ),
     _server_flag(
@@ -467,6 +500,12 @@ SERVER_FLAGS: tuple[Flag, ...] = (
         parse=int_in(1, MAX_EXPERTS),
         shown="",
         help="logical experts per layer, to check the slot layout at parse time",
+    ),
+    _server_flag(
+        "--num-layers",
+        parse=int_in(1, MAX_LAYERS),
+        shown=f"from the model; else {CONTINUOUS_BUDGET_LAYERS}",
+        help="MoE layers of the model: continuous mode's default --eplb-max-moved-experts scales with them",
     ),
 )
 """The server's EPLB flags (SGLang's names, one per EplbConfig field), each with one help text."""

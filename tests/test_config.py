@@ -44,6 +44,25 @@ def test_continuous_mode_has_its_own_defaults() -> None:
     assert longer.recorder_buffer_size == 5000  # the default window is never shorter than the interval
 
 
+@pytest.mark.parametrize(("layers", "budget"), [(58, 160), (6, 17), (4, 11), (32, 88), (94, 259), (1, 3)])
+def test_the_continuous_default_budget_scales_with_the_models_layers(layers: int, budget: int) -> None:
+    cfg = EplbConfig(eplb_rebalance_mode="continuous")
+    assert cfg.for_layers(layers).max_moved_experts == budget  # 160 copies per 58 layers, rounded
+    assert cfg.for_layers(layers).for_layers(layers) == cfg.for_layers(layers)
+    given = EplbConfig(eplb_rebalance_mode="continuous", eplb_max_moved_experts=5).for_layers(layers)
+    assert given.max_moved_experts == 5 and EplbConfig().for_layers(layers).max_moved_experts is None
+    assert (
+        parse_config(["--eplb-rebalance-mode", "continuous", "--num-layers", str(layers)]).max_moved_experts
+        == budget
+    )
+    with pytest.raises(
+        ValueError, match=f"the flags are for {layers} MoE layers, the model has {layers + 1}"
+    ):
+        cfg.for_layers(layers).for_layers(layers + 1)
+    with pytest.raises(ConfigError, match="--num-layers"):
+        EplbConfig(num_layers=0)
+
+
 def test_continuous_flags_parse() -> None:
     cfg = parse_config(
         [

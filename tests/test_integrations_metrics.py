@@ -41,7 +41,7 @@ def test_each_rebalance_is_reported_and_only_with_a_port() -> None:
                                 "EPLB_MODEL_NAME": "m"})  # fmt: skip
     metrics = EngineMetrics(settings, logging.getLogger("test"))
     try:
-        decisions = EngineDecisions(num_gpus=G, num_nodes=1, passes_per_rebalance=5, settings=settings,
+        decisions = EngineDecisions(num_gpus=G, num_nodes=1, num_layers=L, passes_per_rebalance=5, settings=settings,
                                     history_rows=10, metrics=metrics)  # fmt: skip
         planner = make_planner("auto", "flag", settings=settings)
         rng = np.random.default_rng(1)
@@ -88,7 +88,7 @@ def test_an_applied_plan_is_counted_with_its_transfer_and_passes_are_counted() -
     settings = read_engine_env({"EPLB_METRICS_PORT": "0"})
     metrics = EngineMetrics(settings, logging.getLogger("test"), transfers_follow=True)
     try:
-        decisions = EngineDecisions(num_gpus=G, num_nodes=1, passes_per_rebalance=5, settings=settings,
+        decisions = EngineDecisions(num_gpus=G, num_nodes=1, num_layers=L, passes_per_rebalance=5, settings=settings,
                                     history_rows=5, metrics=metrics)  # fmt: skip
         planner, live = make_planner("auto", "flag", settings=settings), Placement.trivial(L, E, G, P - E)
         rng = np.random.default_rng(2)
@@ -156,7 +156,7 @@ def test_a_plan_of_the_wrong_shape_is_counted_as_failed_shape_and_the_placement_
     settings = read_engine_env({"EPLB_METRICS_PORT": "0", "EPLB_MODEL_NAME": "m"})
     metrics = EngineMetrics(settings, logging.getLogger("test"))
     try:
-        decisions = EngineDecisions(num_gpus=G, num_nodes=1, passes_per_rebalance=5, settings=settings,
+        decisions = EngineDecisions(num_gpus=G, num_nodes=1, num_layers=L, passes_per_rebalance=5, settings=settings,
                                     history_rows=10, metrics=metrics)  # fmt: skip
         planner = _WrongShapePlanner(options=make_planner("auto", "flag", settings=settings).options)
         live = Placement.trivial(L, E, G, P - E)

@@ -57,18 +57,23 @@ BAD_SHARED = [
 def test_defaults_are_periodic_and_the_mode_takes_eplb_configs_defaults() -> None:
     periodic = read_engine_env({})
     assert not periodic.continuous and periodic.metrics_port is None
-    config = periodic.decision_config(num_gpus=8, num_nodes=3, interval=40)
+    config = periodic.decision_config(num_gpus=8, num_nodes=3, interval=40, num_layers=6)
     assert config.rebalance_interval == 40 and config.nnodes == 1 and config.max_moved_experts is None
     continuous = read_engine_env({MODE_ENV: "Continuous"})
-    config = continuous.decision_config(num_gpus=32, num_nodes=4, interval=50)
+    config = continuous.decision_config(num_gpus=32, num_nodes=4, interval=50, num_layers=58)
     assert config.continuous and config.nnodes == 4
     assert config.max_moved_experts == CONTINUOUS_MAX_MOVED_EXPERTS and config.eplb_shift_burst == SHIFT_BURST
+    # The default budget per layer: a 6-layer model's is 160 * 6 / 58, rounded.
+    assert (
+        continuous.decision_config(num_gpus=32, num_nodes=4, interval=50, num_layers=6).max_moved_experts
+        == 17
+    )
     assert config.initial_full_plan
     given = read_engine_env(
         {MODE_ENV: "continuous", MAX_MOVED_ENV: "12", SHIFT_BURST_ENV: "3", INITIAL_FULL_PLAN_ENV: "off",
          METRICS_PORT_ENV: "0", MODEL_NAME_ENV: "m/x"}
     )  # fmt: skip
-    config = given.decision_config(num_gpus=4, num_nodes=1, interval=50)
+    config = given.decision_config(num_gpus=4, num_nodes=1, interval=50, num_layers=6)
     assert (config.max_moved_experts, config.eplb_shift_burst, config.initial_full_plan) == (12, 3, False)
     assert given.metrics_port == 0 and given.model_name == "m/x"
 
@@ -139,7 +144,7 @@ def test_continuous_decisions_keep_history_budget_and_agree() -> None:
     base_LE = rng.standard_normal((L, E))
     runs = []
     for _ in range(2):
-        decisions = EngineDecisions(num_gpus=G, num_nodes=1, passes_per_rebalance=10, settings=settings,
+        decisions = EngineDecisions(num_gpus=G, num_nodes=1, num_layers=L, passes_per_rebalance=10, settings=settings,
                                     history_rows=30)  # fmt: skip
         planner = make_planner("auto", "flag", settings=settings)
         live: Placement | None = Placement.trivial(L, E, G, P - E)

@@ -31,7 +31,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(
     ("config", "extra"),
     [
-        (EplbConfig(eplb_rebalance_mode="continuous"), {"max_moved_experts": CONTINUOUS_MAX_MOVED_EXPERTS}),
+        # The default budget scales with the model's layers (eplb.config.continuous_move_budget).
+        (EplbConfig(eplb_rebalance_mode="continuous"), {"max_moved_experts": -1}),
         (EplbConfig(eplb_rebalance_mode="continuous", eplb_max_moved_experts=7), {"max_moved_experts": 7}),
         (EplbConfig(eplb_rebalance_mode="continuous", eplb_max_moved_experts=0), {"max_moved_experts": 0}),
         (EplbConfig(eplb_max_moved_experts=5), {"max_moved_experts": 5}),
@@ -51,6 +52,8 @@ def test_the_move_budget_reaches_the_planner(
 
     monkeypatch.setattr(planner_module, "SolverPlanner", Recording)
     model, placement, _ = make()
+    if extra.get("max_moved_experts") == -1:
+        extra = {"max_moved_experts": round(CONTINUOUS_MAX_MOVED_EXPERTS * placement.num_layers / 58)}
     EplbManager(config, model, placement, device=CPU, num_groups=2).close()
     bytes_per_expert = sum(t[0].numel() * t.element_size() for t in model.slot_tensors(0).values())
     # Every other option keeps its default.

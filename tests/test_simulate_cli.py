@@ -153,7 +153,9 @@ def test_continuous_mode_takes_the_servers_defaults(capsys: pytest.CaptureFixtur
     config = json.loads(capsys.readouterr().out)["config"]
     assert config["interval"] == CONTINUOUS_INTERVAL
     assert config["window_size"] == max(CONTINUOUS_BUFFER_SIZE, CONTINUOUS_INTERVAL)
-    assert config["move_budget"] == CONTINUOUS_MAX_MOVED_EXPERTS
+    # 160 copies per 58 layers, on the tiny preset's 4 layers.
+    assert config["eplb"]["num_layers"] == 4
+    assert config["move_budget"] == round(CONTINUOUS_MAX_MOVED_EXPERTS * 4 / 58) == 11
     assert main([*base, "--eplb-rebalance-mode", "periodic", "--json", "-"]) == 0
     config = json.loads(capsys.readouterr().out)["config"]
     assert (config["interval"], config["window_size"], config["move_budget"]) == (

@@ -95,7 +95,7 @@ def test_the_cli_and_the_api_build_the_same_config_and_results(case: str) -> Non
     assert (resolved["interval"], resolved["window_size"], resolved["move_budget"]) == (
         config.eplb.rebalance_interval,
         config.eplb.recorder_buffer_size,
-        config.eplb.max_moved_experts,
+        config.eplb.for_layers(trace.num_layers).max_moved_experts,
     )
 
 
@@ -143,7 +143,7 @@ def test_a_servers_parsed_flags_drive_the_schedule_as_the_server_runs_it(argv: s
     assert expected and planner.calls == expected
     assert result.config["interval"] == flags.rebalance_interval
     assert result.config["window_size"] == flags.recorder_buffer_size
-    assert result.config["move_budget"] == flags.max_moved_experts
+    assert result.config["move_budget"] == flags.for_layers(trace.num_layers).max_moved_experts
     assert result.config["default_dispatch"] == flags.dispatch_algorithm == "static"
 
 

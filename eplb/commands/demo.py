@@ -217,6 +217,10 @@ def run_demo(
             f"{preset.num_experts} experts + {config.eplb.ep_num_redundant_experts} redundant = "
             f"{slots} slots do not divide over --nproc {config.nproc}"
         )
+    if config.eplb.num_layers not in (None, preset.num_layers):
+        raise ValueError(
+            f"--num-layers {config.eplb.num_layers}: the {config.preset} model has {preset.num_layers}"
+        )
     if config.device == "cuda":
         import torch
 
@@ -322,7 +326,7 @@ def demo_rank(
     say(
         f"eplb demo: {G} rank{'s' if G > 1 else ''} on {ctx.device.type}, model {preset} (L={model_cfg.num_layers}, "
         f"E={model_cfg.num_experts}, top-{model_cfg.top_k}, P={placement.num_physical}), "
-        f"{_schedule(config.eplb)}"
+        f"{_schedule(manager.config)}"
     )
     gen = torch.Generator().manual_seed(config.seed * 1000 + rank)
     start = time.perf_counter()

@@ -113,7 +113,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
            engines=_BOTH, default="periodic", bad="sometimes",
            help="periodic: plan at the engine's cadence; continuous: budgeted continuous-mode steps"),
     EnvVar(name=MAX_MOVED_ENV, kind="int", low=0, bound="integer >= 0", engines=_BOTH,
-           default="the mode's (continuous: 160)", bad="-3",
+           default="the mode's (continuous: 160 per 58 MoE layers, scaled to the model's)", bad="-3",
            help="cross-GPU expert copies per rebalance, on average"),
     EnvVar(name=SHIFT_BURST_ENV, kind="int", low=1, bound="integer >= 1", engines=_BOTH, default="8",
            bad="0", help="continuous: a plan on a domain shift may spend this many budgets, repaid later"),
@@ -413,10 +413,14 @@ class EngineEnv:
     def continuous(self) -> bool:
         return self.mode == "continuous"
 
-    def decision_config(self, *, num_gpus: int, num_nodes: int, interval: int) -> EplbConfig:
+    def decision_config(
+        self, *, num_gpus: int, num_nodes: int, interval: int, num_layers: int | None
+    ) -> EplbConfig:
         """The flags a :class:`~eplb.policy.decision.Decider` of ``num_gpus`` EP ranks on
         ``num_nodes`` nodes decides by, rebalancing every ``interval`` counted passes (nodes that do
-        not divide the GPUs count as one: eplb.config.even_nodes)."""
+        not divide the GPUs count as one: eplb.config.even_nodes), for a model of ``num_layers``
+        MoE layers (they size continuous mode's default budget; None: a config read for its
+        algorithm and mode alone)."""
         kwargs: dict[str, Any] = {}
         if self.shift_burst is not None:
             kwargs["eplb_shift_burst"] = self.shift_burst
@@ -427,6 +431,7 @@ class EngineEnv:
             eplb_rebalance_num_iterations=min(max(interval, 1), MAX_WINDOW_PASSES),
             eplb_max_moved_experts=self.max_moved_experts,
             eplb_initial_full_plan=self.initial_full_plan,
+            num_layers=num_layers,
             **kwargs,
         )
 
@@ -460,7 +465,7 @@ def read_engine_env(environ: Mapping[str, str] | None = None, *, known: tuple[st
         var = METRICS_ENGINE_ENV if str(exc).startswith("engine") else MODEL_NAME_ENV
         raise ValueError(f"{var}: {exc}") from None
     try:
-        settings.decision_config(num_gpus=1, num_nodes=1, interval=1)
+        settings.decision_config(num_gpus=1, num_nodes=1, interval=1, num_layers=None)
     except ConfigError as exc:  # eplb.config names its flag: name the variable instead
         flag, _, message = str(exc).partition(": ")
         raise ValueError(f"{_FLAG_TO_ENV.get(flag, flag)}: {message}") from None

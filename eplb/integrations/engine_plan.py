@@ -132,7 +132,7 @@ def make_planner(
         solver_options_from_env(defaults) if settings is None else {**(defaults or {}), **env.solver_options}
     )
     # The options read the flags' algorithm and mode, nothing of the topology (the Decider's).
-    config = env.decision_config(num_gpus=1, num_nodes=1, interval=1)
+    config = env.decision_config(num_gpus=1, num_nodes=1, interval=1, num_layers=None)
     try:
         options = SolveOptions.from_config(
             config,
@@ -206,6 +206,7 @@ class EngineDecisions:
         *,
         num_gpus: int,
         num_nodes: int,
+        num_layers: int,
         passes_per_rebalance: int,
         settings: EngineEnv | None = None,
         history_rows: int = 1,
@@ -215,7 +216,7 @@ class EngineDecisions:
             raise ValueError(f"history_rows must be >= 1, got {history_rows}")
         self.settings = settings or EngineEnv()
         config = self.settings.decision_config(
-            num_gpus=num_gpus, num_nodes=num_nodes, interval=passes_per_rebalance
+            num_gpus=num_gpus, num_nodes=num_nodes, interval=passes_per_rebalance, num_layers=num_layers
         )
         self.decider = Decider(config)
         self.clock = RebalanceClock(config.rebalance_interval)
@@ -354,7 +355,7 @@ def plan_for_engine(
         planner=dataclasses.replace(planner, num_groups=groups, topology=topology),
     )
     load_LE = window_WLE.sum(axis=0)
-    outcome = (decider or _fresh_decider(num_gpus, nodes, W)).rebalance(
+    outcome = (decider or _fresh_decider(num_gpus, nodes, W, L)).rebalance(
         request,
         counted_pass=counted_pass,
         window_balancedness=float(model_balancedness(load_LE, keep)) if load_LE.any() else 1.0,
@@ -400,13 +401,18 @@ def plan_degraded(
         planner=dataclasses.replace(planner, num_groups=groups),
         loss=RankLoss(alive_G=alive_G, prepared=False),
     )
-    decider = decider or _fresh_decider(current.num_gpus, current.num_nodes, window_WLE.shape[0])
+    decider = decider or _fresh_decider(
+        current.num_gpus, current.num_nodes, window_WLE.shape[0], current.num_layers
+    )
     return _engine_plan(decider.rebalance(request, counted_pass=counted_pass), current)
 
 
-def _fresh_decider(num_gpus: int, num_nodes: int, passes: int) -> Decider:
+def _fresh_decider(num_gpus: int, num_nodes: int, passes: int, num_layers: int) -> Decider:
     """A fresh process's decisions, rebalancing every ``passes`` (one window's)."""
-    return Decider(EngineEnv().decision_config(num_gpus=num_gpus, num_nodes=num_nodes, interval=passes))
+    config = EngineEnv().decision_config(
+        num_gpus=num_gpus, num_nodes=num_nodes, interval=passes, num_layers=num_layers
+    )
+    return Decider(config)
 
 
 def _engine_plan(outcome: Outcome, keep: Placement) -> EnginePlan:

@@ -242,6 +242,7 @@ def rebalance_with_eplb(
         decisions = _DECISIONS[key] = EngineDecisions(
             num_gpus=num_gpus,
             num_nodes=nodes,
+            num_layers=window.shape[1],
             passes_per_rebalance=passes,
             settings=config,
             # Continuous: the adapter's own history; periodic: SGLang's window alone, as before.

@@ -206,6 +206,7 @@ class EplbVllmPolicy:
                 decisions = cls._decisions[key] = EngineDecisions(
                     num_gpus=num_ranks,
                     num_nodes=num_nodes,
+                    num_layers=L,
                     passes_per_rebalance=1,
                     settings=config,
                     history_rows=cls.history_windows,

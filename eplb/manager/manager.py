@@ -104,6 +104,7 @@ class EplbManager:
             raise ValueError(f"placement spans {placement.num_gpus} GPUs but there are {world_size} ranks")
         if not recovery_timeout_s > 0:
             raise ValueError(f"recovery_timeout_s must be > 0, got {recovery_timeout_s}")
+        config = config.for_layers(placement.num_layers)  # sizes continuous mode's default budget
         ranks: tuple[int, ...] = (0,)
         if distributed:
             ranks = tuple(dist.get_process_group_ranks(group) if group is not None else range(world_size))

@@ -31,7 +31,7 @@ the first scored step, the engine's swap) exists only offline.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from eplb.config import EplbConfig
@@ -104,6 +104,11 @@ class SimulationConfig:
             "bytes_per_expert": int(trace.meta.get("bytes_per_expert", DEEPSEEK_V3_BYTES_PER_EXPERT)),
         }
         return cls(eplb=eplb, **{**facts, **fields})
+
+    def on_layers_of(self, trace: Trace) -> SimulationConfig:
+        """This config on ``trace``'s model: its MoE layers set (``EplbConfig.for_layers``; they size
+        continuous mode's default move budget)."""
+        return replace(self, eplb=self.eplb.for_layers(trace.num_layers))
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: the flags as given (``eplb``), the offline fields, and the schedule the flags

@@ -86,6 +86,7 @@ def simulate(
     if trace.num_steps == 0:
         raise ValueError("the trace has no steps")
     L, E = trace.num_layers, trace.num_experts
+    config = config.on_layers_of(trace)
     flags = config.eplb
     if flags.num_experts is None:
         replace(flags, num_experts=E)  # EplbConfig checks that the slots divide over the GPUs

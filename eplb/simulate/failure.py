@@ -119,6 +119,7 @@ def simulate_rank_failures(
 ) -> FailureResult:
     """Replay ``trace`` with ``failures``, for each run of ``runs`` and, given ``sglang`` (SGLang's
     ``elasticity_aware.rebalance_experts``, eplb.simulate.sglang_peer), SGLang's run."""
+    config = config.on_layers_of(trace)
     flags = config.eplb
     G, N, R = flags.ep_size, flags.nnodes, flags.ep_num_redundant_experts
     L, E, F = trace.num_layers, trace.num_experts, trace.num_steps

@@ -68,7 +68,7 @@ def simulation_config(args: argparse.Namespace, trace: Trace, **overrides: Any) 
     for name, value in default_topology(args).items():
         if values.get(name) is None:
             values[name] = value
-    server = EplbConfig.from_namespace(argparse.Namespace(**values))
+    server = EplbConfig.from_namespace(argparse.Namespace(**values)).for_layers(trace.num_layers)
     if server.eplb_record_prefill_only and not trace.is_prefill_F.any():
         raise ValueError("--eplb-record-prefill-only: the trace has no prefill steps")
     given = {"bytes_per_expert": args.bytes_per_expert, "num_groups": args.num_groups}

@@ -96,6 +96,7 @@ def tradeoff(
     """
     if not settings:
         raise ValueError("the trade-off needs at least one setting")
+    base = base.on_layers_of(trace)
     start = base.score_from
     if start is None:
         start = max(s.interval for s in settings)
