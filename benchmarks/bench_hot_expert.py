@@ -7,7 +7,9 @@ GPUs over 2 nodes: the numbers of vLLM's own test, restated here), and seeded De
 layers (gamma loads) where one or two experts carry 0.5-3x the rest of the layer's load, at the
 shapes of the engine adapters' checks (64 experts on 8 GPUs) and of DeepSeek-V3 at EP32. Each
 row: the mean and worst per-layer max/mean GPU load under an even split, and the median solve
-seconds (``eplb.solver.solve``, no current placement).
+seconds (``eplb.solver.solve``, no current placement). The ``scipy budgeted`` rows plan from
+DeepSeek's plan of the same load (as a continuous server would after a periodic one) under a move
+budget of ``--budget`` copies per layer (``max_moved_experts = budget x L``).
 
     python -m benchmarks.bench_hot_expert [--json OUT]
 """
@@ -43,15 +45,25 @@ def _load(E: int, hot: int, layers: int, seed: int) -> np.ndarray:
     return load_LE
 
 
-def run(layers: int = 8, seed: int = 0) -> list[dict[str, object]]:
+def run(layers: int = 8, seed: int = 0, budget: int = 1) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for name, E, G, N, P, hot in CASES:
         load_LE = _load(E, hot, layers, seed)
         topology = Topology(num_gpus=G, num_nodes=N, num_physical=P)
-        for algorithm in ("scipy", "deepseek"):
+        deepseek = solve(load_LE, topology, None, SolveOptions(algorithm="deepseek")).placement
+        runs = (
+            ("scipy", None, SolveOptions(algorithm="scipy")),
+            ("deepseek", None, SolveOptions(algorithm="deepseek")),
+            (
+                "scipy budgeted",
+                deepseek,
+                SolveOptions(algorithm="scipy", max_moved_experts=budget * load_LE.shape[0]),
+            ),
+        )
+        for algorithm, current, options in runs:
             seconds = []
             started = time.perf_counter()
-            plan = solve(load_LE, topology, None, SolveOptions(algorithm=algorithm))
+            plan = solve(load_LE, topology, current, options)
             seconds.append(time.perf_counter() - started)
             g = gpu_load(load_LE, plan.placement)
             ratio_L = g.max(axis=-1) / g.mean(axis=-1)
@@ -71,15 +83,16 @@ def run(layers: int = 8, seed: int = 0) -> list[dict[str, object]]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--budget", type=int, default=1, help="budgeted rows: copies per layer")
     args = parser.parse_args(argv)
-    rows = run()
+    rows = run(budget=args.budget)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rows": rows}, f, indent=1)
-    print(f"{'case':32} {'algorithm':9} {'max/mean':>9} {'worst':>7} {'solve s':>8} {'recounted':>9}")
+    print(f"{'case':32} {'algorithm':14} {'max/mean':>9} {'worst':>7} {'solve s':>8} {'recounted':>9}")
     for row in rows:
         print(
-            f"{row['case']!s:32} {row['algorithm']!s:9} {row['mean_max_over_mean']:9.3f} "
+            f"{row['case']!s:32} {row['algorithm']!s:14} {row['mean_max_over_mean']:9.3f} "
             f"{row['worst_max_over_mean']:7.3f} {row['solve_seconds']:8.2f} {row['recounted_layers']:9.0f}"
         )
 

@@ -279,3 +279,50 @@ def test_vllm_extreme_weight_imbalance_under_a_move_budget(
     topology = Topology(num_gpus=G, num_nodes=N, num_physical=P, num_groups=case["num_groups"])
     plan = solve(np.repeat(weight[None], 50, axis=0), topology, current, SolveOptions(max_moved_experts=1))
     assert plan.apply and _ratio(weight, plan.placement.phy2log_LP, G, N).max() <= 1.05
+
+
+def _best_changes(load_E: np.ndarray, row_P: np.ndarray, G: int, N: int, k: int) -> tuple[float, float]:
+    """(the least max/mean over every placement at most one change of ``k`` slots away, with one
+    change only): by exhaustion over every set of ``k`` slots and every expert for each."""
+    E = load_E.size
+    best = {1: float(_ratio(load_E[None], row_P[None], G, N)[0]), k: np.inf}
+    for n in (1, k):
+        for slots in itertools.combinations(range(row_P.size), n):
+            for experts in itertools.product(range(E), repeat=n):
+                trial = row_P.copy()
+                trial[list(slots)] = experts
+                if np.unique(trial).size == E:
+                    best[n] = min(best[n], float(_ratio(load_E[None], trial[None], G, N)[0]))
+    return min(best[k], best[1]), best[1]
+
+
+@pytest.mark.parametrize(("N", "seed"), [(1, 0), (2, 1), (3, 2)])
+def test_a_budgeted_plan_unstacks_an_expert_stacked_on_two_gpus(N: int, seed: int) -> None:
+    """Two very hot experts, A once on each GPU of one half and again on two of them, B once on
+    each GPU of the other half, every other expert once (DeepSeek's counts at EP32 with two hot
+    experts): no single change gains (no expert has a replica to give; moving a stacked A
+    makes its new GPU as hot), so a one-move search stops there; a plan under a two-copy budget
+    frees both stacked slots at once, within 0.01 of the best two changes found by exhaustion."""
+    G, S = 6, 3
+    E = G * S - G  # A's G/2 + 2 replicas and B's G/2 take G + 2 slots, the other experts one each
+    rng = np.random.default_rng(seed)
+    load_E = rng.gamma(2.0, 10.0, E)
+    load_E[0] = 100.0 * load_E[2:].max()
+    load_E[1] = load_E[0] * rng.uniform(0.9, 1.1)
+    rows_GS = np.zeros((G, S), dtype=np.int64)
+    rows_GS[G // 2 :, 0] = 1
+    free = np.ones((G, S), dtype=bool)
+    free[:, 0] = free[0, 1] = free[1, 1] = False
+    rows_GS[free] = rng.permutation(np.arange(2, E))
+    row_P = rows_GS.ravel()
+    before = float(_ratio(load_E[None], row_P[None], G, N)[0])
+    best_two, best_one = _best_changes(load_E, row_P, G, N, 2)
+    assert best_one >= before - 1e-9 and best_two < before - 0.05, "only two changes at once gain"
+    topology = Topology(num_gpus=G, num_nodes=N, num_physical=G * S)
+    current = Placement.from_phy2log(row_P[None], G, N)
+    plan = solve(
+        np.repeat(load_E[None, None], 50, axis=0), topology, current, SolveOptions(max_moved_experts=2)
+    )
+    after = float(_ratio(load_E[None], plan.placement.phy2log_LP, G, N)[0])
+    assert plan.apply and after <= best_two + 0.01, (before, after, best_two)
+    assert plan.stats["budget_unstacks"] == 1

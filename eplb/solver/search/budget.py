@@ -6,7 +6,8 @@ From the current placement, every layer proposes its best move (eplb.solver.sear
 slot of the layer's hot GPU trades its expert with a slot of one of the lightest GPUs: a replica
 moves, or two trade places) or a replica change (a slot whose expert has another replica is given
 to one of the hot GPU's heaviest experts: one expert gains a replica, another loses one; a replica
-stacked on the hot GPU may go to an expert the hot GPU lacks). A move's
+stacked on the hot GPU may go to an expert the hot GPU lacks), or, where an expert is stacked on
+several GPUs, a composite unstack (eplb.solver.search.moves.best_unstack). A move's
 gain is the change of the layer's soft balancedness (a smooth maximum of the GPU loads, so that
 lowering one of several equally busy GPUs counts); its cost is exact: the expert copies across
 GPUs it adds to the transfer from ``current``, a copy to a node that held no replica of the
@@ -140,7 +141,7 @@ def budgeted_phy2log(
     replica_L = np.zeros(L, dtype=bool)
     slot_a_L, slot_b_L, expert_L = (np.zeros(L, dtype=np.int64) for _ in range(3))
     left_w, left_p = budget.weighted, budget.plain
-    counts = {"swaps": 0, "replica_changes": 0, "rounds": 0, "undone": 0}
+    counts = {"swaps": 0, "replica_changes": 0, "unstacks": 0, "rounds": 0, "undone": 0}
     checked = state.dispatch.follows_nodes
     # Static dispatch: layers whose replica change failed its check search swaps only from then on.
     swaps_only_L = np.zeros(L, dtype=bool)
@@ -149,6 +150,11 @@ def budgeted_phy2log(
     if checked:
         soft_L[:] = [moves.soft_balancedness(state, layer, weights_Z) for layer in range(L)]
     spent_total = 0.0
+    # Layers where an expert is stacked on several GPUs also weigh a composite unstack (no single
+    # move may pay there), kept where it buys more per copy than the layer's best move.
+    stacked_L = np.zeros(L, dtype=bool)
+    stacked_L[moves.stacked_layers(state)] = True
+    unstack_L: list[moves.Unstack | None] = [None] * L
     for _ in range(MAX_ROUNDS):
         stale_L = active_L & (dirty_L | (weighted_L > left_w + _TOL) | (plain_L > left_p + _TOL))
         if stale_L.any():
@@ -160,8 +166,21 @@ def budgeted_phy2log(
             weighted_L[layers], plain_L[layers] = p.weighted_l, p.plain_l
             replica_L[layers] = p.replica_l
             slot_a_L[layers], slot_b_L[layers], expert_L[layers] = p.slot_a_l, p.slot_b_l, p.expert_l
+            for layer in layers[stacked_L[layers]].tolist():
+                unstack_L[layer] = _unstack_if_better(
+                    moves.best_unstack(state, layer, weights_Z),
+                    float(gain_L[layer]) / max(float(weighted_L[layer]), _TOL)
+                    if net_L[layer] > -np.inf
+                    else -np.inf,
+                    budget.copy_cost,
+                    left_w,
+                    left_p,
+                )
+                if (u := unstack_L[layer]) is not None:
+                    net_L[layer], gain_L[layer] = u.gain - budget.copy_cost * u.weighted, u.gain
+                    weighted_L[layer], plain_L[layer] = u.weighted, u.plain
             dirty_L[layers] = False
-            active_L[layers] &= p.net_l > MIN_STEP_GAIN
+            active_L[layers] &= net_L[layers] > MIN_STEP_GAIN
         layers = np.flatnonzero(active_L)
         if layers.size == 0:
             break
@@ -179,6 +198,20 @@ def budgeted_phy2log(
             if cw > left_w + _TOL or cp > left_p + _TOL:
                 continue
             if cw > _TOL and spent > 0 and spent + cw > round_cap + _TOL:
+                continue
+            if (u := unstack_L[layer]) is not None:
+                # Its gain was measured on the state (under the server's shares): nothing to undo.
+                moves.apply_unstack(state, u)
+                if checked:
+                    soft_L[layer] = moves.soft_balancedness(state, layer, weights_Z)
+                counts["replica_changes"] += len(u.changes)
+                counts["unstacks"] += 1
+                left_w -= cw
+                left_p -= cp
+                spent += max(cw, 0.0)
+                spent_total += cw
+                dirty_L[layer] = True
+                unstack_L[layer] = None
                 continue
             slot_a, slot_b, giver = int(slot_a_L[layer]), int(slot_b_L[layer]), -1
             before = float(soft_L[layer]) if checked else 0.0
@@ -215,5 +248,19 @@ def budgeted_phy2log(
     stats["budget_replica_changes"] = float(counts["replica_changes"])
     stats["budget_rounds"] = float(counts["rounds"])
     stats["budget_undone"] = float(counts["undone"])
+    stats["budget_unstacks"] = float(counts["unstacks"])
     stats["budget_copies"] = float(spent_total)
     return state.phy2log_LP
+
+
+def _unstack_if_better(
+    unstack: moves.Unstack | None, ratio: float, copy_cost: float, left_w: float, left_p: float
+) -> moves.Unstack | None:
+    """``unstack`` where it fits the budget left, pays its copies and buys more soft balancedness
+    per weighted copy than ``ratio`` (the layer's best single move's; -inf: none), else None."""
+    if unstack is None or unstack.weighted > left_w + _TOL or unstack.plain > left_p + _TOL:
+        return None
+    if unstack.gain - copy_cost * unstack.weighted <= MIN_STEP_GAIN:
+        return None
+    own = unstack.gain / max(unstack.weighted, _TOL)
+    return unstack if own > ratio else None

@@ -574,6 +574,78 @@ def apply_replica_change(state: MoveState, layer: int, slot: int, expert: int) -
     _update_prices(state, layer, [g, g], [giver, expert])
 
 
+@dataclass(frozen=True)
+class Unstack:
+    """A composite replica change of one layer: ``expert`` is stacked (two replicas or more) on
+    several GPUs, and one stacked slot of each is given to another expert at once. No single move
+    pays there: freeing one GPU's slot raises the expert's other replicas, and the other stacked
+    GPU becomes the hottest."""
+
+    layer: int
+    expert: int
+    changes: tuple[tuple[int, int], ...]
+    """(slot, the expert that gains it), in the order applied."""
+    gain: float
+    """Soft balancedness gained (exact: measured on the state)."""
+    weighted: float
+    plain: float
+
+
+def stacked_layers(state: MoveState) -> np.ndarray:
+    """int64 [l]: the layers where some expert is stacked on two GPUs or more."""
+    return np.flatnonzero(((state.holds_LGE >= 2).sum(axis=1) >= 2).any(axis=1))
+
+
+def best_unstack(state: MoveState, layer: int, weights_Z: np.ndarray) -> Unstack | None:
+    """``layer``'s composite unstack that gains most (the state as it was), or None where none gains.
+
+    The expert: the heaviest per replica of those stacked on two GPUs or more. Its stacked slots
+    go, one per such GPU, either all to the lightest experts per replica or all to the heaviest
+    that the GPU lacks (each GPU's receiver chosen after the slots before it changed hands).
+    """
+    S = state.slots_per_gpu
+    holds_GE = state.holds_LGE[layer]
+    stacked_E = np.flatnonzero((holds_GE >= 2).sum(axis=0) >= 2)
+    if stacked_E.size == 0:
+        return None
+    per_replica_E = expectation(weights_Z, state.norm_ZLE[:, layer]) / np.maximum(state.cnt_LE[layer], 1)
+    x = int(stacked_E[np.argmax(per_replica_E[stacked_E])])
+    p2l = state.phy2log_LP[layer]
+    slots = [
+        g * S + int(np.flatnonzero(p2l[g * S : (g + 1) * S] == x)[-1])
+        for g in np.flatnonzero(holds_GE[:, x] >= 2)
+    ]
+    before = soft_balancedness(state, layer, weights_Z)
+    best: Unstack | None = None
+    for heaviest in (False, True):
+        changes: list[tuple[int, int]] = []
+        weighted = plain = 0.0
+        for slot in slots:
+            g = slot // S
+            score_E = np.where(state.holds_LGE[layer, g] == 0, per_replica_E, np.nan)
+            score_E[x] = np.nan
+            if np.isnan(score_E).all():
+                break
+            y = int(np.nanargmax(score_E) if heaviest else np.nanargmin(score_E))
+            weighted += float(state.weighted.arrive_LGE[layer, g, y] - state.weighted.leave_LGE[layer, g, x])
+            prices = state.plain or state.weighted
+            plain += float(prices.arrive_LGE[layer, g, y] - prices.leave_LGE[layer, g, x])
+            apply_replica_change(state, layer, slot, y)
+            changes.append((slot, y))
+        gain = soft_balancedness(state, layer, weights_Z) - before
+        for slot, _ in reversed(changes):
+            apply_replica_change(state, layer, slot, x)
+        if len(changes) == len(slots) and (best is None or gain > best.gain):
+            best = Unstack(layer, x, tuple(changes), gain, weighted, plain)
+    return best if best is not None and best.gain > _TOL else None
+
+
+def apply_unstack(state: MoveState, unstack: Unstack) -> None:
+    """Apply ``unstack``'s replica changes (made by :func:`best_unstack` on the same state)."""
+    for slot, expert in unstack.changes:
+        apply_replica_change(state, unstack.layer, slot, expert)
+
+
 def soft_balancedness(state: MoveState, layer: int, weights_Z: np.ndarray) -> float:
     """Expected soft balancedness ``1 / smax`` of ``layer`` in the state as it is."""
     u_Z = _pow32(state.gpu_ZLG[:, layer].copy()).sum(axis=-1)
