@@ -36,8 +36,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from benchmarks.harness import write_result
 from eplb.config import EplbConfig
 from eplb.simulate import RunSpec, SimulationConfig, simulate
@@ -101,32 +99,8 @@ def flags(mode: str, interval: int, dispatch: str) -> EplbConfig:
 
 def prediction_errors(run: RunResult, trace: Trace, scored_from: int) -> dict[str, Any]:
     """|predicted - realized| of the applied plans from ``scored_from`` on, split by whether a
-    domain shift landed in the passes each plan served."""
-    shifts = np.asarray(trace.meta.get("domain_change_steps", []), dtype=np.int64)
-    events = run.events
-    clean: list[float] = []
-    hit: list[float] = []
-    for i, e in enumerate(events):
-        if e.step < scored_from or not e.applied or e.realized_balancedness is None:
-            continue
-        if e.predicted_balancedness is None:
-            continue
-        end = events[i + 1].step if i + 1 < len(events) else trace.num_steps
-        error = e.predicted_balancedness - e.realized_balancedness
-        (hit if ((shifts >= e.step) & (shifts < end)).any() else clean).append(error)
-
-    def stats(errors: list[float]) -> dict[str, float | int | None]:
-        if not errors:
-            return {"plans": 0, "mean_abs": None, "bias": None, "max_abs": None}
-        a = np.asarray(errors)
-        return {
-            "plans": int(a.size),
-            "mean_abs": float(np.abs(a).mean()),
-            "bias": float(a.mean()),
-            "max_abs": float(np.abs(a).max()),
-        }
-
-    return {"no_shift": stats(clean), "shift_hit": stats(hit), "all": stats(clean + hit)}
+    domain shift landed in the passes each plan served (eplb.simulate.results.RunResult.prediction_errors)."""
+    return run.prediction_errors(trace.meta.get("domain_change_steps", []), scored_from)
 
 
 def periodic_case(workload: str, interval: int, steps: int, seed: int) -> dict[str, Any]:

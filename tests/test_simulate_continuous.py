@@ -380,3 +380,37 @@ def test_the_initial_full_plan_is_the_first_plan_of_a_run_from_the_trivial_place
     assert start is not None
     given = simulate(trace, parse_runs(["scipy"], "static"), config, initial=start).runs[0]
     assert all(e.experts_moved_across_gpus <= 1 for e in given.events if e.applied)
+
+
+def test_prediction_errors_are_split_by_the_shifts_that_hit_a_plan() -> None:
+    """The summary's no-shift figures and shift-hit count equal a plain loop over the applied
+    plans: a plan is hit when a recorded domain shift lands between its rebalance and the next."""
+    from eplb.workloads import WorkloadConfig, generate
+
+    trace = generate(
+        WorkloadConfig(preset="tiny", num_steps=1200, seed=3, num_domains=3, mean_steps_between_shifts=150)
+    )
+    shifts = list(trace.meta["domain_change_steps"])
+    assert len(shifts) >= 3
+    config = SimulationConfig(
+        eplb=server(ep_size=4, ep_num_redundant_experts=4, eplb_rebalance_num_iterations=50,
+                    eplb_rebalance_mode="continuous", eplb_max_moved_experts=8),
+    )  # fmt: skip
+    result = simulate(trace, parse_runs(["scipy"], "static"), config)
+    run, summary = result.runs[0], result.summaries()[0]
+    events = [e for e in run.events if e.step >= result.scored_from]
+    clean, hit = [], []
+    for i, e in enumerate(events):
+        if not e.applied or e.predicted_balancedness is None or e.realized_balancedness is None:
+            continue
+        stop = events[i + 1].step if i + 1 < len(events) else trace.num_steps
+        error = e.predicted_balancedness - e.realized_balancedness
+        (hit if any(e.step <= s < stop for s in shifts) else clean).append(error)
+    assert clean and hit
+    assert summary["predictions_shift_hit"] == len(hit)
+    assert summary["predictions_checked"] == len(clean) + len(hit)
+    assert summary["prediction_error_no_shift_mean"] == pytest.approx(np.mean(np.abs(clean)))
+    assert summary["prediction_bias_no_shift_mean"] == pytest.approx(np.mean(clean))
+    # No recorded shifts (a recorded trace): every plan counts as not hit.
+    alone = run.prediction_errors([], result.scored_from)
+    assert alone["shift_hit"]["plans"] == 0 and alone["no_shift"]["plans"] == len(clean) + len(hit)

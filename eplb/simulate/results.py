@@ -91,9 +91,49 @@ class RunResult:
         moe = float(self.moe_us_F[scored_from:].sum()) * 1e-6
         return moe + self.dispatch_seconds(scored_from) + float(overhead)
 
-    def summary(self, baseline: RunResult, is_prefill_F: np.ndarray, scored_from: int = 0) -> dict[str, Any]:
+    def prediction_errors(self, shifts: Sequence[int], scored_from: int = 0) -> dict[str, dict[str, Any]]:
+        """predicted − realized balancedness of the plans applied from ``scored_from`` on, split
+        by whether one of ``shifts`` (the trace's ``domain_change_steps``) landed in the passes a
+        plan served (from its rebalance to the next): no window foresees a shift to come, so the
+        plans it hits are reported apart. Per group: ``plans``, ``mean_abs``, ``bias``,
+        ``max_abs`` (None without plans)."""
+        shifts_S = np.asarray(shifts, dtype=np.int64)
+        events = self.scored_events(scored_from)
+        end = self.balancedness_F.size
+        groups: dict[str, list[float]] = {"no_shift": [], "shift_hit": []}
+        for i, e in enumerate(events):
+            if not e.applied or e.predicted_balancedness is None or e.realized_balancedness is None:
+                continue
+            stop = events[i + 1].step if i + 1 < len(events) else end
+            hit = bool(((shifts_S >= e.step) & (shifts_S < stop)).any())
+            groups["shift_hit" if hit else "no_shift"].append(
+                e.predicted_balancedness - e.realized_balancedness
+            )
+        groups["all"] = groups["no_shift"] + groups["shift_hit"]
+
+        def stats(errors: list[float]) -> dict[str, Any]:
+            a = np.asarray(errors, dtype=np.float64)
+            if not a.size:
+                return {"plans": 0, "mean_abs": None, "bias": None, "max_abs": None}
+            return {
+                "plans": int(a.size),
+                "mean_abs": float(np.abs(a).mean()),
+                "bias": float(a.mean()),
+                "max_abs": float(np.abs(a).max()),
+            }
+
+        return {name: stats(errors) for name, errors in groups.items()}
+
+    def summary(
+        self,
+        baseline: RunResult,
+        is_prefill_F: np.ndarray,
+        scored_from: int = 0,
+        shifts: Sequence[int] = (),
+    ) -> dict[str, Any]:
         """Figures over the scored steps (from ``scored_from``), compared with ``baseline``: every
-        count, cost and rate covers only the rebalances made within them (``scored_events``)."""
+        count, cost and rate covers only the rebalances made within them (``scored_events``);
+        ``shifts``: the trace's domain shifts, which split the prediction errors."""
         events = self.scored_events(scored_from)
         applied = [e for e in events if e.applied]
         solve = np.array([e.solve_seconds for e in events], dtype=np.float64)
@@ -104,6 +144,7 @@ class RunResult:
         bytes_moved = int(sum(e.bytes_moved for e in applied))
         pairs = [(e.predicted_balancedness, e.realized_balancedness) for e in applied]
         error = np.array([p - r for p, r in pairs if p is not None and r is not None])
+        split = self.prediction_errors(shifts, scored_from)
         summed = [(e.predicted_balancedness, e.realized_summed_balancedness) for e in applied]
         error_summed = np.array([p - r for p, r in summed if p is not None and r is not None])
         delays = [e.switch_step - e.step for e in applied if e.switch_step is not None]
@@ -141,6 +182,11 @@ class RunResult:
             "prediction_bias_mean": float(error.mean()) if error.size else None,
             "prediction_error_summed_mean": float(np.abs(error_summed).mean()) if error_summed.size else None,
             "predictions_checked": int(error.size),
+            # The same over the plans no domain shift hit, and how many one hit (of the trace's
+            # recorded shifts: a recorded trace has none, so every plan counts as not hit).
+            "prediction_error_no_shift_mean": split["no_shift"]["mean_abs"],
+            "prediction_bias_no_shift_mean": split["no_shift"]["bias"],
+            "predictions_shift_hit": split["shift_hit"]["plans"],
             "solve_seconds_total": float(solve.sum()),
             "solve_seconds_mean": _mean(solve) if solve.size else 0.0,
             "solve_seconds_max": float(solve.max(initial=0.0)),
@@ -192,7 +238,8 @@ class SimulationResult:
     notes: list[str] = field(default_factory=list)
 
     def summaries(self) -> list[dict[str, Any]]:
-        return [run.summary(self.baseline, self.is_prefill_F, self.scored_from) for run in self.runs]
+        shifts = self.trace_meta.get("domain_change_steps", ())
+        return [run.summary(self.baseline, self.is_prefill_F, self.scored_from, shifts) for run in self.runs]
 
     def run(self, name: str) -> RunResult:
         for r in self.runs:
