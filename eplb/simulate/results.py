@@ -142,9 +142,7 @@ class RunResult:
         lp_F = None if self.lp_F is None else self.lp_F[scored_from:]
         total = self.total_seconds(scored_from)
         bytes_moved = int(sum(e.bytes_moved for e in applied))
-        pairs = [(e.predicted_balancedness, e.realized_balancedness) for e in applied]
-        error = np.array([p - r for p, r in pairs if p is not None and r is not None])
-        split = self.prediction_errors(shifts, scored_from)
+        errors = self.prediction_errors(shifts, scored_from)
         summed = [(e.predicted_balancedness, e.realized_summed_balancedness) for e in applied]
         error_summed = np.array([p - r for p, r in summed if p is not None and r is not None])
         delays = [e.switch_step - e.step for e in applied if e.switch_step is not None]
@@ -178,15 +176,15 @@ class RunResult:
             "bytes_moved_per_1000_passes": bytes_moved * 1000.0 / max(bal.size, 1),
             "switch_delay_steps_mean": float(np.mean(delays)) if delays else 0.0,
             # None when no applied plan served a whole window (NaN would not compare equal to itself).
-            "prediction_error_mean": float(np.abs(error).mean()) if error.size else None,
-            "prediction_bias_mean": float(error.mean()) if error.size else None,
+            "prediction_error_mean": errors["all"]["mean_abs"],
+            "prediction_bias_mean": errors["all"]["bias"],
             "prediction_error_summed_mean": float(np.abs(error_summed).mean()) if error_summed.size else None,
-            "predictions_checked": int(error.size),
+            "predictions_checked": errors["all"]["plans"],
             # The same over the plans no domain shift hit, and how many one hit (of the trace's
             # recorded shifts: a recorded trace has none, so every plan counts as not hit).
-            "prediction_error_no_shift_mean": split["no_shift"]["mean_abs"],
-            "prediction_bias_no_shift_mean": split["no_shift"]["bias"],
-            "predictions_shift_hit": split["shift_hit"]["plans"],
+            "prediction_error_no_shift_mean": errors["no_shift"]["mean_abs"],
+            "prediction_bias_no_shift_mean": errors["no_shift"]["bias"],
+            "predictions_shift_hit": errors["shift_hit"]["plans"],
             "solve_seconds_total": float(solve.sum()),
             "solve_seconds_mean": _mean(solve) if solve.size else 0.0,
             "solve_seconds_max": float(solve.max(initial=0.0)),

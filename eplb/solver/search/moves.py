@@ -616,6 +616,7 @@ def best_unstack(state: MoveState, layer: int, weights_Z: np.ndarray) -> Unstack
         for g in np.flatnonzero(holds_GE[:, x] >= 2)
     ]
     before = soft_balancedness(state, layer, weights_Z)
+    plain_prices = state.plain or state.weighted
     best: Unstack | None = None
     for heaviest in (False, True):
         changes: list[tuple[int, int]] = []
@@ -627,9 +628,9 @@ def best_unstack(state: MoveState, layer: int, weights_Z: np.ndarray) -> Unstack
             if np.isnan(score_E).all():
                 break
             y = int(np.nanargmax(score_E) if heaviest else np.nanargmin(score_E))
-            weighted += float(state.weighted.arrive_LGE[layer, g, y] - state.weighted.leave_LGE[layer, g, x])
-            prices = state.plain or state.weighted
-            plain += float(prices.arrive_LGE[layer, g, y] - prices.leave_LGE[layer, g, x])
+            # g keeps a replica of x (it held two or more): nothing is refunded.
+            weighted += float(state.weighted.arrive_LGE[layer, g, y])
+            plain += float(plain_prices.arrive_LGE[layer, g, y])
             apply_replica_change(state, layer, slot, y)
             changes.append((slot, y))
         gain = soft_balancedness(state, layer, weights_Z) - before
